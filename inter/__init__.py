@@ -1,0 +1,1 @@
+"""Everything that crosses sites: peer service, cross-site all-reduce, codecs, strategies."""

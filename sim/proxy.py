@@ -1,0 +1,665 @@
+"""The TCP-proxy backend of the WAN emulator: loopback proxies that behave like long-haul links.
+
+Each connection that crosses an emulated link is accepted by a listener of the
+emulator and forwarded to its real destination. The bytes of each direction go
+through a :class:`Pipe`, which applies that direction's link model:
+
+    read from sender -> pending -> (rate limiters, loss) -> delay line -> write to receiver
+
+* Rate: a shared :class:`~isthmus.sim.token_bucket.TokenBucket` per link direction
+  (and per site uplink, when capped) gives every batch its departure time, so
+  all connections of a link share its bandwidth.
+* Delay and jitter: each batch is delivered at departure + a sampled one-way
+  delay, never before the batch ahead of it (the stream is never reordered).
+* Loss: TCP repairs losses, so a lost segment stalls the stream for a
+  retransmission timeout; the sender's data waits meanwhile.
+* Back-pressure: a connection may have at most ``window_bytes`` in flight
+  (credit returns one reverse delay after delivery, like an ACK), and the
+  link's queue holds at most ``queue_ms`` of its rate. Beyond that the proxy
+  stops reading, so TCP flow control slows the sender and memory stays bounded.
+
+Everything runs on one asyncio loop; reads and writes use asyncio protocols
+(no per-chunk coroutine), the cheapest path asyncio offers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+import random
+import socket
+import struct
+import zlib
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from isthmus.sim.jitter import JitterSampler
+from isthmus.sim.link import DirectionParams, LinkParams, link_changes_to_direction
+from isthmus.sim.loss import SegmentLoss
+from isthmus.sim.token_bucket import TokenBucket
+
+log = logging.getLogger(__name__)
+
+# A pipe stops reading once this much is waiting to enter the link (on top of
+# one read of at most 256 KiB, asyncio's read size).
+PENDING_LIMIT_BYTES = 256 * 1024
+# On a capped link, large reads are cut into batches of about this many
+# seconds of the rate, so the receiver sees a smooth stream, not bursts.
+BATCH_SECONDS = 0.002
+MIN_BATCH_BYTES = 16 * 1024
+# asyncio's timers fire up to ~1 ms late (epoll's millisecond timeout). Bytes
+# due within this slack are delivered now, which centres the error on zero
+# instead of adding half a millisecond to every one-way delay.
+TIMER_SLACK_S = 0.0005
+
+
+@dataclass
+class DirectionCounters:
+    """Counters of one direction of one link, over all its connections."""
+
+    bytes: int = 0
+    """Bytes put on the link (retransmissions after a partition count again)."""
+    segments: int = 0
+    segments_delayed: int = 0
+    """Segments that crossed with a non-zero one-way delay."""
+    lost_segments: int = 0
+    stalls: int = 0
+    """Retransmission stalls caused by lost segments."""
+    corrupted_bytes: int = 0
+    connections: int = 0
+    resets: int = 0
+    """Connections torn down by a reset partition, or refused during one."""
+    disconnects: int = 0
+    """Connections whose sender went away; the other side was closed cleanly."""
+    upstream_failures: int = 0
+    """Connections whose destination could not be reached."""
+
+
+class DirectionRuntime:
+    """One direction of a link while the emulator runs: settings, limiters, RNG, counters."""
+
+    def __init__(
+        self,
+        *,
+        src: str,
+        dst: str,
+        params: DirectionParams,
+        seed: int,
+        egress: TokenBucket | None = None,
+        ingress: TokenBucket | None = None,
+    ) -> None:
+        self.src = src
+        self.dst = dst
+        self.counters = DirectionCounters()
+        self.pipes: set[Pipe] = set()
+        self.blackholed = False
+        # Seeded per direction from the topology seed and the names, so a run
+        # is reproducible and adding a link does not change the others' draws.
+        self._rng = random.Random(zlib.crc32(f"{seed}:{src}->{dst}".encode()))
+        self._bucket = TokenBucket(params.rate_bytes_per_s)
+        self._site_buckets = [b for b in (egress, ingress) if b is not None]
+        self._corrupt_gap = 0
+        self.params = params
+        self._apply(params)
+
+    def _apply(self, params: DirectionParams) -> None:
+        self.params = params
+        self._bucket.set_rate(params.rate_bytes_per_s)
+        self.jitter = JitterSampler(
+            self._rng,
+            delay_ms=params.delay_ms,
+            jitter_ms=params.jitter_ms,
+            distribution=params.jitter_distribution,
+            pareto_shape=params.jitter_pareto_shape,
+        )
+        self.loss = SegmentLoss(
+            self._rng, loss=params.loss, mean_burst_segments=params.loss_burst_segments
+        )
+        self._corrupt_gap = self._next_corrupt_gap()
+        rate = params.rate_bytes_per_s
+        self.batch_bytes = (
+            max(MIN_BATCH_BYTES, int(rate * BATCH_SECONDS)) if rate is not None else None
+        )
+        # What a loss costs: Linux's RTO is srtt + 4 * rttvar, at least min_rto.
+        rtt_s = 2 * params.delay_ms / 1e3
+        self.stall_s = max(params.min_rto_ms / 1e3, rtt_s + 4 * params.jitter_ms / 1e3)
+
+    def update(self, params: DirectionParams) -> None:
+        """Switch to new settings while traffic flows; bytes already scheduled keep their times."""
+        self._apply(params)
+        for pipe in list(self.pipes):
+            pipe.pump()
+
+    @property
+    def buckets(self) -> list[TokenBucket]:
+        return [self._bucket, *self._site_buckets]
+
+    def reserve(self, nbytes: int, now: float) -> float:
+        """Departure time of ``nbytes`` offered at ``now`` (the slowest limiter decides)."""
+        return max(b.reserve(nbytes, now) for b in self.buckets)
+
+    def backlog_s(self, now: float) -> float:
+        return max(b.backlog_s(now) for b in self.buckets)
+
+    def corrupt(self, data: bytes) -> bytes:
+        """Flip one bit in a ``params.corrupt`` fraction of bytes (seeded, reproducible)."""
+        if self.params.corrupt == 0:
+            return data
+        if self._corrupt_gap >= len(data):
+            self._corrupt_gap -= len(data)
+            return data
+        buf = bytearray(data)
+        pos = self._corrupt_gap
+        while pos < len(buf):
+            buf[pos] ^= 1 << self._rng.randrange(8)
+            self.counters.corrupted_bytes += 1
+            pos += self._next_corrupt_gap() + 1
+        self._corrupt_gap = pos - len(buf)
+        return bytes(buf)
+
+    def _next_corrupt_gap(self) -> int:
+        rate = self.params.corrupt
+        if rate <= 0:
+            return 0
+        if rate >= 1:
+            return 0
+        u = 1.0 - self._rng.random()
+        return int(math.log(u) / math.log1p(-rate))
+
+    def queued_bytes(self) -> int:
+        return sum(p.queued_bytes for p in self.pipes)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **dataclasses.asdict(self.counters),
+            "active_connections": len({p.connection for p in self.pipes}),
+            "queued_bytes": self.queued_bytes(),
+            "blackholed": self.blackholed,
+        }
+
+
+class Pipe:
+    """One direction of one proxied connection, shaped by a :class:`DirectionRuntime`."""
+
+    def __init__(
+        self,
+        connection: ProxiedConnection,
+        direction: DirectionRuntime,
+        reverse: DirectionRuntime,
+    ) -> None:
+        self.connection = connection
+        self.direction = direction
+        self.reverse = reverse
+        self.loop = connection.loop
+        self.src: asyncio.Transport | None = None
+        self.dst: asyncio.Transport | None = None
+        self._pending: deque[bytes] = deque()
+        self._pending_bytes = 0
+        self._line: deque[tuple[float, bytes]] = deque()
+        self._line_bytes = 0
+        self._unacked = 0
+        self._stall_until = 0.0
+        self._last_deliver = 0.0
+        self._pump_timer: asyncio.TimerHandle | None = None
+        self._deliver_timer: asyncio.TimerHandle | None = None
+        self._dst_paused = False
+        self._reading_paused = False
+        self._eof = False
+        self._done = False
+        direction.pipes.add(self)
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes read from the sender and not yet delivered to the receiver."""
+        return self._pending_bytes + self._line_bytes
+
+    # -- input ---------------------------------------------------------------
+    def feed(self, data: bytes) -> None:
+        if self._done:
+            return
+        self._pending.append(data)
+        self._pending_bytes += len(data)
+        self.pump()
+
+    def feed_eof(self) -> None:
+        self._eof = True
+        self._maybe_finish()
+
+    # -- onto the link --------------------------------------------------------
+    def pump(self) -> None:
+        """Move pending bytes onto the link as far as rate, queue, stalls and cuts allow."""
+        if self._pump_timer is not None:
+            self._pump_timer.cancel()
+            self._pump_timer = None
+        d = self.direction
+        now = self.loop.time()
+        queue_s = d.params.queue_ms / 1e3
+        while self._pending and not self._done:
+            if d.blackholed:
+                break
+            if now < self._stall_until:
+                self._arm_pump(self._stall_until)
+                break
+            backlog = d.backlog_s(now)
+            if backlog > queue_s:
+                self._arm_pump(now + backlog - queue_s)
+                break
+            piece = self._take_pending(d.batch_bytes)
+            self._transmit(piece, now)
+        self._update_reading()
+
+    def _take_pending(self, limit: int | None) -> bytes:
+        head = self._pending.popleft()
+        if limit is not None and len(head) > limit:
+            self._pending.appendleft(head[limit:])
+            head = head[:limit]
+        self._pending_bytes -= len(head)
+        return head
+
+    def _transmit(self, piece: bytes, now: float) -> None:
+        d = self.direction
+        c = d.counters
+        depart = d.reserve(len(piece), now)
+        deliver = depart + d.jitter.sample_s()
+        segments = -(-len(piece) // d.params.mss_bytes)
+        lost = d.loss.lost_in(segments)
+        if lost:
+            # The retransmission of the lost segment arrives one RTO later; the
+            # stream (TCP delivers in order) and the sender both wait for it.
+            c.lost_segments += lost
+            c.stalls += 1
+            self._stall_until = depart + d.stall_s
+            deliver = max(deliver, self._stall_until + d.params.delay_ms / 1e3)
+        deliver = max(deliver, self._last_deliver)
+        self._last_deliver = deliver
+        c.bytes += len(piece)
+        c.segments += segments
+        if d.params.delay_ms > 0 or d.params.jitter_ms > 0:
+            c.segments_delayed += segments
+        piece = d.corrupt(piece)
+        self._line.append((deliver, piece))
+        self._line_bytes += len(piece)
+        if self._deliver_timer is None:
+            self._arm_deliver()
+
+    def _arm_pump(self, when: float) -> None:
+        self._pump_timer = self.loop.call_at(when, self.pump)
+
+    # -- off the link ---------------------------------------------------------
+    def _arm_deliver(self) -> None:
+        if self._line and not self._dst_paused and self.dst is not None:
+            self._deliver_timer = self.loop.call_at(
+                self._line[0][0] - TIMER_SLACK_S, self._deliver
+            )
+
+    def _deliver(self) -> None:
+        self._deliver_timer = None
+        if self._done or self.dst is None:
+            return
+        horizon = self.loop.time() + TIMER_SLACK_S
+        out: list[bytes] = []
+        while self._line and self._line[0][0] <= horizon:
+            out.append(self._line.popleft()[1])
+        if out:
+            data = out[0] if len(out) == 1 else b"".join(out)
+            self._line_bytes -= len(data)
+            self._unacked += len(data)
+            self.dst.write(data)
+            # The window credit returns when the receiver's ACK has crossed back.
+            ack_delay = self.reverse.params.delay_ms / 1e3
+            if ack_delay > 0:
+                self.loop.call_later(ack_delay, self._ack, len(data))
+            else:
+                self._ack(len(data))
+        self._arm_deliver()
+        self._maybe_finish()
+
+    def _ack(self, nbytes: int) -> None:
+        self._unacked -= nbytes
+        self._update_reading()
+
+    def attach_destination(self, transport: asyncio.Transport) -> None:
+        self.dst = transport
+        if self._deliver_timer is None:
+            self._arm_deliver()
+
+    def pause_writing(self) -> None:
+        """The receiver's socket buffer is full: hold deliveries (the window fills up)."""
+        self._dst_paused = True
+        if self._deliver_timer is not None:
+            self._deliver_timer.cancel()
+            self._deliver_timer = None
+
+    def resume_writing(self) -> None:
+        self._dst_paused = False
+        if self._deliver_timer is None:
+            self._arm_deliver()
+
+    def _update_reading(self) -> None:
+        if self.src is None or self._done:
+            return
+        in_window = self._pending_bytes + self._line_bytes + self._unacked
+        full = (
+            in_window >= self.direction.params.window_bytes
+            or self._pending_bytes >= PENDING_LIMIT_BYTES
+        )
+        if full and not self._reading_paused:
+            self._reading_paused = True
+            self.src.pause_reading()
+        elif not full and self._reading_paused:
+            self._reading_paused = False
+            with contextlib.suppress(RuntimeError):  # transport closing
+                self.src.resume_reading()
+
+    # -- partitions -------------------------------------------------------------
+    def blackhole(self) -> None:
+        """Bytes on the wire are lost in a cut; TCP will send them again after it heals."""
+        if self._deliver_timer is not None:
+            self._deliver_timer.cancel()
+            self._deliver_timer = None
+        for _, piece in reversed(self._line):
+            self._pending.appendleft(piece)
+            self._pending_bytes += len(piece)
+        self._line.clear()
+        self._line_bytes = 0
+        self._last_deliver = 0.0
+
+    # -- end of stream ------------------------------------------------------------
+    def _maybe_finish(self) -> None:
+        if self._eof and not self._done and not self._pending and not self._line:
+            self._done = True
+            self.connection.pipe_finished(self)
+
+    def close(self) -> None:
+        """Stop for good: timers cancelled, undelivered bytes dropped."""
+        self._done = True
+        for timer in (self._pump_timer, self._deliver_timer):
+            if timer is not None:
+                timer.cancel()
+        self._pending.clear()
+        self._line.clear()
+        self._pending_bytes = self._line_bytes = 0
+        self.direction.pipes.discard(self)
+
+
+class _Side(asyncio.Protocol):
+    """The asyncio protocol of one end of a proxied connection (client or upstream)."""
+
+    def __init__(self, connection: ProxiedConnection, name: str) -> None:
+        self.connection = connection
+        self.name = name
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.connection.side_made(self)
+
+    def data_received(self, data: bytes) -> None:
+        self.connection.outgoing(self).feed(data)
+
+    def eof_received(self) -> bool:
+        self.connection.outgoing(self).feed_eof()
+        return True  # keep our write side open until the other direction is done
+
+    def pause_writing(self) -> None:
+        self.connection.incoming(self).pause_writing()
+
+    def resume_writing(self) -> None:
+        self.connection.incoming(self).resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.connection.side_lost(self, exc)
+
+
+class ProxiedConnection:
+    """A client connection on one site and its upstream connection on the other."""
+
+    def __init__(self, link: LinkRuntime, forward: DirectionRuntime, upstream: tuple[str, int]):
+        self.loop = asyncio.get_running_loop()
+        self.link = link
+        self.upstream_address = upstream
+        reverse = link.other(forward)
+        self.client = _Side(self, "client")
+        self.server = _Side(self, "upstream")
+        self.to_server = Pipe(self, forward, reverse)
+        self.to_client = Pipe(self, reverse, forward)
+        self._closed = False
+        self._connect_task: asyncio.Task[None] | None = None
+        forward.counters.connections += 1
+        link.connections.add(self)
+
+    def outgoing(self, side: _Side) -> Pipe:
+        return self.to_server if side is self.client else self.to_client
+
+    def incoming(self, side: _Side) -> Pipe:
+        return self.to_client if side is self.client else self.to_server
+
+    def side_made(self, side: _Side) -> None:
+        assert side.transport is not None
+        self.outgoing(side).src = side.transport
+        self.incoming(side).attach_destination(side.transport)
+        if side is self.client:
+            self.connect_upstream()
+
+    def connect_upstream(self) -> None:
+        """Open the real connection, one one-way delay later (the SYN crosses the link)."""
+        if self._closed or self._connect_task is not None:
+            return
+        if self.to_server.direction.blackholed:
+            return  # a SYN into a black hole: LinkRuntime.heal() calls us again
+        self._connect_task = asyncio.ensure_future(self._connect())
+
+    async def _connect(self) -> None:
+        await asyncio.sleep(self.to_server.direction.params.delay_ms / 1e3)
+        host, port = self.upstream_address
+        try:
+            await self.loop.create_connection(lambda: self.server, host, port)
+        except OSError as exc:
+            self.to_server.direction.counters.upstream_failures += 1
+            log.warning(
+                "link %s: upstream %s:%s unreachable (%s); closed the client connection",
+                self.link.name, host, port, exc.strerror or exc,
+            )
+            self.reset()
+
+    def pipe_finished(self, pipe: Pipe) -> None:
+        """A direction delivered everything up to its sender's EOF: pass the EOF on."""
+        dst = pipe.dst
+        if dst is not None and not dst.is_closing():
+            if dst.can_write_eof():
+                with contextlib.suppress(OSError, RuntimeError):
+                    dst.write_eof()
+            else:
+                dst.close()
+        if self.to_server.done and self.to_client.done:
+            self.close()
+
+    def side_lost(self, side: _Side, exc: Exception | None) -> None:
+        if self._closed:
+            return
+        # Nothing can reach that side anymore; what it already sent still
+        # crosses, and then the other side is closed cleanly.
+        self.incoming(side).close()
+        outgoing = self.outgoing(side)
+        if exc is not None:
+            outgoing.direction.counters.disconnects += 1
+        outgoing.feed_eof()
+        if self.to_server.done and self.to_client.done:
+            self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for pipe in (self.to_server, self.to_client):
+            pipe.close()
+        for side in (self.client, self.server):
+            if side.transport is not None and not side.transport.is_closing():
+                side.transport.close()
+        if self._connect_task is not None:
+            self._connect_task.cancel()
+        self.link.connections.discard(self)
+
+    def reset(self) -> None:
+        """Tear down both ends with a TCP RST, as a reset partition does."""
+        for side in (self.client, self.server):
+            if side.transport is not None:
+                _abort_with_rst(side.transport)
+        self.close()
+
+
+def _abort_with_rst(transport: asyncio.Transport) -> None:
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            # Linger 0: close() sends RST instead of FIN.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+
+
+class LinkRuntime:
+    """A running link between sites ``a`` and ``b``: both directions and its controls."""
+
+    def __init__(
+        self,
+        a: str,
+        b: str,
+        params: LinkParams,
+        *,
+        seed: int,
+        site_buckets: dict[str, tuple[TokenBucket | None, TokenBucket | None]],
+    ) -> None:
+        self.a, self.b = a, b
+        self.name = f"{a}<->{b}"
+        eg_a, in_a = site_buckets.get(a, (None, None))
+        eg_b, in_b = site_buckets.get(b, (None, None))
+        self.a_to_b = DirectionRuntime(
+            src=a, dst=b, params=params.a_to_b, seed=seed, egress=eg_a, ingress=in_b
+        )
+        self.b_to_a = DirectionRuntime(
+            src=b, dst=a, params=params.b_to_a, seed=seed, egress=eg_b, ingress=in_a
+        )
+        self.connections: set[ProxiedConnection] = set()
+        self.reset_mode = False
+        self.events: list[tuple[float, str]] = []
+
+    def direction(self, src: str) -> DirectionRuntime:
+        if src == self.a:
+            return self.a_to_b
+        if src == self.b:
+            return self.b_to_a
+        raise KeyError(f"site {src!r} is not an end of link {self.name}")
+
+    def other(self, direction: DirectionRuntime) -> DirectionRuntime:
+        return self.b_to_a if direction is self.a_to_b else self.a_to_b
+
+    @property
+    def params(self) -> LinkParams:
+        return LinkParams(self.a_to_b.params, self.b_to_a.params)
+
+    @property
+    def state(self) -> str:
+        if self.reset_mode:
+            return "reset"
+        return "blackhole" if self.a_to_b.blackholed else "up"
+
+    def update(self, *, source: str | None = None, **changes: Any) -> None:
+        """Change settings while traffic flows (both directions, or those leaving ``source``).
+
+        Link-level names are accepted (``rtt_ms`` sets each direction's delay to rtt / 2).
+        Raises :class:`~isthmus.sim.link.LinkConfigError` and changes nothing if any is invalid.
+        """
+        changes = link_changes_to_direction(changes)
+        targets = [self.direction(source)] if source else [self.a_to_b, self.b_to_a]
+        new = [t.params.replace(**changes) for t in targets]  # validate all first
+        for target, params in zip(targets, new, strict=True):
+            target.update(params)
+        self._event(f"set {changes}" + (f" from {source}" if source else ""))
+
+    def cut(self, mode: str = "blackhole") -> None:
+        """Partition the link. blackhole: bytes stop and connections hang; reset: torn down."""
+        if mode not in ("blackhole", "reset"):
+            raise ValueError(f"unknown partition mode {mode!r}; use blackhole or reset")
+        for d in (self.a_to_b, self.b_to_a):
+            d.blackholed = True
+            for pipe in list(d.pipes):
+                pipe.blackhole()
+        if mode == "reset":
+            self.reset_mode = True
+            for conn in list(self.connections):
+                conn.to_server.direction.counters.resets += 1
+                conn.reset()
+        self._event(f"cut ({mode})")
+
+    def heal(self) -> None:
+        """End a partition: held bytes flow again and waiting connections are opened."""
+        self.reset_mode = False
+        for d in (self.a_to_b, self.b_to_a):
+            d.blackholed = False
+        for conn in list(self.connections):
+            conn.connect_upstream()
+        for d in (self.a_to_b, self.b_to_a):
+            for pipe in list(d.pipes):
+                pipe.pump()
+        self._event("heal")
+
+    def _event(self, what: str) -> None:
+        self.events.append((asyncio.get_running_loop().time(), what))
+        log.info("link %s: %s", self.name, what)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "between": [self.a, self.b],
+            "state": self.state,
+            "rtt_ms": self.params.rtt_ms,
+            f"{self.a}->{self.b}": self.a_to_b.stats(),
+            f"{self.b}->{self.a}": self.b_to_a.stats(),
+        }
+
+
+class Listener:
+    """Accepts connections from site ``src`` meant for rank ``rank`` of site ``dst``."""
+
+    def __init__(self, link: LinkRuntime, src: str, upstream: tuple[str, int]) -> None:
+        self.link = link
+        self.forward = link.direction(src)
+        self.upstream = upstream
+        self.server: asyncio.Server | None = None
+
+    async def start(self, host: str, port: int) -> tuple[str, int]:
+        loop = asyncio.get_running_loop()
+        self.server = await loop.create_server(self._accept, host, port, reuse_address=True)
+        sockname = self.server.sockets[0].getsockname()
+        return sockname[0], sockname[1]
+
+    def _accept(self) -> asyncio.Protocol:
+        if self.link.reset_mode:
+            self.forward.counters.resets += 1
+            return _Refuse()
+        return ProxiedConnection(self.link, self.forward, self.upstream).client
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+
+class _Refuse(asyncio.Protocol):
+    """During a reset partition, a new connection is answered with a RST."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        _abort_with_rst(transport)
