@@ -1,0 +1,36 @@
+"""``isthmus bench ...``: benchmarks that print the figures the issues' targets name."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from isthmus.deploy.cli import UsageError, add_command
+
+
+def register(commands: Any) -> None:
+    bench = commands.add_parser("bench", help="measure Isthmus on this machine")
+    kinds = bench.add_subparsers(dest="kind", metavar="BENCHMARK", parser_class=type(bench))
+    kinds.required = True
+    wan = add_command(
+        kinds, "wan", _wan,
+        help="throughput, added RTT, jitter and memory of the emulated links",
+        description="Runs 'isthmus wan proxy' as a separate process and measures what "
+        "traffic through it sees, against the targets of the emulator.",
+    )
+    wan.add_argument("--json", action="store_true", help="print the results as JSON")
+    wan.add_argument("--repeats", type=int, default=3, help="runs per throughput point (median)")
+    wan.add_argument("--seconds", type=float, default=2.0, help="length of each throughput run")
+
+
+def _wan(args: argparse.Namespace) -> int:
+    from isthmus.deploy.bench_wan import format_report, run_wan_bench
+
+    if args.repeats < 1:
+        raise UsageError(f"--repeats: must be >= 1, got {args.repeats}")
+    if args.seconds <= 0:
+        raise UsageError(f"--seconds: must be > 0, got {args.seconds}")
+    results = run_wan_bench(repeats=args.repeats, seconds=args.seconds, verbose=not args.json)
+    print(json.dumps(results, indent=2) if args.json else format_report(results))
+    return 0

@@ -1,0 +1,217 @@
+"""The WAN emulator benchmark behind ``isthmus bench wan``.
+
+Each point starts ``isthmus wan proxy`` as its own process (as a user would),
+drives traffic through it from this process with :mod:`isthmus.sim.probe`, and
+stops it. Targets (from the emulator's issue):
+
+* throughput at caps from 10 Mbit/s to 1 Gbit/s within +-5 % of the cap;
+  uncapped, >= 300 MB/s through the proxy on loopback;
+* added RTT within +-(1 ms + 2 %) of the configured RTT;
+* the standard deviation of the one-way delay within 10 % of the configured jitter;
+* memory of a link under a full-speed sender about bandwidth x delay plus a fixed buffer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from isthmus.deploy.jobfile import free_ports
+from isthmus.sim.probe import (
+    ProbeServer,
+    measure_one_way_ms,
+    measure_rtt_ms,
+    measure_throughput,
+)
+
+CAPS_MBIT = (10, 100, 500, 1000)
+RTTS_MS = (10, 50, 150)
+JITTERS = (("normal", 5.0), ("uniform", 5.0), ("pareto", 2.0))
+PARETO_SHAPE = 3.0
+
+
+@contextmanager
+def proxy_process(upstream: tuple[str, int], *flags: str) -> Iterator[tuple[tuple[str, int], int]]:
+    """Run ``isthmus wan proxy`` until the block ends; yield (listen address, pid)."""
+    (host, port), = free_ports("127.0.0.1", 1)
+    cmd = [
+        sys.executable, "-m", "isthmus", "wan", "proxy",
+        "--listen", f"{host}:{port}", "--connect", f"{upstream[0]}:{upstream[1]}", *flags,
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line.startswith("ready"):
+            proc.kill()
+            raise RuntimeError(f"wan proxy did not start: {line}{proc.stderr.read() if proc.stderr else ''}")
+        yield (host, port), proc.pid
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _rss_kib(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not found for pid {pid}")
+
+
+def _progress(verbose: bool, text: str) -> None:
+    if verbose:
+        print(f"bench wan: {text}", file=sys.stderr, flush=True)
+
+
+def run_wan_bench(*, repeats: int = 3, seconds: float = 2.0, verbose: bool = True) -> dict[str, Any]:
+    results: dict[str, Any] = {"machine": {"cpus": os.cpu_count()}}
+    with ProbeServer() as server:
+        up = server.address
+
+        throughput = []
+        for cap in CAPS_MBIT:
+            _progress(verbose, f"throughput at {cap} Mbit/s ({repeats} x {seconds:g} s)")
+            runs = []
+            for _ in range(repeats):
+                with proxy_process(up, "--bandwidth-mbit", str(cap), "--rtt-ms", "10") as (addr, _):
+                    runs.append(measure_throughput(addr, seconds=seconds).mbit_per_s)
+            median = statistics.median(runs)
+            error = (median - cap) / cap
+            throughput.append({
+                "cap_mbit": cap, "median_mbit": round(median, 2), "runs_mbit": [round(r, 2) for r in runs],
+                "error": round(error, 4), "target": "within 5%", "ok": abs(error) <= 0.05,
+            })
+        results["throughput"] = throughput
+
+        _progress(verbose, f"uncapped throughput ({repeats} x {seconds:g} s)")
+        runs = []
+        for _ in range(repeats):
+            with proxy_process(up) as (addr, _):
+                runs.append(measure_throughput(addr, seconds=seconds).mbyte_per_s)
+        direct = measure_throughput(up, seconds=seconds).mbyte_per_s
+        results["uncapped"] = {
+            "median_mbyte_per_s": round(statistics.median(runs), 1),
+            "runs_mbyte_per_s": [round(r, 1) for r in runs],
+            "direct_mbyte_per_s": round(direct, 1),
+            "target": ">= 300 MB/s",
+            "ok": statistics.median(runs) >= 300,
+        }
+
+        _progress(verbose, "round-trip time")
+        base = statistics.median(measure_rtt_ms(up, count=50))
+        rtt_rows = []
+        for rtt in RTTS_MS:
+            with proxy_process(up, "--rtt-ms", str(rtt)) as (addr, _):
+                samples = measure_rtt_ms(addr, count=40, interval_s=0.005)
+            added = statistics.median(samples) - base
+            tolerance = 1.0 + 0.02 * rtt
+            rtt_rows.append({
+                "configured_ms": rtt, "median_added_ms": round(added, 3),
+                "error_ms": round(added - rtt, 3), "tolerance_ms": round(tolerance, 3),
+                "ok": abs(added - rtt) <= tolerance,
+            })
+        results["rtt"] = {"direct_median_ms": round(base, 3), "points": rtt_rows}
+
+        jitter_rows = []
+        for distribution, jitter in JITTERS:
+            _progress(verbose, f"jitter ({distribution}, {jitter:g} ms)")
+            with proxy_process(
+                up, "--rtt-ms", "50", "--jitter-ms", str(jitter),
+                "--jitter-distribution", distribution,
+            ) as (addr, _):
+                delays = measure_one_way_ms(addr, count=250, interval_s=0.02)
+            expected = jitter
+            if distribution == "pareto":
+                a = PARETO_SHAPE
+                expected = jitter * math.sqrt(a / ((a - 1) ** 2 * (a - 2)))
+            sd = statistics.stdev(delays)
+            jitter_rows.append({
+                "distribution": distribution, "jitter_ms": jitter,
+                "expected_stdev_ms": round(expected, 3), "measured_stdev_ms": round(sd, 3),
+                "error": round((sd - expected) / expected, 4),
+                "ok": abs(sd - expected) <= 0.10 * expected,
+                "samples": len(delays),
+            })
+        results["jitter"] = jitter_rows
+
+        memory_rows = []
+        for cap, rtt in ((1000, 50), (100, 150), (None, 50)):
+            label = f"{cap} Mbit/s" if cap else "uncapped"
+            _progress(verbose, f"memory under a full-speed sender ({label}, {rtt} ms)")
+            flags = ["--rtt-ms", str(rtt)] + (["--bandwidth-mbit", str(cap)] if cap else [])
+            with proxy_process(up, *flags) as (addr, pid):
+                idle = _rss_kib(pid, "VmRSS")
+                measure_throughput(addr, seconds=max(seconds, 2.0))
+                peak = _rss_kib(pid, "VmHWM")
+            one_way_s = rtt / 2e3
+            queue_s = 0.025
+            window = 16 * 1024 * 1024
+            if cap:
+                in_flight = cap * 1e6 / 8 * (one_way_s + queue_s)
+            else:
+                in_flight = window
+            memory_rows.append({
+                "bandwidth_mbit": cap, "rtt_ms": rtt,
+                "idle_rss_mib": round(idle / 1024, 1),
+                "peak_rss_mib": round(peak / 1024, 1),
+                "growth_mib": round((peak - idle) / 1024, 1),
+                "bound_in_flight_mib": round(in_flight / 2**20, 1),
+            })
+        results["memory"] = memory_rows
+    results["ok"] = all(
+        row["ok"] for row in [*results["throughput"], results["uncapped"], *rtt_rows, *jitter_rows]
+    )
+    return results
+
+
+def format_report(r: dict[str, Any]) -> str:
+    def mark(ok: bool) -> str:
+        return "ok" if ok else "MISS"
+
+    out = ["throughput (target: within 5% of the cap; median of runs)"]
+    out.append("  cap Mbit/s   measured Mbit/s   error    ")
+    for row in r["throughput"]:
+        out.append(
+            f"  {row['cap_mbit']:>10}   {row['median_mbit']:>15.2f}   {row['error']:+7.2%}  {mark(row['ok'])}"
+        )
+    u = r["uncapped"]
+    out.append(
+        f"uncapped through the proxy: {u['median_mbyte_per_s']:.0f} MB/s "
+        f"(direct, no proxy: {u['direct_mbyte_per_s']:.0f} MB/s; target >= 300)  {mark(u['ok'])}"
+    )
+    out.append(
+        f"added round-trip time (target: within 1 ms + 2%; direct RTT {r['rtt']['direct_median_ms']:.3f} ms)"
+    )
+    for row in r["rtt"]["points"]:
+        out.append(
+            f"  configured {row['configured_ms']:>4} ms: added {row['median_added_ms']:8.3f} ms "
+            f"(error {row['error_ms']:+.3f}, allowed +-{row['tolerance_ms']:.2f})  {mark(row['ok'])}"
+        )
+    out.append("one-way delay jitter (target: standard deviation within 10%)")
+    for row in r["jitter"]:
+        out.append(
+            f"  {row['distribution']:>8} {row['jitter_ms']:g} ms: stdev {row['measured_stdev_ms']:.3f} ms "
+            f"(expected {row['expected_stdev_ms']:.3f}, {row['error']:+.1%})  {mark(row['ok'])}"
+        )
+    out.append("memory of the proxy process under a full-speed sender")
+    for row in r["memory"]:
+        label = f"{row['bandwidth_mbit']} Mbit/s" if row["bandwidth_mbit"] else "uncapped"
+        out.append(
+            f"  {label:>12}, {row['rtt_ms']} ms RTT: peak RSS {row['peak_rss_mib']} MiB, growth "
+            f"{row['growth_mib']} MiB (bytes in flight bound {row['bound_in_flight_mib']} MiB)"
+        )
+    out.append("all targets met" if r["ok"] else "some targets MISSED")
+    return "\n".join(out)

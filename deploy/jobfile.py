@@ -1,0 +1,554 @@
+"""The job file: one YAML document that describes a multi-site training job.
+
+It is read once, validated completely, and every problem is reported together,
+each as ``FILE:LINE: field.path: what is wrong (the fix)``. Nothing starts
+from a job file with an error. The schema is documented in docs/job-file.md.
+
+Shape (every section but ``name`` and ``sites`` is optional)::
+
+    name: demo
+    seed: 0
+    sites:
+      - {name: us-east, ranks: 2, address: 127.0.0.1:7100, advertise: 203.0.113.7:7100}
+      - {name: eu-west, ranks: 1, uplink_mbit: 400}
+    wan:
+      default: {rtt_ms: 80, bandwidth_mbit: 1000}        # or {preset: transatlantic}
+      links:
+        - {between: [us-east, eu-west], rtt_ms: 75, jitter_ms: 2, loss: 0.001}
+      faults:
+        - {at_s: 30, link: [us-east, eu-west], action: partition, for_s: 10}
+    train: {strategy: diloco, steps: 600, sync_every: 50, codec: int8}
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from isthmus.inter.settings import SETTING_NAMES, SettingError, TrainSettings
+from isthmus.sim.link import (
+    DIRECTION_FIELDS,
+    LINK_FIELDS,
+    DirectionParams,
+    LinkConfigError,
+    LinkParams,
+    link_changes_to_direction,
+)
+from isthmus.sim.presets import PRESETS
+from isthmus.sim.topology import Fault, Site, Topology, validate_fault
+
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+TOP_LEVEL_KEYS = ("name", "seed", "sites", "wan", "train")
+SITE_KEYS = ("name", "ranks", "address", "advertise", "uplink_mbit")
+WAN_KEYS = ("default", "links", "faults")
+FAULT_KEYS = ("at_s", "link", "action", "for_s", "mode", "period_s", "down_s", "rate", "changes")
+
+
+class JobFileError(ValueError):
+    """Every problem found in a job file, each naming its field, line and fix."""
+
+    def __init__(self, source: str, problems: list[tuple[str, int | None, str]]) -> None:
+        self.source = source
+        self.problems = problems
+        super().__init__("\n".join(self.lines()))
+
+    def lines(self) -> list[str]:
+        out = []
+        for path, line, message in self.problems:
+            where = f"{self.source}:{line}" if line else self.source
+            out.append(f"{where}: {path}: {message}" if path else f"{where}: {message}")
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class SiteSpec:
+    """One site of the job."""
+
+    name: str
+    ranks: int = 1
+    address: tuple[str, int] | None = None
+    """Where rank 0's peer service listens; rank r listens on port + r."""
+    advertise: tuple[str, int] | None = None
+    """The address peers dial (NAT, load balancer); rank r is port + r. Default: address."""
+    uplink_mbit: float | None = None
+    """Emulation only: cap on the site's total WAN egress, and on its ingress."""
+
+    def listen_addresses(self) -> list[tuple[str, int]] | None:
+        if self.address is None:
+            return None
+        host, port = self.address
+        return [(host, port + r) for r in range(self.ranks)]
+
+    def dial_addresses(self) -> list[tuple[str, int]] | None:
+        """Where peers reach each rank without emulation."""
+        base = self.advertise or self.address
+        if base is None:
+            return None
+        host, port = base
+        return [(host, port + r) for r in range(self.ranks)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class WanSpec:
+    """Emulated links: a default for every pair, overrides, and a fault schedule."""
+
+    default: LinkParams
+    overrides: dict[frozenset[str], tuple[tuple[str, str], LinkParams]] = field(
+        default_factory=dict
+    )
+    faults: tuple[Fault, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """A validated job file."""
+
+    name: str
+    sites: tuple[SiteSpec, ...]
+    train: TrainSettings
+    wan: WanSpec | None = None
+    seed: int = 0
+    source: str = "<job>"
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def site(self, name: str) -> SiteSpec:
+        for site in self.sites:
+            if site.name == name:
+                return site
+        raise KeyError(f"no site {name!r} in job {self.name!r}; sites: {self.site_names()}")
+
+    def site_names(self) -> str:
+        return ", ".join(s.name for s in self.sites)
+
+    def topology(self, listen: dict[str, list[tuple[str, int]]]) -> Topology:
+        """The emulated topology, with ``listen[site]`` the real address of each rank."""
+        wan = self.wan or WanSpec(default=LinkParams())
+        sites = [
+            Site(name=s.name, listen=tuple(listen[s.name]), uplink_mbit=s.uplink_mbit)
+            for s in self.sites
+        ]
+        return Topology.full_mesh(
+            sites, default=wan.default, overrides=wan.overrides, faults=wan.faults, seed=self.seed
+        )
+
+    def rank_addresses(self, host: str = "127.0.0.1") -> dict[str, list[tuple[str, int]]]:
+        """Where every rank listens: the job file's address, or a free port on ``host``."""
+        return {s.name: s.listen_addresses() or free_ports(host, s.ranks) for s in self.sites}
+
+
+def free_ports(host: str, count: int) -> list[tuple[str, int]]:
+    """``count`` ports the OS reports free on ``host`` right now."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+            sock.bind((host, 0))
+            sockets.append(sock)
+        return [(host, s.getsockname()[1]) for s in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def load_job(path: str | Path) -> Job:
+    """Read and validate a job file; raise :class:`JobFileError` listing every problem."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise JobFileError(str(path), [("", None, "file not found; check the path")]) from None
+    except OSError as exc:
+        raise JobFileError(str(path), [("", None, f"cannot read: {exc.strerror}")]) from None
+    return parse_job(text, source=str(path))
+
+
+def parse_job(text: str, *, source: str = "<job>") -> Job:
+    try:
+        data = yaml.safe_load(text)
+        lines = _line_map(yaml.compose(text))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise JobFileError(source, [("", line, f"not valid YAML: {problem}")]) from None
+    return _Validator(source, lines).job(data)
+
+
+def _line_map(node: yaml.Node | None, path: str = "") -> dict[str, int]:
+    """Map every field path (``sites[1].ranks``) to the 1-based line where it appears."""
+    out: dict[str, int] = {}
+    if node is None:
+        return out
+    out[path] = node.start_mark.line + 1
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            child = f"{path}.{key.value}" if path else str(key.value)
+            out.update(_line_map(value, child))
+            out[child] = key.start_mark.line + 1
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            out.update(_line_map(item, f"{path}[{i}]"))
+    return out
+
+
+class _Validator:
+    """Walks the parsed YAML, collecting every problem instead of stopping at the first."""
+
+    def __init__(self, source: str, lines: dict[str, int]) -> None:
+        self.source = source
+        self.lines = lines
+        self.problems: list[tuple[str, int | None, str]] = []
+        self.named_sites: list[str] = []
+
+    def fail(self, path: str, message: str) -> None:
+        line = self.lines.get(path)
+        probe = path
+        while line is None and probe:
+            probe = re.sub(r"(\.[^.\[]*|\[\d+\])$", "", probe)
+            line = self.lines.get(probe)
+        self.problems.append((path, line, message))
+
+    def mapping(self, value: Any, path: str, allowed: tuple[str, ...]) -> dict[str, Any] | None:
+        what = path or "the job file"
+        if not isinstance(value, dict):
+            self.fail(path, f"{what} must be a mapping of keys to values, got {_kind(value)}")
+            return None
+        for key in value:
+            if key not in allowed:
+                self.fail(_join(path, str(key)), _unknown(str(key), allowed))
+        return value
+
+    # -- top level ------------------------------------------------------------------
+    def job(self, data: Any) -> Job:
+        if data is None:
+            raise JobFileError(self.source, [("", None, "the file is empty; see docs/job-file.md")])
+        data = self.mapping(data, "", TOP_LEVEL_KEYS)
+        if data is None:
+            raise JobFileError(self.source, self.problems)
+        name = data.get("name")
+        if name is None:
+            self.fail("", "missing 'name': give the job a name, e.g. name: demo")
+        elif not (isinstance(name, str) and NAME_PATTERN.match(name)):
+            self.fail("name", _bad_name(name))
+        seed = data.get("seed", 0)
+        if not (isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0):
+            self.fail("seed", f"must be an integer >= 0, got {seed!r}")
+        sites = self.sites(data.get("sites"))
+        # Links may name a site whose own entry has an error: that is reported
+        # once, at the site, not again at every link that names it.
+        names = self.named_sites
+        wan = self.wan(data["wan"], names) if data.get("wan") is not None else None
+        train = self.train(data.get("train") or {})
+        if self.problems:
+            raise JobFileError(self.source, self.problems)
+        assert train is not None
+        return Job(
+            name=name, sites=tuple(sites), train=train, wan=wan, seed=seed,
+            source=self.source, raw=data,
+        )
+
+    # -- sites -------------------------------------------------------------------------
+    def sites(self, value: Any) -> list[SiteSpec]:
+        if value is None:
+            self.fail("", "missing 'sites': list at least one site, e.g. sites: [{name: a}]")
+            return []
+        if not isinstance(value, list) or not value:
+            self.fail("sites", f"must be a non-empty list of sites, got {_kind(value)}")
+            return []
+        out: list[SiteSpec] = []
+        seen: dict[str, int] = {}
+        for i, raw in enumerate(value):
+            path = f"sites[{i}]"
+            name = raw.get("name") if isinstance(raw, dict) else None
+            if isinstance(name, str) and name in seen:
+                self.fail(
+                    f"{path}.name",
+                    f"duplicate site name {name!r} (also sites[{seen[name]}]); "
+                    "every site needs its own name",
+                )
+                continue
+            if isinstance(name, str):
+                seen[name] = i
+                self.named_sites.append(name)
+            site = self.site(raw, path)
+            if site is not None:
+                out.append(site)
+        self.check_ports(out)
+        return out
+
+    def site(self, raw: Any, path: str) -> SiteSpec | None:
+        raw = self.mapping(raw, path, SITE_KEYS)
+        if raw is None:
+            return None
+        ok = True
+        name = raw.get("name")
+        if name is None:
+            self.fail(path, "missing 'name': every site needs a name, e.g. name: us-east")
+            ok = False
+        elif not (isinstance(name, str) and NAME_PATTERN.match(name)):
+            self.fail(f"{path}.name", _bad_name(name))
+            ok = False
+        ranks = raw.get("ranks", 1)
+        if not (isinstance(ranks, int) and not isinstance(ranks, bool) and ranks >= 1):
+            self.fail(f"{path}.ranks", f"must be an integer >= 1 (processes in the site), got {ranks!r}")
+            ok = False
+        address = self.address(raw.get("address"), f"{path}.address", ranks if ok else 1)
+        advertise = self.address(raw.get("advertise"), f"{path}.advertise", ranks if ok else 1)
+        uplink = raw.get("uplink_mbit")
+        if uplink is not None and not (_is_number(uplink) and uplink > 0):
+            self.fail(f"{path}.uplink_mbit", f"must be a positive number of Mbit/s, got {uplink!r}")
+            ok = False
+        if not ok:
+            return None
+        return SiteSpec(
+            name=name, ranks=ranks, address=address, advertise=advertise, uplink_mbit=uplink
+        )
+
+    def address(self, value: Any, path: str, ranks: int) -> tuple[str, int] | None:
+        if value is None:
+            return None
+        parsed = parse_address(value)
+        if isinstance(parsed, str):
+            self.fail(path, parsed)
+            return None
+        if parsed[1] + ranks - 1 > 65535:
+            self.fail(
+                path,
+                f"rank r listens on port + r, so {ranks} ranks need ports up to "
+                f"{parsed[1] + ranks - 1} > 65535; choose a lower port",
+            )
+            return None
+        return parsed
+
+    def check_ports(self, sites: list[SiteSpec]) -> None:
+        used: dict[tuple[str, int], str] = {}
+        for i, site in enumerate(sites):
+            for host, port in site.listen_addresses() or []:
+                other = used.get((host, port))
+                if other is not None:
+                    self.fail(
+                        f"sites[{i}].address",
+                        f"{host}:{port} is also used by site {other!r} (rank r listens on "
+                        "port + r); give each site its own port range",
+                    )
+                    break
+                used[(host, port)] = site.name
+
+    # -- wan ---------------------------------------------------------------------------
+    def wan(self, raw: Any, names: list[str]) -> WanSpec | None:
+        raw = self.mapping(raw, "wan", WAN_KEYS)
+        if raw is None:
+            return None
+        default = self.link_params(raw.get("default") or {}, "wan.default", between=None)
+        overrides: dict[frozenset[str], tuple[tuple[str, str], LinkParams]] = {}
+        links = raw.get("links") or []
+        if not isinstance(links, list):
+            self.fail("wan.links", f"must be a list of links, got {_kind(links)}")
+            links = []
+        for i, entry in enumerate(links):
+            path = f"wan.links[{i}]"
+            if not isinstance(entry, dict):
+                self.fail(path, f"must be a mapping with 'between', got {_kind(entry)}")
+                continue
+            pair = self.pair(entry.get("between"), f"{path}.between", names)
+            params = self.link_params(entry, path, between=pair)
+            if pair is None or params is None:
+                continue
+            key = frozenset(pair)
+            if key in overrides:
+                self.fail(f"{path}.between", f"link {pair[0]}<->{pair[1]} is listed twice; merge them")
+                continue
+            overrides[key] = (pair, params)
+        faults = self.faults(raw.get("faults") or [], names)
+        if default is None:
+            return None
+        return WanSpec(default=default, overrides=overrides, faults=tuple(faults))
+
+    def pair(self, value: Any, path: str, names: list[str]) -> tuple[str, str] | None:
+        if value is None:
+            self.fail(path.rsplit(".", 1)[0], f"missing '{path.rsplit('.', 1)[1]}': name two sites, e.g. [us-east, eu-west]")
+            return None
+        if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value)):
+            self.fail(path, f"must name two sites, e.g. [us-east, eu-west], got {value!r}")
+            return None
+        a, b = value
+        ok = True
+        for site in (a, b):
+            if site not in names:
+                self.fail(path, f"unknown site {site!r}; {_suggest(site, names)}sites: {', '.join(names)}")
+                ok = False
+        if ok and a == b:
+            self.fail(path, f"a link joins two different sites, got [{a}, {b}]")
+            ok = False
+        return (a, b) if ok else None
+
+    def link_params(
+        self, raw: Any, path: str, *, between: tuple[str, str] | None
+    ) -> LinkParams | None:
+        if not isinstance(raw, dict):
+            self.fail(path, f"must be a mapping of link settings, got {_kind(raw)}")
+            return None
+        allowed = (*sorted(LINK_FIELDS), "preset")
+        if between is not None:
+            allowed = (*allowed, "between", "egress")
+        settings = {k: v for k, v in raw.items() if k not in ("between", "egress")}
+        for key in settings:
+            if key not in allowed:
+                self.fail(_join(path, key), _unknown(key, allowed))
+                return None
+        preset_name = settings.pop("preset", None)
+        base: dict[str, Any] = {}
+        if preset_name is not None:
+            if preset_name not in PRESETS:
+                self.fail(
+                    f"{path}.preset",
+                    f"unknown preset {preset_name!r}; {_suggest(str(preset_name), list(PRESETS))}"
+                    f"presets: {', '.join(PRESETS)}",
+                )
+                return None
+            base = dict(PRESETS[preset_name])
+        base.update(settings)
+        try:
+            common = DirectionParams().replace(**link_changes_to_direction(base))
+        except LinkConfigError as exc:
+            self.fail(_join(path, "rtt_ms" if exc.field == "delay_ms" else exc.field), exc.reason)
+            return None
+        directions = {"a": common, "b": common}
+        egress = raw.get("egress")
+        if egress is not None and between is not None:
+            if not isinstance(egress, dict):
+                self.fail(f"{path}.egress", "must map a site of the link to its outgoing settings")
+                return None
+            for site, changes in egress.items():
+                epath = f"{path}.egress.{site}"
+                if site not in between:
+                    self.fail(epath, f"not an end of this link; use {between[0]} or {between[1]}")
+                    return None
+                if not isinstance(changes, dict):
+                    self.fail(epath, f"must be a mapping of link settings, got {_kind(changes)}")
+                    return None
+                bad = [k for k in changes if k not in DIRECTION_FIELDS | {"rtt_ms"}]
+                if bad:
+                    self.fail(_join(epath, bad[0]), _unknown(bad[0], tuple(sorted(LINK_FIELDS))))
+                    return None
+                one_way = dict(changes)
+                if "rtt_ms" in one_way:
+                    self.fail(f"{epath}.rtt_ms", "one direction has no RTT; give delay_ms (one-way)")
+                    return None
+                try:
+                    directions["a" if site == between[0] else "b"] = common.replace(**one_way)
+                except LinkConfigError as exc:
+                    self.fail(_join(epath, exc.field), exc.reason)
+                    return None
+        return LinkParams(directions["a"], directions["b"])
+
+    def faults(self, raw: Any, names: list[str]) -> list[Fault]:
+        if not isinstance(raw, list):
+            self.fail("wan.faults", f"must be a list of faults, got {_kind(raw)}")
+            return []
+        out = []
+        for i, entry in enumerate(raw):
+            path = f"wan.faults[{i}]"
+            entry = self.mapping(entry, path, FAULT_KEYS)
+            if entry is None:
+                continue
+            missing = [k for k in ("at_s", "link", "action") if k not in entry]
+            if missing:
+                self.fail(path, f"missing {', '.join(repr(m) for m in missing)}; "
+                          "e.g. {at_s: 30, link: [a, b], action: partition, for_s: 10}")
+                continue
+            pair = self.pair(entry["link"], f"{path}.link", names)
+            if pair is None:
+                continue
+            numbers = {}
+            bad = False
+            for key in ("at_s", "for_s", "period_s", "down_s", "rate"):
+                value = entry.get(key)
+                if value is not None and not _is_number(value):
+                    self.fail(f"{path}.{key}", f"must be a number, got {value!r}")
+                    bad = True
+                numbers[key] = value
+            changes = entry.get("changes") or {}
+            if not isinstance(changes, dict):
+                self.fail(f"{path}.changes", f"must be a mapping of link settings, got {_kind(changes)}")
+                bad = True
+            if bad:
+                continue
+            fault = Fault(
+                at_s=numbers["at_s"], link=pair, action=str(entry["action"]),
+                for_s=numbers["for_s"], mode=str(entry.get("mode", "blackhole")),
+                period_s=numbers["period_s"], down_s=numbers["down_s"], rate=numbers["rate"],
+                changes=dict(changes),
+            )
+            try:
+                validate_fault(fault, names)
+            except LinkConfigError as exc:
+                field_path = f"{path}.changes.{exc.field}" if fault.action == "brownout" and exc.field not in FAULT_KEYS else f"{path}.{exc.field}"
+                self.fail(field_path, exc.reason)
+                continue
+            out.append(fault)
+        return out
+
+    # -- train ---------------------------------------------------------------------------
+    def train(self, raw: Any) -> TrainSettings | None:
+        raw = self.mapping(raw, "train", SETTING_NAMES)
+        if raw is None:
+            return None
+        known = {k: v for k, v in raw.items() if k in SETTING_NAMES}
+        try:
+            return TrainSettings(**known)
+        except SettingError as exc:
+            self.fail(f"train.{exc.field}", exc.reason)
+            return None
+
+
+def parse_address(value: Any) -> tuple[str, int] | str:
+    """``host:port`` (IPv6 as ``[::1]:7100``) -> (host, port), or a message saying the fix."""
+    if not isinstance(value, str):
+        return f"must be 'host:port', e.g. 127.0.0.1:7100, got {value!r}"
+    match = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:(\d+)|([^:\s\[\]]+):(\d+)", value.strip())
+    if not match:
+        return f"must be 'host:port' (IPv6 as [::1]:7100), got {value!r}"
+    host = match.group(1) or match.group(3)
+    port = int(match.group(2) or match.group(4))
+    if not 1 <= port <= 65535:
+        return f"port must be in 1..65535, got {port}"
+    return host, port
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "nothing"
+    return {dict: "a mapping", list: "a list", str: f"the text {value!r}"}.get(
+        type(value), f"{value!r}"
+    )
+
+
+def _suggest(word: str, choices: list[str] | tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
+def _unknown(key: str, allowed: tuple[str, ...]) -> str:
+    return f"unknown key; {_suggest(key, allowed)}allowed here: {', '.join(allowed)}"
+
+
+def _bad_name(value: Any) -> str:
+    return (
+        f"must be 1-63 letters, digits, '-', '_' or '.', starting with a letter or digit "
+        f"(it names topics and files), got {value!r}"
+    )

@@ -1,0 +1,85 @@
+"""The training settings of a job: one set of names everywhere.
+
+The keys of a job file's ``train:`` section are exactly these names; so are
+the keyword arguments of the strategy classes, the keys ``isthmus config set``
+and ``isthmus tune --apply`` use, and the names in ``summary.json``. Units are
+in the names. Each field is validated here, once, with the fix in the message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+STRATEGIES = ("sync", "diloco", "streaming", "async")
+CODECS = ("none", "fp16", "bf16", "int8", "int4")
+
+
+class SettingError(ValueError):
+    """A training setting is invalid; ``field`` names it and the message gives the fix."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.reason = message
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSettings:
+    """How sites train and agree on the model."""
+
+    strategy: str = "diloco"
+    """``sync`` (all-reduce gradients every step), ``diloco`` (local steps, then an outer
+    step on the averaged pseudo-gradient), ``streaming`` (DiLoCo in overlapped fragments)
+    or ``async`` (the exchange hides behind the next round's compute)."""
+
+    steps: int = 200
+    """Inner optimizer steps per site for the whole run."""
+
+    sync_every: int = 50
+    """Inner steps between synchronisations (DiLoCo's H). Larger sends fewer WAN bytes
+    and converges slower; ``isthmus tune`` picks it for a link."""
+
+    outer_lr: float = 0.7
+    """Outer learning rate (DiLoCo paper: 0.7)."""
+
+    outer_momentum: float = 0.9
+    """Nesterov momentum of the outer optimizer (DiLoCo paper: 0.9)."""
+
+    codec: str = "none"
+    """How values cross the WAN: ``none`` (exact float32), ``fp16``, ``bf16``, ``int8``, ``int4``."""
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise SettingError(
+                "strategy", f"unknown strategy {self.strategy!r}; use one of {', '.join(STRATEGIES)}"
+            )
+        _positive_int("steps", self.steps)
+        _positive_int("sync_every", self.sync_every)
+        if not (_is_number(self.outer_lr) and self.outer_lr > 0):
+            raise SettingError("outer_lr", f"must be a number > 0, got {self.outer_lr!r}")
+        if not (_is_number(self.outer_momentum) and 0 <= self.outer_momentum < 1):
+            raise SettingError(
+                "outer_momentum", f"must be in [0, 1), got {self.outer_momentum!r}"
+            )
+        if self.codec not in CODECS:
+            raise SettingError(
+                "codec", f"unknown codec {self.codec!r}; use one of {', '.join(CODECS)}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SETTING_NAMES = tuple(f.name for f in dataclasses.fields(TrainSettings))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        raise SettingError(name, f"must be an integer >= 1, got {value!r}")

@@ -1,0 +1,142 @@
+"""Runtime control of a running emulator: a small JSON-lines service on loopback.
+
+``isthmus wan up`` serves it; ``isthmus wan set|cut|heal|stats`` and
+:class:`ControlClient` talk to it. One request per line, one answer per line::
+
+    {"op": "set", "link": ["us-east", "eu-west"], "changes": {"rtt_ms": 120}}
+    {"ok": true}
+    {"op": "cut", "link": ["us-east", "eu-west"], "mode": "reset"}
+    {"op": "stats"}
+    {"ok": true, "stats": {...}}
+
+It listens on loopback only and has no authentication: anyone who can open a
+loopback connection on the machine can change the emulated links.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from typing import Any
+
+from isthmus.sim.emulator import Emulator
+from isthmus.sim.link import LinkConfigError
+
+MAX_REQUEST_BYTES = 64 * 1024
+
+
+class ControlServer:
+    """Serves control requests for ``emulator`` on ``host`` (a free port by default)."""
+
+    def __init__(self, emulator: Emulator, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.emulator = emulator
+        self._host, self._port = host, port
+        self._server: asyncio.Server | None = None
+        self.address: tuple[str, int] | None = None
+
+    async def start(self) -> tuple[str, int]:
+        self._server = await asyncio.start_server(
+            self._serve, self._host, self._port, limit=MAX_REQUEST_BYTES
+        )
+        host, port = self._server.sockets[0].getsockname()[:2]
+        self.address = (host, port)
+        return self.address
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while line := await reader.readline():
+                writer.write(json.dumps(self.handle(line)).encode() + b"\n")
+                await writer.drain()
+        except (ConnectionError, asyncio.LimitOverrunError, ValueError):
+            pass
+        finally:
+            writer.close()
+
+    def handle(self, line: bytes) -> dict[str, Any]:
+        """Answer one request; never raises (a bad request gets ``ok: false`` and why)."""
+        try:
+            request = json.loads(line)
+        except ValueError:
+            return {"ok": False, "error": "request is not JSON"}
+        if not isinstance(request, dict):
+            return {"ok": False, "error": "request must be a JSON object"}
+        op = request.get("op")
+        try:
+            if op == "stats":
+                return {"ok": True, "stats": self.emulator.stats()}
+            link = self._link(request)
+            if op == "set":
+                changes = request.get("changes")
+                if not isinstance(changes, dict) or not changes:
+                    return {"ok": False, "error": "set needs 'changes', e.g. {\"rtt_ms\": 100}"}
+                link.update(source=request.get("source"), **changes)
+            elif op == "cut":
+                link.cut(request.get("mode", "blackhole"))
+            elif op == "heal":
+                link.heal()
+            else:
+                return {"ok": False, "error": f"unknown op {op!r}; use set, cut, heal or stats"}
+            return {"ok": True, "link": link.stats()}
+        except (KeyError, ValueError, LinkConfigError, TypeError) as exc:
+            message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+            return {"ok": False, "error": message}
+
+    def _link(self, request: dict[str, Any]) -> Any:
+        pair = request.get("link")
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(p, str) for p in pair)):
+            raise ValueError("'link' must name two sites, e.g. [\"us-east\", \"eu-west\"]")
+        return self.emulator.link(pair[0], pair[1])
+
+
+class ControlError(RuntimeError):
+    """The emulator refused a request or could not be reached; the message says why."""
+
+
+class ControlClient:
+    """Synchronous client of a :class:`ControlServer` (one short connection per request)."""
+
+    def __init__(self, address: tuple[str, int], timeout_s: float = 10.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+
+    def request(self, **request: Any) -> dict[str, Any]:
+        host, port = self.address
+        try:
+            with socket.create_connection(self.address, timeout=self.timeout_s) as sock:
+                sock.sendall(json.dumps(request).encode() + b"\n")
+                data = b""
+                while not data.endswith(b"\n"):
+                    chunk = sock.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+        except OSError as exc:
+            raise ControlError(
+                f"cannot reach the emulator's control service at {host}:{port} "
+                f"({exc.strerror or exc}); is 'isthmus wan up' still running?"
+            ) from None
+        try:
+            answer = json.loads(data)
+        except ValueError:
+            raise ControlError(f"the emulator at {host}:{port} sent a malformed answer") from None
+        if not answer.get("ok"):
+            raise ControlError(answer.get("error", "request refused"))
+        return answer
+
+    def set(self, a: str, b: str, *, source: str | None = None, **changes: Any) -> dict[str, Any]:
+        return self.request(op="set", link=[a, b], changes=changes, source=source)["link"]
+
+    def cut(self, a: str, b: str, mode: str = "blackhole") -> dict[str, Any]:
+        return self.request(op="cut", link=[a, b], mode=mode)["link"]
+
+    def heal(self, a: str, b: str) -> dict[str, Any]:
+        return self.request(op="heal", link=[a, b])["link"]
+
+    def stats(self) -> dict[str, Any]:
+        return self.request(op="stats")["stats"]
