@@ -14,7 +14,9 @@ def register(commands: Any) -> None:
     kinds = bench.add_subparsers(dest="kind", metavar="BENCHMARK", parser_class=type(bench))
     kinds.required = True
     wan = add_command(
-        kinds, "wan", _wan,
+        kinds,
+        "wan",
+        _wan,
         help="throughput, added RTT, jitter and memory of the emulated links",
         description="Runs 'isthmus wan proxy' as a separate process and measures what "
         "traffic through it sees, against the targets of the emulator.",

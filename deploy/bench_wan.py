@@ -19,12 +19,12 @@ import signal
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from isthmus.deploy.jobfile import free_ports
+from isthmus.sim.link import DirectionParams
 from isthmus.sim.probe import (
     ProbeServer,
     measure_one_way_ms,
@@ -41,10 +41,18 @@ PARETO_SHAPE = 3.0
 @contextmanager
 def proxy_process(upstream: tuple[str, int], *flags: str) -> Iterator[tuple[tuple[str, int], int]]:
     """Run ``isthmus wan proxy`` until the block ends; yield (listen address, pid)."""
-    (host, port), = free_ports("127.0.0.1", 1)
+    ((host, port),) = free_ports("127.0.0.1", 1)
     cmd = [
-        sys.executable, "-m", "isthmus", "wan", "proxy",
-        "--listen", f"{host}:{port}", "--connect", f"{upstream[0]}:{upstream[1]}", *flags,
+        sys.executable,
+        "-m",
+        "isthmus",
+        "wan",
+        "proxy",
+        "--listen",
+        f"{host}:{port}",
+        "--connect",
+        f"{upstream[0]}:{upstream[1]}",
+        *flags,
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -52,7 +60,9 @@ def proxy_process(upstream: tuple[str, int], *flags: str) -> Iterator[tuple[tupl
         line = proc.stdout.readline()
         if not line.startswith("ready"):
             proc.kill()
-            raise RuntimeError(f"wan proxy did not start: {line}{proc.stderr.read() if proc.stderr else ''}")
+            raise RuntimeError(
+                f"wan proxy did not start: {line}{proc.stderr.read() if proc.stderr else ''}"
+            )
         yield (host, port), proc.pid
     finally:
         if proc.poll() is None:
@@ -76,7 +86,9 @@ def _progress(verbose: bool, text: str) -> None:
         print(f"bench wan: {text}", file=sys.stderr, flush=True)
 
 
-def run_wan_bench(*, repeats: int = 3, seconds: float = 2.0, verbose: bool = True) -> dict[str, Any]:
+def run_wan_bench(
+    *, repeats: int = 3, seconds: float = 2.0, verbose: bool = True
+) -> dict[str, Any]:
     results: dict[str, Any] = {"machine": {"cpus": os.cpu_count()}}
     with ProbeServer() as server:
         up = server.address
@@ -90,10 +102,16 @@ def run_wan_bench(*, repeats: int = 3, seconds: float = 2.0, verbose: bool = Tru
                     runs.append(measure_throughput(addr, seconds=seconds).mbit_per_s)
             median = statistics.median(runs)
             error = (median - cap) / cap
-            throughput.append({
-                "cap_mbit": cap, "median_mbit": round(median, 2), "runs_mbit": [round(r, 2) for r in runs],
-                "error": round(error, 4), "target": "within 5%", "ok": abs(error) <= 0.05,
-            })
+            throughput.append(
+                {
+                    "cap_mbit": cap,
+                    "median_mbit": round(median, 2),
+                    "runs_mbit": [round(r, 2) for r in runs],
+                    "error": round(error, 4),
+                    "target": "within 5%",
+                    "ok": abs(error) <= 0.05,
+                }
+            )
         results["throughput"] = throughput
 
         _progress(verbose, f"uncapped throughput ({repeats} x {seconds:g} s)")
@@ -118,19 +136,28 @@ def run_wan_bench(*, repeats: int = 3, seconds: float = 2.0, verbose: bool = Tru
                 samples = measure_rtt_ms(addr, count=40, interval_s=0.005)
             added = statistics.median(samples) - base
             tolerance = 1.0 + 0.02 * rtt
-            rtt_rows.append({
-                "configured_ms": rtt, "median_added_ms": round(added, 3),
-                "error_ms": round(added - rtt, 3), "tolerance_ms": round(tolerance, 3),
-                "ok": abs(added - rtt) <= tolerance,
-            })
+            rtt_rows.append(
+                {
+                    "configured_ms": rtt,
+                    "median_added_ms": round(added, 3),
+                    "error_ms": round(added - rtt, 3),
+                    "tolerance_ms": round(tolerance, 3),
+                    "ok": abs(added - rtt) <= tolerance,
+                }
+            )
         results["rtt"] = {"direct_median_ms": round(base, 3), "points": rtt_rows}
 
         jitter_rows = []
         for distribution, jitter in JITTERS:
             _progress(verbose, f"jitter ({distribution}, {jitter:g} ms)")
             with proxy_process(
-                up, "--rtt-ms", "50", "--jitter-ms", str(jitter),
-                "--jitter-distribution", distribution,
+                up,
+                "--rtt-ms",
+                "50",
+                "--jitter-ms",
+                str(jitter),
+                "--jitter-distribution",
+                distribution,
             ) as (addr, _):
                 delays = measure_one_way_ms(addr, count=250, interval_s=0.02)
             expected = jitter
@@ -138,13 +165,17 @@ def run_wan_bench(*, repeats: int = 3, seconds: float = 2.0, verbose: bool = Tru
                 a = PARETO_SHAPE
                 expected = jitter * math.sqrt(a / ((a - 1) ** 2 * (a - 2)))
             sd = statistics.stdev(delays)
-            jitter_rows.append({
-                "distribution": distribution, "jitter_ms": jitter,
-                "expected_stdev_ms": round(expected, 3), "measured_stdev_ms": round(sd, 3),
-                "error": round((sd - expected) / expected, 4),
-                "ok": abs(sd - expected) <= 0.10 * expected,
-                "samples": len(delays),
-            })
+            jitter_rows.append(
+                {
+                    "distribution": distribution,
+                    "jitter_ms": jitter,
+                    "expected_stdev_ms": round(expected, 3),
+                    "measured_stdev_ms": round(sd, 3),
+                    "error": round((sd - expected) / expected, 4),
+                    "ok": abs(sd - expected) <= 0.10 * expected,
+                    "samples": len(delays),
+                }
+            )
         results["jitter"] = jitter_rows
 
         memory_rows = []
@@ -156,20 +187,25 @@ def run_wan_bench(*, repeats: int = 3, seconds: float = 2.0, verbose: bool = Tru
                 idle = _rss_kib(pid, "VmRSS")
                 measure_throughput(addr, seconds=max(seconds, 2.0))
                 peak = _rss_kib(pid, "VmHWM")
+            # Bytes a link may hold: its rate for one delay plus its queue, or,
+            # uncapped, one connection's window.
+            defaults = DirectionParams()
             one_way_s = rtt / 2e3
-            queue_s = 0.025
-            window = 16 * 1024 * 1024
-            if cap:
-                in_flight = cap * 1e6 / 8 * (one_way_s + queue_s)
-            else:
-                in_flight = window
-            memory_rows.append({
-                "bandwidth_mbit": cap, "rtt_ms": rtt,
-                "idle_rss_mib": round(idle / 1024, 1),
-                "peak_rss_mib": round(peak / 1024, 1),
-                "growth_mib": round((peak - idle) / 1024, 1),
-                "bound_in_flight_mib": round(in_flight / 2**20, 1),
-            })
+            in_flight = (
+                cap * 1e6 / 8 * (one_way_s + defaults.queue_ms / 1e3)
+                if cap
+                else defaults.window_bytes
+            )
+            memory_rows.append(
+                {
+                    "bandwidth_mbit": cap,
+                    "rtt_ms": rtt,
+                    "idle_rss_mib": round(idle / 1024, 1),
+                    "peak_rss_mib": round(peak / 1024, 1),
+                    "growth_mib": round((peak - idle) / 1024, 1),
+                    "bound_in_flight_mib": round(in_flight / 2**20, 1),
+                }
+            )
         results["memory"] = memory_rows
     results["ok"] = all(
         row["ok"] for row in [*results["throughput"], results["uncapped"], *rtt_rows, *jitter_rows]
@@ -185,25 +221,27 @@ def format_report(r: dict[str, Any]) -> str:
     out.append("  cap Mbit/s   measured Mbit/s   error    ")
     for row in r["throughput"]:
         out.append(
-            f"  {row['cap_mbit']:>10}   {row['median_mbit']:>15.2f}   {row['error']:+7.2%}  {mark(row['ok'])}"
+            f"  {row['cap_mbit']:>10}   {row['median_mbit']:>15.2f}   {row['error']:+7.2%}"
+            f"  {mark(row['ok'])}"
         )
     u = r["uncapped"]
     out.append(
         f"uncapped through the proxy: {u['median_mbyte_per_s']:.0f} MB/s "
         f"(direct, no proxy: {u['direct_mbyte_per_s']:.0f} MB/s; target >= 300)  {mark(u['ok'])}"
     )
-    out.append(
-        f"added round-trip time (target: within 1 ms + 2%; direct RTT {r['rtt']['direct_median_ms']:.3f} ms)"
-    )
+    direct = r["rtt"]["direct_median_ms"]
+    out.append(f"added round-trip time (target: within 1 ms + 2%; direct RTT {direct:.3f} ms)")
     for row in r["rtt"]["points"]:
         out.append(
             f"  configured {row['configured_ms']:>4} ms: added {row['median_added_ms']:8.3f} ms "
-            f"(error {row['error_ms']:+.3f}, allowed +-{row['tolerance_ms']:.2f})  {mark(row['ok'])}"
+            f"(error {row['error_ms']:+.3f}, allowed +-{row['tolerance_ms']:.2f})"
+            f"  {mark(row['ok'])}"
         )
     out.append("one-way delay jitter (target: standard deviation within 10%)")
     for row in r["jitter"]:
         out.append(
-            f"  {row['distribution']:>8} {row['jitter_ms']:g} ms: stdev {row['measured_stdev_ms']:.3f} ms "
+            f"  {row['distribution']:>8} {row['jitter_ms']:g} ms: "
+            f"stdev {row['measured_stdev_ms']:.3f} ms "
             f"(expected {row['expected_stdev_ms']:.3f}, {row['error']:+.1%})  {mark(row['ok'])}"
         )
     out.append("memory of the proxy process under a full-speed sender")

@@ -33,7 +33,8 @@ Command = Callable[[argparse.Namespace], int]
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="isthmus",
-        description="Train one PyTorch model across far-apart clusters; emulate the WAN between them.",
+        description="Train one PyTorch model across far-apart clusters; "
+        "emulate the WAN between them.",
     )
     parser.add_argument("--version", action="version", version=f"isthmus {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more detail")

@@ -249,8 +249,13 @@ class _Validator:
             raise JobFileError(self.source, self.problems)
         assert train is not None
         return Job(
-            name=name, sites=tuple(sites), train=train, wan=wan, seed=seed,
-            source=self.source, raw=data,
+            name=name,
+            sites=tuple(sites),
+            train=train,
+            wan=wan,
+            seed=seed,
+            source=self.source,
+            raw=data,
         )
 
     # -- sites -------------------------------------------------------------------------
@@ -296,7 +301,9 @@ class _Validator:
             ok = False
         ranks = raw.get("ranks", 1)
         if not (isinstance(ranks, int) and not isinstance(ranks, bool) and ranks >= 1):
-            self.fail(f"{path}.ranks", f"must be an integer >= 1 (processes in the site), got {ranks!r}")
+            self.fail(
+                f"{path}.ranks", f"must be an integer >= 1 (processes in the site), got {ranks!r}"
+            )
             ok = False
         address = self.address(raw.get("address"), f"{path}.address", ranks if ok else 1)
         advertise = self.address(raw.get("advertise"), f"{path}.advertise", ranks if ok else 1)
@@ -362,7 +369,9 @@ class _Validator:
                 continue
             key = frozenset(pair)
             if key in overrides:
-                self.fail(f"{path}.between", f"link {pair[0]}<->{pair[1]} is listed twice; merge them")
+                self.fail(
+                    f"{path}.between", f"link {pair[0]}<->{pair[1]} is listed twice; merge them"
+                )
                 continue
             overrides[key] = (pair, params)
         faults = self.faults(raw.get("faults") or [], names)
@@ -372,16 +381,23 @@ class _Validator:
 
     def pair(self, value: Any, path: str, names: list[str]) -> tuple[str, str] | None:
         if value is None:
-            self.fail(path.rsplit(".", 1)[0], f"missing '{path.rsplit('.', 1)[1]}': name two sites, e.g. [us-east, eu-west]")
+            self.fail(
+                path.rsplit(".", 1)[0],
+                f"missing '{path.rsplit('.', 1)[1]}': name two sites, e.g. [us-east, eu-west]",
+            )
             return None
-        if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value)):
+        if not (
+            isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value)
+        ):
             self.fail(path, f"must name two sites, e.g. [us-east, eu-west], got {value!r}")
             return None
         a, b = value
         ok = True
         for site in (a, b):
             if site not in names:
-                self.fail(path, f"unknown site {site!r}; {_suggest(site, names)}sites: {', '.join(names)}")
+                self.fail(
+                    path, f"unknown site {site!r}; {_suggest(site, names)}sites: {', '.join(names)}"
+                )
                 ok = False
         if ok and a == b:
             self.fail(path, f"a link joins two different sites, got [{a}, {b}]")
@@ -439,7 +455,9 @@ class _Validator:
                     return None
                 one_way = dict(changes)
                 if "rtt_ms" in one_way:
-                    self.fail(f"{epath}.rtt_ms", "one direction has no RTT; give delay_ms (one-way)")
+                    self.fail(
+                        f"{epath}.rtt_ms", "one direction has no RTT; give delay_ms (one-way)"
+                    )
                     return None
                 try:
                     directions["a" if site == between[0] else "b"] = common.replace(**one_way)
@@ -460,8 +478,11 @@ class _Validator:
                 continue
             missing = [k for k in ("at_s", "link", "action") if k not in entry]
             if missing:
-                self.fail(path, f"missing {', '.join(repr(m) for m in missing)}; "
-                          "e.g. {at_s: 30, link: [a, b], action: partition, for_s: 10}")
+                self.fail(
+                    path,
+                    f"missing {', '.join(repr(m) for m in missing)}; "
+                    "e.g. {at_s: 30, link: [a, b], action: partition, for_s: 10}",
+                )
                 continue
             pair = self.pair(entry["link"], f"{path}.link", names)
             if pair is None:
@@ -476,20 +497,31 @@ class _Validator:
                 numbers[key] = value
             changes = entry.get("changes") or {}
             if not isinstance(changes, dict):
-                self.fail(f"{path}.changes", f"must be a mapping of link settings, got {_kind(changes)}")
+                self.fail(
+                    f"{path}.changes", f"must be a mapping of link settings, got {_kind(changes)}"
+                )
                 bad = True
             if bad:
                 continue
             fault = Fault(
-                at_s=numbers["at_s"], link=pair, action=str(entry["action"]),
-                for_s=numbers["for_s"], mode=str(entry.get("mode", "blackhole")),
-                period_s=numbers["period_s"], down_s=numbers["down_s"], rate=numbers["rate"],
+                at_s=numbers["at_s"],
+                link=pair,
+                action=str(entry["action"]),
+                for_s=numbers["for_s"],
+                mode=str(entry.get("mode", "blackhole")),
+                period_s=numbers["period_s"],
+                down_s=numbers["down_s"],
+                rate=numbers["rate"],
                 changes=dict(changes),
             )
             try:
                 validate_fault(fault, names)
             except LinkConfigError as exc:
-                field_path = f"{path}.changes.{exc.field}" if fault.action == "brownout" and exc.field not in FAULT_KEYS else f"{path}.{exc.field}"
+                field_path = (
+                    f"{path}.changes.{exc.field}"
+                    if fault.action == "brownout" and exc.field not in FAULT_KEYS
+                    else f"{path}.{exc.field}"
+                )
                 self.fail(field_path, exc.reason)
                 continue
             out.append(fault)

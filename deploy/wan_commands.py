@@ -34,8 +34,12 @@ LINK_FLAGS: list[tuple[str, str, type, str]] = [
     ("--jitter-distribution", "jitter_distribution", str, "normal, uniform or pareto"),
     ("--bandwidth-mbit", "bandwidth_mbit", float, "rate cap in Mbit/s each way (default uncapped)"),
     ("--loss", "loss", float, "fraction of TCP segments lost (each stalls the stream one RTO)"),
-    ("--loss-burst-segments", "loss_burst_segments", float,
-     "mean loss burst length in segments (1 = independent; >1 = Gilbert-Elliott)"),
+    (
+        "--loss-burst-segments",
+        "loss_burst_segments",
+        float,
+        "mean loss burst length in segments (1 = independent; >1 = Gilbert-Elliott)",
+    ),
     ("--queue-ms", "queue_ms", float, "bottleneck queue in milliseconds of the rate"),
     ("--corrupt", "corrupt", float, "fraction of bytes with one bit flipped"),
     ("--min-rto-ms", "min_rto_ms", float, "lower bound of the retransmission timeout"),
@@ -46,7 +50,8 @@ _FLAG_OF = {name: flag for flag, name, _, _ in LINK_FLAGS}
 
 def register(commands: Any) -> None:
     wan = commands.add_parser(
-        "wan", help="emulate WAN links on this machine",
+        "wan",
+        help="emulate WAN links on this machine",
         description="Emulate long-haul links between sites with user-space TCP proxies "
         "(no root, no netem).",
     )
@@ -63,21 +68,33 @@ def register(commands: Any) -> None:
         verbs, "up", _up, help="run every link of a job's topology until SIGINT/SIGTERM"
     )
     up.add_argument("job", metavar="JOB.yaml")
-    up.add_argument("--state", metavar="FILE", help="where to write the addresses to dial "
-                    "(default: ./<job name>.wan.json)")
+    up.add_argument(
+        "--state",
+        metavar="FILE",
+        help="where to write the addresses to dial (default: ./<job name>.wan.json)",
+    )
     up.add_argument("--host", default="127.0.0.1", help="address the link listeners bind")
 
     setter = add_command(verbs, "set", _set, help="change a running link's settings")
     _add_link_target(setter)
-    setter.add_argument("changes", nargs="+", metavar="KEY=VALUE",
-                        help="link settings, e.g. rtt_ms=120 bandwidth_mbit=50 loss=0.01")
-    setter.add_argument("--from", dest="source", metavar="SITE",
-                        help="change only the direction leaving SITE")
+    setter.add_argument(
+        "changes",
+        nargs="+",
+        metavar="KEY=VALUE",
+        help="link settings, e.g. rtt_ms=120 bandwidth_mbit=50 loss=0.01",
+    )
+    setter.add_argument(
+        "--from", dest="source", metavar="SITE", help="change only the direction leaving SITE"
+    )
 
     cut = add_command(verbs, "cut", _cut, help="partition a running link")
     _add_link_target(cut)
-    cut.add_argument("--mode", choices=("blackhole", "reset"), default="blackhole",
-                     help="blackhole: bytes stop, connections hang; reset: connections torn down")
+    cut.add_argument(
+        "--mode",
+        choices=("blackhole", "reset"),
+        default="blackhole",
+        help="blackhole: bytes stop, connections hang; reset: connections torn down",
+    )
 
     heal = add_command(verbs, "heal", _heal, help="end a partition")
     _add_link_target(heal)
@@ -88,7 +105,9 @@ def register(commands: Any) -> None:
     stats.add_argument("--json", action="store_true", help="print JSON")
 
     demo = add_command(
-        verbs, "demo", _demo,
+        verbs,
+        "demo",
+        _demo,
         help="measure RTT and throughput through one emulated link",
         description="Start one emulated link in this process and measure its round trip "
         "and throughput as a user's traffic would see them.",
@@ -185,7 +204,7 @@ async def _serve_proxy(
 async def _reachable(address: tuple[str, int]) -> bool:
     try:
         _, writer = await asyncio.wait_for(asyncio.open_connection(*address), timeout=2)
-    except (OSError, asyncio.TimeoutError):
+    except (TimeoutError, OSError):
         return False
     writer.close()
     return True
@@ -282,7 +301,9 @@ def _client(args: argparse.Namespace) -> ControlClient:
             "(start 'isthmus wan up' first, or pass --state)"
         ) from None
     except (ValueError, KeyError, TypeError):
-        raise UsageError(f"--state: {path} is not a state file written by 'isthmus wan up'") from None
+        raise UsageError(
+            f"--state: {path} is not a state file written by 'isthmus wan up'"
+        ) from None
     return ControlClient(address)
 
 

@@ -49,21 +49,21 @@ class TrainSettings:
     """Nesterov momentum of the outer optimizer (DiLoCo paper: 0.9)."""
 
     codec: str = "none"
-    """How values cross the WAN: ``none`` (exact float32), ``fp16``, ``bf16``, ``int8``, ``int4``."""
+    """How values cross the WAN: ``none`` (exact float32), ``fp16``, ``bf16``, ``int8`` or
+    ``int4``."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise SettingError(
-                "strategy", f"unknown strategy {self.strategy!r}; use one of {', '.join(STRATEGIES)}"
+                "strategy",
+                f"unknown strategy {self.strategy!r}; use one of {', '.join(STRATEGIES)}",
             )
         _positive_int("steps", self.steps)
         _positive_int("sync_every", self.sync_every)
         if not (_is_number(self.outer_lr) and self.outer_lr > 0):
             raise SettingError("outer_lr", f"must be a number > 0, got {self.outer_lr!r}")
         if not (_is_number(self.outer_momentum) and 0 <= self.outer_momentum < 1):
-            raise SettingError(
-                "outer_momentum", f"must be in [0, 1), got {self.outer_momentum!r}"
-            )
+            raise SettingError("outer_momentum", f"must be in [0, 1), got {self.outer_momentum!r}")
         if self.codec not in CODECS:
             raise SettingError(
                 "codec", f"unknown codec {self.codec!r}; use one of {', '.join(CODECS)}"

@@ -89,8 +89,10 @@ class ControlServer:
 
     def _link(self, request: dict[str, Any]) -> Any:
         pair = request.get("link")
-        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(p, str) for p in pair)):
-            raise ValueError("'link' must name two sites, e.g. [\"us-east\", \"eu-west\"]")
+        if not (
+            isinstance(pair, list) and len(pair) == 2 and all(isinstance(p, str) for p in pair)
+        ):
+            raise ValueError('\'link\' must name two sites, e.g. ["us-east", "eu-west"]')
         return self.emulator.link(pair[0], pair[1])
 
 

@@ -81,7 +81,9 @@ class Emulator:
             await self.stop()
             raise
         self._started_at = loop.time()
-        self._fault_tasks = [asyncio.ensure_future(self._run_fault(f)) for f in self.topology.faults]
+        self._fault_tasks = [
+            asyncio.ensure_future(self._run_fault(f)) for f in self.topology.faults
+        ]
 
     async def stop(self) -> None:
         for task in self._fault_tasks:

@@ -204,6 +204,4 @@ def _check_non_negative(name: str, value: Any) -> None:
 
 def _check_fraction(name: str, value: Any) -> None:
     if not (_is_number(value) and 0 <= value <= 1):
-        raise LinkConfigError(
-            name, f"must be a fraction in [0, 1] (0.01 means 1%), got {value!r}"
-        )
+        raise LinkConfigError(name, f"must be a fraction in [0, 1] (0.01 means 1%), got {value!r}")

@@ -254,6 +254,12 @@ class Pipe:
                 break
             piece = self._take_pending(d.batch_bytes)
             self._transmit(piece, now)
+            if d.batch_bytes is not None and self._pending:
+                # A capped link is shared: yield after each batch so every
+                # connection waiting for it gets its turn (round robin),
+                # instead of the first one awake filling the whole queue.
+                self._arm_pump(now + max(0.0, d.backlog_s(now) - queue_s))
+                break
         self._update_reading()
 
     def _take_pending(self, limit: int | None) -> bytes:
@@ -296,9 +302,7 @@ class Pipe:
     # -- off the link ---------------------------------------------------------
     def _arm_deliver(self) -> None:
         if self._line and not self._dst_paused and self.dst is not None:
-            self._deliver_timer = self.loop.call_at(
-                self._line[0][0] - TIMER_SLACK_S, self._deliver
-            )
+            self._deliver_timer = self.loop.call_at(self._line[0][0] - TIMER_SLACK_S, self._deliver)
 
     def _deliver(self) -> None:
         self._deliver_timer = None
@@ -471,7 +475,10 @@ class ProxiedConnection:
             self.to_server.direction.counters.upstream_failures += 1
             log.warning(
                 "link %s: upstream %s:%s unreachable (%s); closed the client connection",
-                self.link.name, host, port, exc.strerror or exc,
+                self.link.name,
+                host,
+                port,
+                exc.strerror or exc,
             )
             self.reset()
 

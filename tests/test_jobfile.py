@@ -1,0 +1,225 @@
+"""Job-file validation: every accepted shape, and every error naming its field, line and fix."""
+
+import textwrap
+
+import pytest
+
+from isthmus.deploy.jobfile import JobFileError, load_job, parse_address, parse_job
+
+ISSUE_EXAMPLE = """\
+name: demo
+sites:
+  - name: us-east
+    ranks: 2
+    address: 127.0.0.1:7100   # optional: where rank 0's peer service listens; rank r uses port+r
+    advertise: 203.0.113.7:7100   # optional: the address peers dial (NAT, load balancer)
+  - name: eu-west
+    ranks: 1
+    uplink_mbit: 400          # optional: cap on the site's total WAN egress and ingress
+wan:                          # optional: emulated links; omit on a real WAN
+  default: {rtt_ms: 80, bandwidth_mbit: 1000}
+  links:
+    - {between: [us-east, eu-west], rtt_ms: 75, bandwidth_mbit: 500, jitter_ms: 2, loss: 0.001}
+  faults:                     # optional: a schedule, seconds from start
+    - {at_s: 30, link: [us-east, eu-west], action: partition, for_s: 10}
+train:
+  strategy: diloco            # sync | diloco | streaming | async
+  steps: 600                  # inner steps per site
+  sync_every: 50
+  outer_lr: 0.7
+  outer_momentum: 0.9
+  codec: int8
+"""
+
+
+def _errors(text: str) -> list[str]:
+    with pytest.raises(JobFileError) as info:
+        parse_job(textwrap.dedent(text), source="job.yaml")
+    return info.value.lines()
+
+
+def test_the_issue_example_is_accepted():
+    job = parse_job(ISSUE_EXAMPLE)
+    assert job.name == "demo"
+    east, west = job.sites
+    assert east.ranks == 2 and east.listen_addresses() == [("127.0.0.1", 7100), ("127.0.0.1", 7101)]
+    assert east.dial_addresses() == [("203.0.113.7", 7100), ("203.0.113.7", 7101)]
+    assert west.uplink_mbit == 400 and west.dial_addresses() is None
+    assert job.train.strategy == "diloco" and job.train.codec == "int8" and job.train.steps == 600
+    (fault,) = job.wan.faults
+    assert (fault.at_s, fault.link, fault.action, fault.for_s) == (
+        30,
+        ("us-east", "eu-west"),
+        "partition",
+        10,
+    )
+    topo = job.topology(
+        {"us-east": [("127.0.0.1", 1), ("127.0.0.1", 2)], "eu-west": [("127.0.0.1", 3)]}
+    )
+    link = topo.link_params("eu-west", "us-east")
+    assert link.rtt_ms == 75 and link.a_to_b.bandwidth_mbit == 500 and link.a_to_b.jitter_ms == 2
+
+
+def test_minimal_job_gets_defaults():
+    job = parse_job("name: x\nsites: [{name: a}, {name: b}]\n")
+    assert [s.ranks for s in job.sites] == [1, 1]
+    assert job.wan is None
+    assert job.train.strategy == "diloco" and job.train.sync_every == 50
+
+
+def test_default_link_applies_to_every_pair_and_presets_resolve():
+    job = parse_job(
+        "name: x\nsites: [{name: a}, {name: b}, {name: c}]\n"
+        "wan:\n  default: {preset: transatlantic, loss: 0.01}\n"
+        "  links: [{between: [a, c], preset: transpacific}]\n"
+    )
+    topo = job.topology({n: [("h", 1)] for n in "abc"})
+    assert (
+        topo.link_params("a", "b").rtt_ms == 80 and topo.link_params("a", "b").a_to_b.loss == 0.01
+    )
+    assert topo.link_params("b", "c").rtt_ms == 80
+    assert topo.link_params("c", "a").rtt_ms == 105
+
+
+def test_egress_overrides_one_direction():
+    job = parse_job(
+        "name: x\nsites: [{name: a}, {name: b}]\n"
+        "wan:\n  links:\n    - between: [a, b]\n      rtt_ms: 40\n"
+        "      egress: {b: {bandwidth_mbit: 10}}\n"
+    )
+    link = job.topology({"a": [("h", 1)], "b": [("h", 2)]}).link_params("a", "b")
+    assert link.a_to_b.bandwidth_mbit is None
+    assert link.b_to_a.bandwidth_mbit == 10
+    assert link.a_to_b.delay_ms == link.b_to_a.delay_ms == 20
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "name: x\nsites: [{name: a, ranks: 0}]\n",
+            "job.yaml:2: sites[0].ranks: must be an integer >= 1",
+        ),
+        ("name: x\nsites: [{name: a}, {name: a}]\n", "sites[1].name: duplicate site name 'a'"),
+        (
+            "name: x\nsites:\n  - name: a\n    uplnk_mbit: 3\n",
+            "job.yaml:4: sites[0].uplnk_mbit: unknown key; did you mean 'uplink_mbit'?",
+        ),
+        ("name: x\nsites: [{name: a, address: 'nope'}]\n", "sites[0].address: must be 'host:port'"),
+        ("name: x\nsites: [{name: a, address: '1.2.3.4:70000'}]\n", "port must be in 1..65535"),
+        (
+            "name: x\nsites: [{name: a, uplink_mbit: -4}]\n",
+            "sites[0].uplink_mbit: must be a positive number",
+        ),
+        ("name: 'has space'\nsites: [{name: a}]\n", "job.yaml:1: name: must be 1-63 letters"),
+        ("sites: [{name: a}]\n", "missing 'name'"),
+        ("name: x\n", "missing 'sites'"),
+        (
+            "name: x\nsites: [{name: a}, {name: b}]\nwan:\n  default: {rtt_ms: -80}\n",
+            "job.yaml:4: wan.default.rtt_ms: must be a number >= 0, got -80",
+        ),
+        (
+            "name: x\nsites: [{name: a}, {name: b}]\nwan:\n  default: {loss: 1.5}\n",
+            "wan.default.loss: must be a fraction in [0, 1]",
+        ),
+        (
+            "name: x\nsites: [{name: a}, {name: b}]\nwan:\n  links: [{between: [a, asia]}]\n",
+            "wan.links[0].between: unknown site 'asia'",
+        ),
+        (
+            "name: x\nsites: [{name: a}, {name: b}]\nwan:\n  links: [{between: [a, a]}]\n",
+            "a link joins two different sites",
+        ),
+        (
+            "name: x\nsites: [{name: a}, {name: b}]\nwan:\n  links: [{between: [a, b]}, {between: [b, a]}]\n",
+            "is listed twice",
+        ),
+        (
+            "name: x\nsites: [{name: a}, {name: b}]\nwan:\n  default: {preset: mars}\n",
+            "wan.default.preset: unknown preset 'mars'",
+        ),
+        (
+            "name: x\nsites: [{name: a}, {name: b}]\nwan:\n  faults: [{at_s: 1, link: [a, b], action: explode}]\n",
+            "wan.faults[0].action: unknown fault 'explode'",
+        ),
+        (
+            "name: x\nsites: [{name: a}, {name: b}]\nwan:\n  faults: [{at_s: 1, link: [a, b], action: flap, for_s: 5}]\n",
+            "wan.faults[0].period_s: a flap needs period_s",
+        ),
+        (
+            "name: x\nsites: [{name: a}, {name: b}]\nwan:\n  faults: [{at_s: 1, link: [a, b], action: brownout, changes: {loss: 3}}]\n",
+            "wan.faults[0].changes.loss: must be a fraction",
+        ),
+        (
+            "name: x\nsites: [{name: a}]\ntrain: {strategy: dilco}\n",
+            "train.strategy: unknown strategy 'dilco'",
+        ),
+        (
+            "name: x\nsites: [{name: a}]\ntrain: {sync_every: 0}\n",
+            "train.sync_every: must be an integer >= 1",
+        ),
+        (
+            "name: x\nsites: [{name: a}]\ntrain: {sync_evry: 3}\n",
+            "train.sync_evry: unknown key; did you mean 'sync_every'?",
+        ),
+        (
+            "name: x\nsites: [{name: a}]\ntrain: {codec: int3}\n",
+            "train.codec: unknown codec 'int3'",
+        ),
+        ("name: x\nsites: [{name: a}]\nextra: 1\n", "extra: unknown key"),
+        (
+            "name: x\nsites:\n  - {name: a, address: '127.0.0.1:7100', ranks: 2}\n  - {name: b, address: '127.0.0.1:7101'}\n",
+            "127.0.0.1:7101 is also used by site 'a'",
+        ),
+        (
+            "name: x\nsites: [{name: a, address: '127.0.0.1:65535', ranks: 2}]\n",
+            "need ports up to 65536",
+        ),
+        ("- just\n- a list\n", "the job file must be a mapping"),
+        ("name: x\nsites: [unclosed\n", "not valid YAML"),
+        ("", "the file is empty"),
+    ],
+)
+def test_bad_input_names_the_field(text, expected):
+    errors = _errors(text)
+    assert any(expected in line for line in errors), errors
+
+
+def test_every_problem_is_reported_at_once():
+    errors = _errors(
+        "name: x\nsites: [{name: a, ranks: -1}, {name: b}]\n"
+        "wan:\n  default: {rtt_ms: -1, loss: 7}\ntrain: {steps: 0}\n"
+    )
+    assert len(errors) >= 3
+    assert any("sites[0].ranks" in e for e in errors)
+    assert any("wan.default" in e for e in errors)
+    assert any("train.steps" in e for e in errors)
+
+
+def test_a_site_with_an_error_is_not_reported_again_as_unknown_in_links():
+    errors = _errors(
+        "name: x\nsites: [{name: a, ranks: 0}, {name: b}]\nwan:\n  links: [{between: [a, b]}]\n"
+    )
+    assert not any("unknown site" in e for e in errors), errors
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(JobFileError, match=r"nope\.yaml: file not found"):
+        load_job(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("127.0.0.1:7100", ("127.0.0.1", 7100)),
+        ("[::1]:7100", ("::1", 7100)),
+        ("host.example:1", ("host.example", 1)),
+    ],
+)
+def test_addresses_parse(text, expected):
+    assert parse_address(text) == expected
+
+
+@pytest.mark.parametrize("text", ["7100", "host:", ":7100", "::1:7100", "a b:1", 7100])
+def test_bad_addresses_get_a_message(text):
+    assert isinstance(parse_address(text), str)

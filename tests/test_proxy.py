@@ -1,0 +1,321 @@
+"""The TCP-proxy backend over real loopback TCP: integrity, delay, rate, loss, faults, bounds.
+
+Bounds here are generous (this machine is shared and noisy); the precise
+figures are measured by ``isthmus bench wan``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import statistics
+import threading
+import time
+
+import pytest
+
+from isthmus.sim.emulator import BackgroundEmulator
+from isthmus.sim.link import LinkConfigError, LinkParams
+from isthmus.sim.probe import measure_one_way_ms, measure_rtt_ms, measure_throughput
+from isthmus.sim.topology import Fault, Site, Topology
+
+
+class EchoHashServer:
+    """Answers each connection with the SHA-256 of everything it received, then closes."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.address = self.sock.getsockname()
+        self.accepted = 0
+        threading.Thread(target=self._loop, daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        digest = hashlib.sha256()
+        with conn:
+            try:
+                while data := conn.recv(1 << 16):
+                    digest.update(data)
+                conn.sendall(digest.digest())
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def hasher():
+    server = EchoHashServer()
+    yield server
+    server.close()
+
+
+def _send_and_hash(address, payload: bytes, timeout: float = 30) -> bytes:
+    with socket.create_connection(address, timeout=timeout) as sock:
+        sock.sendall(payload)
+        sock.shutdown(socket.SHUT_WR)
+        out = b""
+        while chunk := sock.recv(64):
+            out += chunk
+    return out
+
+
+def test_bytes_cross_intact_in_both_directions(hasher, two_sites):
+    payload = os.urandom(3_000_000)
+    with two_sites(
+        hasher.address, LinkParams.symmetric(rtt_ms=10, bandwidth_mbit=200, jitter_ms=2)
+    ) as wan:
+        answer = _send_and_hash(wan.dial_address("a", "b"), payload)
+    assert answer == hashlib.sha256(payload).digest()
+
+
+def test_round_trip_adds_the_configured_rtt(probe, two_sites):
+    direct = statistics.median(measure_rtt_ms(probe.address, count=10))
+    with two_sites(probe.address, LinkParams.symmetric(rtt_ms=40)) as wan:
+        rtts = measure_rtt_ms(wan.dial_address("a", "b"), count=10)
+    added = statistics.median(rtts) - direct
+    assert 39 <= added <= 50
+
+
+def test_bandwidth_cap_limits_throughput(probe, two_sites):
+    with two_sites(probe.address, LinkParams.symmetric(rtt_ms=4, bandwidth_mbit=80)) as wan:
+        result = measure_throughput(wan.dial_address("a", "b"), seconds=1.5)
+    assert 60 <= result.mbit_per_s <= 90
+
+
+def test_connections_of_a_link_share_its_bandwidth(probe, two_sites):
+    results = []
+    with two_sites(probe.address, LinkParams.symmetric(bandwidth_mbit=80)) as wan:
+        address = wan.dial_address("a", "b")
+        threads = [
+            threading.Thread(
+                target=lambda: results.append(measure_throughput(address, seconds=1.5))
+            )
+            for _ in range(2)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    total = sum(r.bytes for r in results) * 8 / max(r.seconds for r in results) / 1e6
+    assert 60 <= total <= 95, [r.mbit_per_s for r in results]
+    assert all(r.mbit_per_s > 15 for r in results)
+
+
+def test_site_uplink_cap_is_shared_by_all_its_links(probe):
+    topology = Topology.full_mesh(
+        [
+            Site(name="a", listen=(), uplink_mbit=60),
+            Site(name="b", listen=(probe.address,)),
+            Site(name="c", listen=(probe.address,)),
+        ],
+        default=LinkParams.symmetric(bandwidth_mbit=1000),
+    )
+    results = []
+    with BackgroundEmulator(topology) as wan:
+        targets = [wan.dial_address("a", "b"), wan.dial_address("a", "c")]
+        threads = [
+            threading.Thread(target=lambda t=t: results.append(measure_throughput(t, seconds=1.5)))
+            for t in targets
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    total = sum(r.bytes for r in results) * 8 / max(r.seconds for r in results) / 1e6
+    assert 45 <= total <= 70, [r.mbit_per_s for r in results]
+    assert all(r.mbit_per_s > 15 for r in results)
+
+
+def test_jitter_varies_delay_without_reordering(hasher, probe, two_sites):
+    params = LinkParams.symmetric(rtt_ms=40, jitter_ms=4)
+    with two_sites(probe.address, params) as wan:
+        delays = measure_one_way_ms(wan.dial_address("a", "b"), count=60, interval_s=0.01)
+    assert 2.0 <= statistics.stdev(delays) <= 6.5
+    # Many small writes with large jitter still arrive in order.
+    payload = b"".join(i.to_bytes(4, "big") for i in range(50_000))
+    jittery = LinkParams.symmetric(rtt_ms=10, jitter_ms=20)
+    with two_sites(hasher.address, jittery) as wan:
+        sock = socket.create_connection(wan.dial_address("a", "b"), timeout=30)
+        with sock:
+            for i in range(0, len(payload), 4000):
+                sock.sendall(payload[i : i + 4000])
+            sock.shutdown(socket.SHUT_WR)
+            answer = sock.recv(64)
+    assert answer == hashlib.sha256(payload).digest()
+
+
+def test_loss_stalls_the_stream_but_loses_no_byte(hasher, two_sites):
+    payload = os.urandom(2_000_000)
+    params = LinkParams.symmetric(rtt_ms=2, loss=0.01, min_rto_ms=20)
+    with two_sites(hasher.address, params, seed=4) as wan:
+        answer = _send_and_hash(wan.dial_address("a", "b"), payload)
+        counters = wan.stats()["links"][0]["a->b"]
+    assert answer == hashlib.sha256(payload).digest()
+    assert counters["lost_segments"] > 0 and counters["stalls"] > 0
+
+
+def test_loss_lowers_bulk_throughput(probe, two_sites):
+    with two_sites(probe.address, LinkParams.symmetric(rtt_ms=10, bandwidth_mbit=200)) as wan:
+        clean = measure_throughput(wan.dial_address("a", "b"), seconds=1.0)
+    lossy_params = LinkParams.symmetric(rtt_ms=10, bandwidth_mbit=200, loss=0.01)
+    with two_sites(probe.address, lossy_params) as wan:
+        lossy = measure_throughput(wan.dial_address("a", "b"), seconds=1.0)
+    assert lossy.mbit_per_s < 0.5 * clean.mbit_per_s
+
+
+def test_corruption_flips_bytes_and_is_counted(hasher, two_sites):
+    payload = os.urandom(1_000_000)
+    with two_sites(hasher.address, LinkParams.symmetric(corrupt=1e-4), seed=2) as wan:
+        answer = _send_and_hash(wan.dial_address("a", "b"), payload)
+        counters = wan.stats()["links"][0]["a->b"]
+    assert answer != hashlib.sha256(payload).digest()
+    assert 20 <= counters["corrupted_bytes"] <= 250
+
+
+def test_blackhole_partition_holds_bytes_until_heal(probe, two_sites):
+    with two_sites(probe.address, LinkParams.symmetric(rtt_ms=2)) as wan:
+        address = wan.dial_address("a", "b")
+        with socket.create_connection(address, timeout=5) as sock:
+            sock.sendall(b"e")
+            sock.sendall(b"ping")
+            assert sock.recv(4) == b"ping"
+            wan.call(lambda e: e.link("a", "b").cut())
+            sock.sendall(b"pong")
+            sock.settimeout(0.5)
+            with pytest.raises(TimeoutError):
+                sock.recv(4)
+            wan.call(lambda e: e.link("a", "b").heal())
+            sock.settimeout(5)
+            assert sock.recv(4) == b"pong"
+
+
+def test_reset_partition_tears_down_and_refuses(probe, two_sites):
+    with two_sites(probe.address, LinkParams.symmetric(rtt_ms=2)) as wan:
+        address = wan.dial_address("a", "b")
+        sock = socket.create_connection(address, timeout=5)
+        sock.sendall(b"eping")
+        assert sock.recv(4) == b"ping"
+        wan.call(lambda e: e.link("a", "b").cut("reset"))
+        with pytest.raises(ConnectionResetError):
+            sock.sendall(b"x")
+            sock.recv(4)
+            sock.sendall(b"x")
+        sock.close()
+        refused = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
+        with pytest.raises(refused), socket.create_connection(address, timeout=5) as again:
+            again.sendall(b"eping")
+            if not again.recv(4):
+                raise ConnectionAbortedError("closed")
+        counters = wan.stats()["links"][0]["a->b"]
+        assert counters["resets"] >= 2
+        wan.call(lambda e: e.link("a", "b").heal())
+        assert measure_rtt_ms(address, count=2)
+
+
+def test_settings_change_while_traffic_flows(probe, two_sites):
+    with two_sites(probe.address, LinkParams.symmetric(rtt_ms=10)) as wan:
+        address = wan.dial_address("a", "b")
+        before = statistics.median(measure_rtt_ms(address, count=5))
+        wan.call(lambda e: e.link("a", "b").update(rtt_ms=60))
+        after = statistics.median(measure_rtt_ms(address, count=5))
+        with pytest.raises(LinkConfigError, match="loss"):
+            wan.call(lambda e: e.link("a", "b").update(loss=3))
+    assert before < 20 and 58 <= after < 75
+
+
+def test_scheduled_partition_happens_and_heals(probe, two_sites):
+    fault = Fault(at_s=0.3, link=("a", "b"), action="partition", for_s=0.8)
+    with two_sites(probe.address, LinkParams.symmetric(rtt_ms=2), faults=(fault,)) as wan:
+        address = wan.dial_address("a", "b")
+        with socket.create_connection(address, timeout=10) as sock:
+            sock.sendall(b"e")
+            time.sleep(0.5)
+            start = time.monotonic()
+            sock.sendall(b"ping")
+            assert sock.recv(4) == b"ping"
+            waited = time.monotonic() - start
+        events = wan.call(lambda e: [what for _, what in e.link("a", "b").events])
+    assert 0.3 <= waited <= 2.0
+    assert events[:2] == ["cut (blackhole)", "heal"]
+
+
+def test_scheduled_brownout_reverts(probe, two_sites):
+    fault = Fault(at_s=0.0, link=("a", "b"), action="brownout", for_s=0.5, changes={"rtt_ms": 80})
+    with two_sites(probe.address, LinkParams.symmetric(rtt_ms=4), faults=(fault,)) as wan:
+        address = wan.dial_address("a", "b")
+        time.sleep(0.1)
+        during = wan.call(lambda e: e.link("a", "b").params.rtt_ms)
+        time.sleep(0.8)
+        after = wan.call(lambda e: e.link("a", "b").params.rtt_ms)
+        assert measure_rtt_ms(address, count=2)
+    assert during == 80 and after == 4
+
+
+def test_slow_receiver_backpressures_the_sender_with_bounded_memory(two_sites):
+    # A receiver that never reads: the sender must block, not fill the proxy.
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    window = 1 << 20
+    params = LinkParams.symmetric(rtt_ms=2, window_bytes=window)
+    with two_sites(server.getsockname(), params) as wan:
+        sock = socket.create_connection(wan.dial_address("a", "b"), timeout=5)
+        peer, _ = server.accept()
+        peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        sock.settimeout(2)
+        sent = 0
+        with pytest.raises(TimeoutError):
+            while sent < 500 * window:
+                sent += sock.send(b"\0" * 65536)
+        queued = wan.stats()["links"][0]["a->b"]["queued_bytes"]
+        sock.close()
+        peer.close()
+    server.close()
+    assert sent < 100 * window  # the sender was stopped, not buffered without limit
+    assert queued <= window + 512 * 1024
+
+
+def test_a_peer_that_disconnects_mid_stream_is_counted_and_others_go_on(probe, two_sites):
+    with two_sites(probe.address, LinkParams.symmetric(rtt_ms=2)) as wan:
+        address = wan.dial_address("a", "b")
+        sock = socket.create_connection(address, timeout=5)
+        sock.sendall(b"s" + b"\0" * 100_000)
+        # Abrupt close: RST instead of FIN.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
+        sock.close()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            counters = wan.stats()["links"][0]["a->b"]
+            if counters["disconnects"] and not counters["active_connections"]:
+                break
+            time.sleep(0.05)
+        assert counters["disconnects"] == 1 and counters["active_connections"] == 0
+        assert measure_rtt_ms(address, count=2)  # the link still serves new connections
+
+
+def test_unreachable_upstream_closes_the_client_and_is_counted(two_sites):
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    address = dead.getsockname()
+    dead.close()  # nothing listens there now
+    with two_sites(address, LinkParams.symmetric(rtt_ms=2)) as wan:
+        with socket.create_connection(wan.dial_address("a", "b"), timeout=5) as sock:
+            sock.sendall(b"hello")
+            with pytest.raises(ConnectionResetError):
+                if not sock.recv(10):
+                    raise ConnectionResetError("closed")
+        counters = wan.stats()["links"][0]["a->b"]
+    assert counters["upstream_failures"] == 1
