@@ -1,0 +1,223 @@
+"""The ``isthmus`` command as a user runs it: help, usage errors, and the wan commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from isthmus._version import __version__
+from isthmus.deploy.cli import build_parser
+from isthmus.sim.probe import measure_rtt_ms
+
+ISTHMUS = [sys.executable, "-m", "isthmus"]
+
+
+def run(*args: str, timeout: float = 60, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*ISTHMUS, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
+    )
+
+
+def _all_commands(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield (*prefix, name)
+                yield from _all_commands(sub, (*prefix, name))
+
+
+COMMANDS = list(_all_commands(build_parser()))
+
+
+def test_version():
+    result = run("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"isthmus {__version__}"
+
+
+@pytest.mark.parametrize("command", [(), *COMMANDS], ids=lambda c: " ".join(c) or "isthmus")
+def test_every_command_has_help(command):
+    result = run(*command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert "usage: isthmus" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ((), "required: COMMAND"),
+        (("frobnicate",), "invalid choice: 'frobnicate'"),
+        (("wan", "proxy", "--listen", "127.0.0.1:1"), "required: --connect"),
+        (("wan", "proxy", "--listen", "nope", "--connect", "127.0.0.1:1"), "--listen: must be 'host:port'"),
+        (("wan", "proxy", "--listen", "127.0.0.1:1", "--connect", "127.0.0.1:2", "--rtt-ms", "-5"), "--rtt-ms: must be a number >= 0"),
+        (("wan", "proxy", "--listen", "127.0.0.1:1", "--connect", "127.0.0.1:2", "--loss", "1.5"), "--loss: must be a fraction"),
+        (("wan", "proxy", "--listen", "127.0.0.1:1", "--connect", "127.0.0.1:2", "--bandwidth-mbit", "x"), "invalid float value: 'x'"),
+        (("wan", "demo", "--jitter-distribution", "gauss"), "--jitter-distribution: unknown distribution"),
+        (("bench", "wan", "--repeats", "0"), "--repeats: must be >= 1"),
+    ],
+)
+def test_usage_errors_are_one_line_with_exit_2(args, expected):
+    result = run(*args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert expected in lines[0]
+
+
+def test_check_accepts_a_good_job_and_explains_a_bad_one(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text(
+        "name: demo\nsites: [{name: a, ranks: 2}, {name: b}]\n"
+        "wan: {default: {preset: transatlantic}}\n"
+    )
+    result = run("check", str(good))
+    assert result.returncode == 0, result.stderr
+    assert "link a<->b: rtt 80 ms" in result.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: demo\nsites:\n  - {name: a, ranks: -2}\n")
+    result = run("check", str(bad))
+    assert result.returncode == 2
+    assert f"{bad}:3: sites[0].ranks: must be an integer >= 1" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def _start(*args: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [*ISTHMUS, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    lines = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("ready"):
+            return proc, "".join(lines)
+    proc.kill()
+    raise AssertionError(f"no ready line: {''.join(lines)} {proc.stderr.read() if proc.stderr else ''}")
+
+
+def _stop(proc: subprocess.Popen) -> tuple[str, str]:
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    return out, err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_proxy_runs_until_sigterm_and_prints_its_counters(probe):
+    port = _free_port()
+    proc, ready = _start(
+        "wan", "proxy", "--listen", f"127.0.0.1:{port}",
+        "--connect", "{}:{}".format(*probe.address), "--rtt-ms", "30",
+    )
+    assert "ready: 127.0.0.1" in ready and "rtt 30 ms" in ready
+    rtts = measure_rtt_ms(("127.0.0.1", port), count=5)
+    out, _ = _stop(proc)
+    assert 29 <= statistics.median(rtts) <= 45
+    assert "to upstream: bytes=" in out and "connections=1" in out
+
+
+def test_proxy_refuses_a_port_in_use(probe):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        host, port = busy.getsockname()
+        result = run("wan", "proxy", "--listen", f"{host}:{port}", "--connect", "127.0.0.1:9")
+    assert result.returncode == 2
+    assert f"cannot listen on {host}:{port}" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_proxy_names_an_unreachable_upstream():
+    dead = _free_port()
+    port = _free_port()
+    proc, _ = _start("wan", "proxy", "--listen", f"127.0.0.1:{port}", "--connect", f"127.0.0.1:{dead}")
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(b"hi")
+        try:
+            assert sock.recv(10) == b""
+        except ConnectionResetError:
+            pass
+    out, err = _stop(proc)
+    assert f"--connect 127.0.0.1:{dead} is not reachable yet" in err
+    assert f"upstream 127.0.0.1:{dead} unreachable" in err
+    assert "upstream_failures=1" in out
+
+
+def test_wan_up_serves_a_job_and_obeys_control_commands(tmp_path, probe):
+    job = tmp_path / "job.yaml"
+    host, port = probe.address
+    job.write_text(
+        "name: ctl\nsites:\n"
+        "  - {name: a, ranks: 2}\n"
+        f"  - {{name: b, address: '{host}:{port}'}}\n"
+        "wan:\n  default: {rtt_ms: 20}\n"
+    )
+    state = tmp_path / "state.json"
+    proc, ready = _start("wan", "up", str(job), "--state", str(state))
+    try:
+        data = json.loads(state.read_text())
+        assert data["sites"]["b"]["listen"] == [f"{host}:{port}"]
+        assert len(data["sites"]["b"]["dial"]["a"]) == 2
+        dial_host, dial_port = data["sites"]["a"]["dial"]["b"][0].rsplit(":", 1)
+        address = (dial_host, int(dial_port))
+        assert 19 <= statistics.median(measure_rtt_ms(address, count=3)) < 35
+
+        ctl = ["--state", str(state)]
+        assert run("wan", "set", str(job), "a", "b", "rtt_ms=80", *ctl).returncode == 0
+        assert 79 <= statistics.median(measure_rtt_ms(address, count=3)) < 95
+
+        bad = run("wan", "set", str(job), "a", "b", "loss=7", *ctl)
+        assert bad.returncode == 2 and "loss: must be a fraction" in bad.stderr
+        unknown = run("wan", "cut", str(job), "a", "z", *ctl)
+        assert unknown.returncode == 2 and "no link between 'a' and 'z'" in unknown.stderr
+
+        assert run("wan", "cut", str(job), "a", "b", *ctl).stdout.strip() == "link a<->b: blackhole"
+        assert run("wan", "heal", str(job), "a", "b", *ctl).stdout.strip() == "link a<->b: up"
+        stats = json.loads(run("wan", "stats", str(job), "--json", *ctl).stdout)
+        (link,) = stats["links"]
+        assert link["a->b"]["connections"] >= 2 and link["a->b"]["bytes"] > 0
+    finally:
+        out, _ = _stop(proc)
+    assert not state.exists(), "the state file must go when the emulator stops"
+    assert "link a<->b (up):" in out
+
+
+def test_control_commands_without_a_running_emulator(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("name: idle\nsites: [{name: a}, {name: b}]\nwan: {}\n")
+    result = run("wan", "stats", str(job), cwd=tmp_path)
+    assert result.returncode == 2
+    assert "no running emulator for job 'idle'" in result.stderr
+
+
+def test_wan_up_needs_a_wan_section(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("name: plain\nsites: [{name: a}, {name: b}]\n")
+    result = run("wan", "up", str(job))
+    assert result.returncode == 2 and "has no 'wan:' section" in result.stderr
+
+
+def test_demo_reports_rtt_and_throughput():
+    result = run("wan", "demo", "--preset", "same-region", "--rtt-ms", "20",
+                 "--bandwidth-mbit", "50", "--seconds", "1")
+    assert result.returncode == 0, result.stderr
+    assert "round trip: median" in result.stdout and "(configured 20 ms" in result.stdout
+    assert "throughput:" in result.stdout and "cap 50 Mbit/s" in result.stdout
