@@ -58,9 +58,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     handler: Command = args.handler
+    from isthmus.deploy.addressing import AddressError
+
     try:
         return handler(args)
-    except UsageError as exc:
+    except (UsageError, AddressError) as exc:
         print(f"{args.prog}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from isthmus.deploy.addressing import load_state
 from isthmus.deploy.cli import UsageError, add_command
 from isthmus.deploy.job_commands import describe_link
 from isthmus.deploy.jobfile import Job, load_job, parse_address
@@ -74,6 +75,13 @@ def register(commands: Any) -> None:
         help="where to write the addresses to dial (default: ./<job name>.wan.json)",
     )
     up.add_argument("--host", default="127.0.0.1", help="address the link listeners bind")
+    up.add_argument(
+        "--stats-every",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="print each busy link's throughput this often (0: never)",
+    )
 
     setter = add_command(verbs, "set", _set, help="change a running link's settings")
     _add_link_target(setter)
@@ -231,10 +239,12 @@ def _up(args: argparse.Namespace) -> int:
             "e.g. wan: {default: {preset: transatlantic}}"
         )
     state_path = Path(args.state) if args.state else default_state_path(job)
-    return asyncio.run(_serve_topology(job, state_path, args.host))
+    if args.stats_every < 0:
+        raise UsageError(f"--stats-every: must be >= 0 seconds, got {args.stats_every}")
+    return asyncio.run(_serve_topology(job, state_path, args.host, args.stats_every))
 
 
-async def _serve_topology(job: Job, state_path: Path, host: str) -> int:
+async def _serve_topology(job: Job, state_path: Path, host: str, stats_every: float) -> int:
     ranks = job.rank_addresses(host)
     emulator = Emulator(job.topology(ranks), host=host)
     try:
@@ -266,9 +276,11 @@ async def _serve_topology(job: Job, state_path: Path, host: str) -> int:
     for name, site in state["sites"].items():
         print(f"site {name}: ranks listen on {', '.join(site['listen'])}")
     print(f"ready: {len(topology.pairs())} links up; addresses to dial in {state_path}", flush=True)
+    reporter = asyncio.ensure_future(_report_throughput(emulator, stats_every))
     try:
         await _wait_for_signal()
     finally:
+        reporter.cancel()
         stats = emulator.stats()
         await control.stop()
         await emulator.stop()
@@ -276,6 +288,24 @@ async def _serve_topology(job: Job, state_path: Path, host: str) -> int:
             state_path.unlink()
     print(format_stats(stats), flush=True)
     return 0
+
+
+async def _report_throughput(emulator: Emulator, every_s: float) -> None:
+    """Print, every ``every_s``, the throughput of each link direction that carried bytes."""
+    if every_s <= 0:
+        return
+    last: dict[tuple[str, str], int] = {}
+    while True:
+        await asyncio.sleep(every_s)
+        busy = []
+        for link in emulator.links.values():
+            for d in (link.a_to_b, link.b_to_a):
+                sent = d.counters.bytes - last.get((d.src, d.dst), 0)
+                last[(d.src, d.dst)] = d.counters.bytes
+                if sent:
+                    busy.append(f"{d.src}->{d.dst} {sent * 8 / every_s / 1e6:.1f} Mbit/s")
+        if busy:
+            print("traffic: " + ", ".join(busy), flush=True)
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -292,19 +322,13 @@ def write_json_atomic(path: Path, data: Any) -> None:
 def _client(args: argparse.Namespace) -> ControlClient:
     job = load_job(args.job)
     path = Path(args.state) if args.state else default_state_path(job)
-    try:
-        state = json.loads(path.read_text())
-        address = _address(state["control"], "--state")
-    except FileNotFoundError:
+    if not path.exists():
         raise UsageError(
             f"no running emulator for job {job.name!r}: {path} does not exist "
             "(start 'isthmus wan up' first, or pass --state)"
-        ) from None
-    except (ValueError, KeyError, TypeError):
-        raise UsageError(
-            f"--state: {path} is not a state file written by 'isthmus wan up'"
-        ) from None
-    return ControlClient(address)
+        )
+    state = load_state(path)
+    return ControlClient(_address(str(state.get("control")), "--state"))
 
 
 def _control(call: Any) -> Any:

@@ -204,6 +204,7 @@ class Pipe:
         self._unacked = 0
         self._stall_until = 0.0
         self._last_deliver = 0.0
+        self._stream_offset = 0
         self._pump_timer: asyncio.TimerHandle | None = None
         self._deliver_timer: asyncio.TimerHandle | None = None
         self._dst_paused = False
@@ -275,7 +276,12 @@ class Pipe:
         c = d.counters
         depart = d.reserve(len(piece), now)
         deliver = depart + d.jitter.sample_s()
-        segments = -(-len(piece) // d.params.mss_bytes)
+        # Segments are counted by position in the stream, not per batch, so
+        # the loss pattern of a connection does not depend on read sizes.
+        mss = d.params.mss_bytes
+        end = self._stream_offset + len(piece)
+        segments = -(-end // mss) - -(-self._stream_offset // mss)
+        self._stream_offset = end
         lost = d.loss.lost_in(segments)
         if lost:
             # The retransmission of the lost segment arrives one RTO later; the

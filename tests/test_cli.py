@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import socket
@@ -57,11 +58,53 @@ def test_every_command_has_help(command):
         ((), "required: COMMAND"),
         (("frobnicate",), "invalid choice: 'frobnicate'"),
         (("wan", "proxy", "--listen", "127.0.0.1:1"), "required: --connect"),
-        (("wan", "proxy", "--listen", "nope", "--connect", "127.0.0.1:1"), "--listen: must be 'host:port'"),
-        (("wan", "proxy", "--listen", "127.0.0.1:1", "--connect", "127.0.0.1:2", "--rtt-ms", "-5"), "--rtt-ms: must be a number >= 0"),
-        (("wan", "proxy", "--listen", "127.0.0.1:1", "--connect", "127.0.0.1:2", "--loss", "1.5"), "--loss: must be a fraction"),
-        (("wan", "proxy", "--listen", "127.0.0.1:1", "--connect", "127.0.0.1:2", "--bandwidth-mbit", "x"), "invalid float value: 'x'"),
-        (("wan", "demo", "--jitter-distribution", "gauss"), "--jitter-distribution: unknown distribution"),
+        (
+            ("wan", "proxy", "--listen", "nope", "--connect", "127.0.0.1:1"),
+            "--listen: must be 'host:port'",
+        ),
+        (
+            (
+                "wan",
+                "proxy",
+                "--listen",
+                "127.0.0.1:1",
+                "--connect",
+                "127.0.0.1:2",
+                "--rtt-ms",
+                "-5",
+            ),
+            "--rtt-ms: must be a number >= 0",
+        ),
+        (
+            (
+                "wan",
+                "proxy",
+                "--listen",
+                "127.0.0.1:1",
+                "--connect",
+                "127.0.0.1:2",
+                "--loss",
+                "1.5",
+            ),
+            "--loss: must be a fraction",
+        ),
+        (
+            (
+                "wan",
+                "proxy",
+                "--listen",
+                "127.0.0.1:1",
+                "--connect",
+                "127.0.0.1:2",
+                "--bandwidth-mbit",
+                "x",
+            ),
+            "invalid float value: 'x'",
+        ),
+        (
+            ("wan", "demo", "--jitter-distribution", "gauss"),
+            "--jitter-distribution: unknown distribution",
+        ),
         (("bench", "wan", "--repeats", "0"), "--repeats: must be >= 1"),
     ],
 )
@@ -105,7 +148,9 @@ def _start(*args: str) -> tuple[subprocess.Popen, str]:
         if line.startswith("ready"):
             return proc, "".join(lines)
     proc.kill()
-    raise AssertionError(f"no ready line: {''.join(lines)} {proc.stderr.read() if proc.stderr else ''}")
+    raise AssertionError(
+        f"no ready line: {''.join(lines)} {proc.stderr.read() if proc.stderr else ''}"
+    )
 
 
 def _stop(proc: subprocess.Popen) -> tuple[str, str]:
@@ -124,8 +169,14 @@ def _free_port() -> int:
 def test_proxy_runs_until_sigterm_and_prints_its_counters(probe):
     port = _free_port()
     proc, ready = _start(
-        "wan", "proxy", "--listen", f"127.0.0.1:{port}",
-        "--connect", "{}:{}".format(*probe.address), "--rtt-ms", "30",
+        "wan",
+        "proxy",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--connect",
+        "{}:{}".format(*probe.address),
+        "--rtt-ms",
+        "30",
     )
     assert "ready: 127.0.0.1" in ready and "rtt 30 ms" in ready
     rtts = measure_rtt_ms(("127.0.0.1", port), count=5)
@@ -148,13 +199,13 @@ def test_proxy_refuses_a_port_in_use(probe):
 def test_proxy_names_an_unreachable_upstream():
     dead = _free_port()
     port = _free_port()
-    proc, _ = _start("wan", "proxy", "--listen", f"127.0.0.1:{port}", "--connect", f"127.0.0.1:{dead}")
+    proc, _ = _start(
+        "wan", "proxy", "--listen", f"127.0.0.1:{port}", "--connect", f"127.0.0.1:{dead}"
+    )
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         sock.sendall(b"hi")
-        try:
+        with contextlib.suppress(ConnectionResetError):
             assert sock.recv(10) == b""
-        except ConnectionResetError:
-            pass
     out, err = _stop(proc)
     assert f"--connect 127.0.0.1:{dead} is not reachable yet" in err
     assert f"upstream 127.0.0.1:{dead} unreachable" in err
@@ -171,7 +222,7 @@ def test_wan_up_serves_a_job_and_obeys_control_commands(tmp_path, probe):
         "wan:\n  default: {rtt_ms: 20}\n"
     )
     state = tmp_path / "state.json"
-    proc, ready = _start("wan", "up", str(job), "--state", str(state))
+    proc, _ = _start("wan", "up", str(job), "--state", str(state), "--stats-every", "0.2")
     try:
         data = json.loads(state.read_text())
         assert data["sites"]["b"]["listen"] == [f"{host}:{port}"]
@@ -198,6 +249,7 @@ def test_wan_up_serves_a_job_and_obeys_control_commands(tmp_path, probe):
         out, _ = _stop(proc)
     assert not state.exists(), "the state file must go when the emulator stops"
     assert "link a<->b (up):" in out
+    assert "traffic: a->b" in out
 
 
 def test_control_commands_without_a_running_emulator(tmp_path):
@@ -216,8 +268,18 @@ def test_wan_up_needs_a_wan_section(tmp_path):
 
 
 def test_demo_reports_rtt_and_throughput():
-    result = run("wan", "demo", "--preset", "same-region", "--rtt-ms", "20",
-                 "--bandwidth-mbit", "50", "--seconds", "1")
+    result = run(
+        "wan",
+        "demo",
+        "--preset",
+        "same-region",
+        "--rtt-ms",
+        "20",
+        "--bandwidth-mbit",
+        "50",
+        "--seconds",
+        "1",
+    )
     assert result.returncode == 0, result.stderr
     assert "round trip: median" in result.stdout and "(configured 20 ms" in result.stdout
     assert "throughput:" in result.stdout and "cap 50 Mbit/s" in result.stdout

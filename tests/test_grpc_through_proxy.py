@@ -24,7 +24,9 @@ def test_health_check_crosses_the_link_with_its_latency(two_sites):
             with grpc.insecure_channel(f"{host}:{proxied}") as channel:
                 stub = health_pb2_grpc.HealthStub(channel)
                 request = health_pb2.HealthCheckRequest(service="isthmus")
-                assert stub.Check(request, timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+                assert (
+                    stub.Check(request, timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+                )
                 start = time.monotonic()
                 reply = stub.Check(request, timeout=10)
                 elapsed_ms = (time.monotonic() - start) * 1e3

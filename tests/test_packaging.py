@@ -53,8 +53,18 @@ def _check(python: Path, cwd: Path) -> None:
 def test_wheel_holds_only_the_isthmus_namespace_and_imports(tmp_path):
     dist = tmp_path / "dist"
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-         "-w", str(dist), str(ROOT)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(dist),
+            str(ROOT),
+        ],
         check=True,
         timeout=600,
     )

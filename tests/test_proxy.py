@@ -319,3 +319,28 @@ def test_unreachable_upstream_closes_the_client_and_is_counted(two_sites):
                     raise ConnectionResetError("closed")
         counters = wan.stats()["links"][0]["a->b"]
     assert counters["upstream_failures"] == 1
+
+
+def test_flap_cuts_and_heals_repeatedly(probe, two_sites):
+    fault = Fault(at_s=0.0, link=("a", "b"), action="flap", for_s=1.0, period_s=0.4, down_s=0.1)
+    with two_sites(probe.address, LinkParams.symmetric(rtt_ms=2), faults=(fault,)) as wan:
+        time.sleep(1.3)
+        events = wan.call(lambda e: [what for _, what in e.link("a", "b").events])
+        assert measure_rtt_ms(wan.dial_address("a", "b"), count=2)
+    assert events.count("cut (blackhole)") == 3
+    assert events.count("heal") == 3
+
+
+def test_faults_are_reproducible_from_the_seed(hasher, two_sites):
+    payload = os.urandom(500_000)
+    params = LinkParams.symmetric(corrupt=1e-4, loss=0.005, min_rto_ms=5)
+    outcomes = []
+    for _ in range(2):
+        with two_sites(hasher.address, params, seed=11) as wan:
+            answer = _send_and_hash(wan.dial_address("a", "b"), payload)
+            counters = wan.stats()["links"][0]["a->b"]
+        outcomes.append((answer, counters["corrupted_bytes"], counters["lost_segments"]))
+    assert outcomes[0] == outcomes[1]
+    with two_sites(hasher.address, params, seed=12) as wan:
+        other = _send_and_hash(wan.dial_address("a", "b"), payload)
+    assert other != outcomes[0][0]
