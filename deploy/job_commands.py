@@ -31,7 +31,8 @@ def describe_job(job: Job) -> str:
         where = "{}:{}".format(*site.address) if site.address else "(free ports when emulated)"
         extra = f", advertise {site.advertise[0]}:{site.advertise[1]}" if site.advertise else ""
         cap = f", uplink {site.uplink_mbit:g} Mbit/s" if site.uplink_mbit else ""
-        lines.append(f"  site {site.name}: {site.ranks} ranks at {where}{extra}{cap}")
+        noun = "rank" if site.ranks == 1 else "ranks"
+        lines.append(f"  site {site.name}: {site.ranks} {noun} at {where}{extra}{cap}")
     if job.wan is None:
         lines.append("  wan: none (real network; peers dial each site's advertised address)")
     else:

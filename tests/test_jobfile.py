@@ -1,6 +1,7 @@
 """Job-file validation: every accepted shape, and every error naming its field, line and fix."""
 
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -223,3 +224,12 @@ def test_addresses_parse(text, expected):
 @pytest.mark.parametrize("text", ["7100", "host:", ":7100", "::1:7100", "a b:1", 7100])
 def test_bad_addresses_get_a_message(text):
     assert isinstance(parse_address(text), str)
+
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "deploy" / "examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_shipped_examples_are_valid(path):
+    job = load_job(path)
+    assert len(job.sites) >= 2 and job.wan is not None
