@@ -342,6 +342,7 @@ class Pipe:
         self.dst = transport
         if self._deliver_timer is None:
             self._arm_deliver()
+        self._maybe_finish()
 
     def pause_writing(self) -> None:
         """The receiver's socket buffer is full: hold deliveries (the window fills up)."""
@@ -386,7 +387,9 @@ class Pipe:
 
     # -- end of stream ------------------------------------------------------------
     def _maybe_finish(self) -> None:
-        if self._eof and not self._done and not self._pending and not self._line:
+        # The EOF is passed on only once a destination exists to receive it.
+        ready = self.dst is not None and not self._pending and not self._line
+        if self._eof and not self._done and ready:
             self._done = True
             self.connection.pipe_finished(self)
 
@@ -461,6 +464,9 @@ class ProxiedConnection:
 
     def side_made(self, side: _Side) -> None:
         assert side.transport is not None
+        if self._closed:  # the client went away while the upstream was connecting
+            side.transport.close()
+            return
         self.outgoing(side).src = side.transport
         self.incoming(side).attach_destination(side.transport)
         if side is self.client:

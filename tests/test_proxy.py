@@ -344,3 +344,11 @@ def test_faults_are_reproducible_from_the_seed(hasher, two_sites):
     with two_sites(hasher.address, params, seed=12) as wan:
         other = _send_and_hash(wan.dial_address("a", "b"), payload)
     assert other != outcomes[0][0]
+
+
+def test_eof_before_the_upstream_is_connected_still_reaches_it(hasher, two_sites):
+    # The client closes its side at once: the upstream (one delay later) must
+    # still see an empty, closed stream and answer.
+    with two_sites(hasher.address, LinkParams.symmetric(rtt_ms=60)) as wan:
+        answer = _send_and_hash(wan.dial_address("a", "b"), b"")
+    assert answer == hashlib.sha256(b"").digest()
