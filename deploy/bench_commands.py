@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from isthmus.deploy.cli import UsageError, add_command
@@ -24,15 +25,21 @@ def register(commands: Any) -> None:
     wan.add_argument("--json", action="store_true", help="print the results as JSON")
     wan.add_argument("--repeats", type=int, default=3, help="runs per throughput point (median)")
     wan.add_argument("--seconds", type=float, default=2.0, help="length of each throughput run")
+    wan.add_argument("--plot", metavar="FILE.png", help="also draw the results into a PNG")
 
 
 def _wan(args: argparse.Namespace) -> int:
-    from isthmus.deploy.bench_wan import format_report, run_wan_bench
+    from isthmus.deploy.bench_wan import format_report, plot_report, run_wan_bench
 
     if args.repeats < 1:
         raise UsageError(f"--repeats: must be >= 1, got {args.repeats}")
     if args.seconds <= 0:
         raise UsageError(f"--seconds: must be > 0, got {args.seconds}")
-    results = run_wan_bench(repeats=args.repeats, seconds=args.seconds, verbose=not args.json)
+    results, samples = run_wan_bench(
+        repeats=args.repeats, seconds=args.seconds, verbose=not args.json
+    )
     print(json.dumps(results, indent=2) if args.json else format_report(results))
-    return 0
+    if args.plot:
+        plot_report(results, samples, args.plot)
+        print(f"plot: {args.plot}", file=sys.stderr)
+    return 0 if results["ok"] else 1

@@ -91,8 +91,10 @@ def _progress(verbose: bool, text: str) -> None:
 
 def run_wan_bench(
     *, repeats: int = 3, seconds: float = 2.0, verbose: bool = True
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], dict[str, list[float]]]:
+    """Measure every point; return the results and the raw delay samples (for plots)."""
     results: dict[str, Any] = {"machine": {"cpus": os.cpu_count()}}
+    samples: dict[str, list[float]] = {}
     with ProbeServer() as server:
         up = server.address
 
@@ -136,8 +138,9 @@ def run_wan_bench(
         rtt_rows = []
         for rtt in RTTS_MS:
             with proxy_process(up, "--rtt-ms", str(rtt)) as (addr, _):
-                samples = measure_rtt_ms(addr, count=40, interval_s=0.005)
-            added = statistics.median(samples) - base
+                rtt_samples = measure_rtt_ms(addr, count=40, interval_s=0.005)
+            added = statistics.median(rtt_samples) - base
+            samples[f"added_rtt_ms/{rtt}"] = [x - base for x in rtt_samples]
             tolerance = 1.0 + 0.02 * rtt
             rtt_rows.append(
                 {
@@ -163,6 +166,7 @@ def run_wan_bench(
                 distribution,
             ) as (addr, _):
                 delays = measure_one_way_ms(addr, count=JITTER_SAMPLES, interval_s=0.02)
+            samples[f"one_way_ms/{distribution}"] = delays
             expected = jitter
             if distribution == "pareto":
                 a = PARETO_SHAPE
@@ -213,7 +217,70 @@ def run_wan_bench(
     results["ok"] = all(
         row["ok"] for row in [*results["throughput"], results["uncapped"], *rtt_rows, *jitter_rows]
     )
-    return results
+    return results, samples
+
+
+def plot_report(results: dict[str, Any], samples: dict[str, list[float]], path: str) -> None:
+    """Write a PNG: throughput against the caps, added RTT against the configured
+    RTT, and the one-way delay distributions of the jitter settings."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (tput, rtt, jit) = plt.subplots(1, 3, figsize=(15, 4.5))
+    caps = [row["cap_mbit"] for row in results["throughput"]]
+    tput.loglog(caps, caps, color="grey", lw=1, label="cap")
+    tput.fill_between(
+        caps,
+        [c * 0.95 for c in caps],
+        [c * 1.05 for c in caps],
+        color="grey",
+        alpha=0.2,
+        label="target +-5%",
+    )
+    for row in results["throughput"]:
+        tput.scatter([row["cap_mbit"]] * len(row["runs_mbit"]), row["runs_mbit"], color="C0", s=14)
+    tput.set(
+        xlabel="configured cap (Mbit/s)",
+        ylabel="measured (Mbit/s)",
+        title="throughput through the proxy",
+    )
+    tput.legend()
+
+    points = results["rtt"]["points"]
+    for i, row in enumerate(points):
+        errors = [x - row["configured_ms"] for x in samples[f"added_rtt_ms/{row['configured_ms']}"]]
+        rtt.scatter([i] * len(errors), errors, color="C0", s=8, alpha=0.5)
+        rtt.errorbar([i], [0], yerr=[row["tolerance_ms"]], color="grey", capsize=8)
+    rtt.axhline(0, color="grey", lw=1)
+    rtt.set_xticks(range(len(points)), [f"{row['configured_ms']} ms" for row in points])
+    rtt.set(
+        xlabel="configured RTT",
+        ylabel="measured - configured (ms)",
+        title="added round-trip time (bars: target)",
+    )
+
+    for row in results["jitter"]:
+        delays = samples[f"one_way_ms/{row['distribution']}"]
+        median = statistics.median(delays)
+        jit.hist(
+            [d - median for d in delays],
+            bins=40,
+            histtype="step",
+            lw=1.5,
+            label=f"{row['distribution']} {row['jitter_ms']:g} ms: "
+            f"sd {row['measured_stdev_ms']:.2f} (exp. {row['expected_stdev_ms']:.2f})",
+        )
+    jit.set(
+        xlabel="one-way delay - median (ms)",
+        ylabel="messages",
+        title="jitter (25 ms one-way delay)",
+    )
+    jit.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def format_report(r: dict[str, Any]) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from isthmus.deploy.addressing import load_state
+from isthmus.deploy.addressing import AddressError, load_state
 from isthmus.deploy.cli import UsageError, add_command
 from isthmus.deploy.job_commands import describe_link
 from isthmus.deploy.jobfile import Job, load_job, parse_address
@@ -176,6 +176,7 @@ def _proxy(args: argparse.Namespace) -> int:
 async def _serve_proxy(
     topology: Topology, listen: tuple[str, int], connect: tuple[str, int]
 ) -> int:
+    stop = _stop_on_signals()
     emulator = Emulator(topology, listen={("client", "server", 0): listen})
     try:
         await emulator.start()
@@ -193,7 +194,7 @@ async def _serve_proxy(
         f"({describe_link(params.a_to_b, params.rtt_ms)})",
         flush=True,
     )
-    await _wait_for_signal()
+    await stop.wait()
     counters = emulator.stats()["links"][0]
     await emulator.stop()
     for direction, label in (("client->server", "to upstream"), ("server->client", "to client")):
@@ -218,12 +219,14 @@ async def _reachable(address: tuple[str, int]) -> bool:
     return True
 
 
-async def _wait_for_signal() -> None:
+def _stop_on_signals() -> asyncio.Event:
+    """An event set by SIGINT or SIGTERM. Install it before printing "ready", so a
+    signal sent as soon as the line is seen still shuts down cleanly."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    return stop
 
 
 # -- wan up -----------------------------------------------------------------------------
@@ -239,12 +242,31 @@ def _up(args: argparse.Namespace) -> int:
             "e.g. wan: {default: {preset: transatlantic}}"
         )
     state_path = Path(args.state) if args.state else default_state_path(job)
+    _refuse_a_second_emulator(state_path)
     if args.stats_every < 0:
         raise UsageError(f"--stats-every: must be >= 0 seconds, got {args.stats_every}")
     return asyncio.run(_serve_topology(job, state_path, args.host, args.stats_every))
 
 
+def _refuse_a_second_emulator(state_path: Path) -> None:
+    """One emulator per state file: a live one is refused, a stale one replaced."""
+    if not state_path.exists():
+        return
+    try:
+        state = load_state(state_path)
+        control = _address(str(state.get("control")), "--state")
+        ControlClient(control, timeout_s=2).stats()
+    except (UsageError, AddressError, ControlError):
+        print(f"warning: replacing {state_path}, left by an emulator that is gone", file=sys.stderr)
+        return
+    raise UsageError(
+        f"an emulator is already running for {state_path} (pid {state.get('pid')}); "
+        "stop it, or pass another --state"
+    )
+
+
 async def _serve_topology(job: Job, state_path: Path, host: str, stats_every: float) -> int:
+    stop = _stop_on_signals()
     ranks = job.rank_addresses(host)
     emulator = Emulator(job.topology(ranks), host=host)
     try:
@@ -278,7 +300,7 @@ async def _serve_topology(job: Job, state_path: Path, host: str, stats_every: fl
     print(f"ready: {len(topology.pairs())} links up; addresses to dial in {state_path}", flush=True)
     reporter = asyncio.ensure_future(_report_throughput(emulator, stats_every))
     try:
-        await _wait_for_signal()
+        await stop.wait()
     finally:
         reporter.cancel()
         stats = emulator.stats()

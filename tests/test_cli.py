@@ -240,6 +240,9 @@ def test_wan_up_serves_a_job_and_obeys_control_commands(tmp_path, probe):
         unknown = run("wan", "cut", str(job), "a", "z", *ctl)
         assert unknown.returncode == 2 and "no link between 'a' and 'z'" in unknown.stderr
 
+        second = run("wan", "up", str(job), "--state", str(state))
+        assert second.returncode == 2 and "an emulator is already running" in second.stderr
+
         assert run("wan", "cut", str(job), "a", "b", *ctl).stdout.strip() == "link a<->b: blackhole"
         assert run("wan", "heal", str(job), "a", "b", *ctl).stdout.strip() == "link a<->b: up"
         stats = json.loads(run("wan", "stats", str(job), "--json", *ctl).stdout)
@@ -283,3 +286,14 @@ def test_demo_reports_rtt_and_throughput():
     assert result.returncode == 0, result.stderr
     assert "round trip: median" in result.stdout and "(configured 20 ms" in result.stdout
     assert "throughput:" in result.stdout and "cap 50 Mbit/s" in result.stdout
+
+
+def test_wan_up_replaces_a_stale_state_file(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("name: stale\nsites: [{name: a}, {name: b}]\nwan: {default: {rtt_ms: 5}}\n")
+    state = tmp_path / "state.json"
+    dead = _free_port()
+    state.write_text(json.dumps({"job": "stale", "control": f"127.0.0.1:{dead}", "sites": {}}))
+    proc, _ = _start("wan", "up", str(job), "--state", str(state))
+    _, err = _stop(proc)
+    assert "replacing" in err and "left by an emulator that is gone" in err
