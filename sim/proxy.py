@@ -81,6 +81,11 @@ class DirectionCounters:
     """Connections whose destination could not be reached."""
 
 
+def direction_rng(seed: int, src: str, dst: str) -> random.Random:
+    """The random stream of the direction src -> dst of a topology seeded ``seed``."""
+    return random.Random(zlib.crc32(f"{seed}:{src}->{dst}".encode()))
+
+
 class DirectionRuntime:
     """One direction of a link while the emulator runs: settings, limiters, RNG, counters."""
 
@@ -101,7 +106,7 @@ class DirectionRuntime:
         self.blackholed = False
         # Seeded per direction from the topology seed and the names, so a run
         # is reproducible and adding a link does not change the others' draws.
-        self._rng = random.Random(zlib.crc32(f"{seed}:{src}->{dst}".encode()))
+        self._rng = direction_rng(seed, src, dst)
         self._bucket = TokenBucket(params.rate_bytes_per_s)
         self._site_buckets = [b for b in (egress, ingress) if b is not None]
         self._corrupt_gap = 0
