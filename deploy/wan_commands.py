@@ -74,6 +74,12 @@ def register(commands: Any) -> None:
         metavar="FILE",
         help="where to write the addresses to dial (default: ./<job name>.wan.json)",
     )
+    up.add_argument(
+        "--hosts",
+        action="store_true",
+        help="packet level: every site a separate host (network namespace) behind "
+        "an emulating router; needs root",
+    )
     up.add_argument("--host", default="127.0.0.1", help="address the link listeners bind")
     up.add_argument(
         "--stats-every",
@@ -106,6 +112,18 @@ def register(commands: Any) -> None:
 
     heal = add_command(verbs, "heal", _heal, help="end a partition")
     _add_link_target(heal)
+
+    exe = add_command(
+        verbs,
+        "exec",
+        _exec,
+        help="run a command inside a site's host (after 'wan up --hosts')",
+        description="Run COMMAND in the network namespace of SITE, as if on that host: "
+        "isthmus wan exec JOB.yaml SITE -- COMMAND [ARGS...]",
+    )
+    exe.add_argument("job", metavar="JOB.yaml")
+    exe.add_argument("site", metavar="SITE")
+    exe.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND")
 
     stats = add_command(verbs, "stats", _stats, help="print the counters of every running link")
     stats.add_argument("job", metavar="JOB.yaml")
@@ -245,7 +263,22 @@ def _up(args: argparse.Namespace) -> int:
     _refuse_a_second_emulator(state_path)
     if args.stats_every < 0:
         raise UsageError(f"--stats-every: must be >= 0 seconds, got {args.stats_every}")
+    if args.hosts:
+        from isthmus.deploy.wan_hosts import serve_hosts
+
+        return serve_hosts(job, state_path, write_json_atomic)
     return asyncio.run(_serve_topology(job, state_path, args.host, args.stats_every))
+
+
+def _exec(args: argparse.Namespace) -> int:
+    from isthmus.deploy.wan_hosts import exec_in_host
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    job = load_job(args.job)
+    try:
+        return exec_in_host(job, args.site, command)
+    except KeyError as exc:
+        raise UsageError(str(exc.args[0])) from None
 
 
 def _refuse_a_second_emulator(state_path: Path) -> None:
@@ -394,7 +427,25 @@ def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def format_packet_stats(stats: dict[str, Any]) -> str:
+    """Counters of the packet-level backend (``wan up --hosts``)."""
+    lines = []
+    for link in stats["links"]:
+        a, b = link["between"]
+        lines.append(f"link {a}<->{b} ({link['state']}):")
+        for direction in (f"{a}->{b}", f"{b}->{a}"):
+            c = link[direction]
+            lines.append(
+                f"  {direction}: {c['bytes'] / 1e6:.1f} MB, {c['packets']} packets, "
+                f"{c['lost_packets']} lost, {c['queue_drops']} queue drops, "
+                f"{c['partition_drops']} partition drops"
+            )
+    return "\n".join(lines)
+
+
 def format_stats(stats: dict[str, Any]) -> str:
+    if stats.get("backend") == "hosts":
+        return format_packet_stats(stats)
     lines = []
     for link in stats["links"]:
         a, b = link["between"]

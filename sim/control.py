@@ -18,18 +18,26 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from typing import Any
+from typing import Any, Protocol
 
-from isthmus.sim.emulator import Emulator
+from isthmus.sim.faults import ControllableLink
 from isthmus.sim.link import LinkConfigError
 
 MAX_REQUEST_BYTES = 64 * 1024
 
 
+class Controllable(Protocol):
+    """An emulator of any backend, as the control service sees it."""
+
+    def link(self, a: str, b: str) -> ControllableLink: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
 class ControlServer:
     """Serves control requests for ``emulator`` on ``host`` (a free port by default)."""
 
-    def __init__(self, emulator: Emulator, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, emulator: Controllable, host: str = "127.0.0.1", port: int = 0) -> None:
         self.emulator = emulator
         self._host, self._port = host, port
         self._server: asyncio.Server | None = None
@@ -87,7 +95,7 @@ class ControlServer:
             message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
             return {"ok": False, "error": message}
 
-    def _link(self, request: dict[str, Any]) -> Any:
+    def _link(self, request: dict[str, Any]) -> ControllableLink:
         pair = request.get("link")
         if not (
             isinstance(pair, list) and len(pair) == 2 and all(isinstance(p, str) for p in pair)

@@ -16,9 +16,10 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from isthmus.sim.faults import run_fault
 from isthmus.sim.proxy import LinkRuntime, Listener
 from isthmus.sim.token_bucket import TokenBucket
-from isthmus.sim.topology import Fault, Topology
+from isthmus.sim.topology import Topology
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -82,7 +83,8 @@ class Emulator:
             raise
         self._started_at = loop.time()
         self._fault_tasks = [
-            asyncio.ensure_future(self._run_fault(f)) for f in self.topology.faults
+            asyncio.ensure_future(run_fault(f, self.link(*f.link), started_at=self._started_at))
+            for f in self.topology.faults
         ]
 
     async def stop(self) -> None:
@@ -120,36 +122,10 @@ class Emulator:
             }
         return out
 
-    # -- faults ---------------------------------------------------------------------
-    async def _run_fault(self, fault: Fault) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._started_at is not None
-        await asyncio.sleep(max(0.0, self._started_at + fault.at_s - loop.time()))
-        link = self.link(*fault.link)
-        if fault.action == "partition":
-            link.cut(fault.mode)
-            if fault.for_s is not None:
-                await asyncio.sleep(fault.for_s)
-                link.heal()
-        elif fault.action == "flap":
-            assert fault.for_s and fault.period_s and fault.down_s
-            end = loop.time() + fault.for_s
-            while loop.time() < end:
-                link.cut(fault.mode)
-                await asyncio.sleep(min(fault.down_s, end - loop.time()))
-                link.heal()
-                await asyncio.sleep(max(0.0, min(fault.period_s - fault.down_s, end - loop.time())))
-        elif fault.action in ("brownout", "corrupt"):
-            changes = dict(fault.changes) if fault.action == "brownout" else {"corrupt": fault.rate}
-            before = _current_values(link, changes)
-            link.update(**changes)
-            if fault.for_s is not None:
-                await asyncio.sleep(fault.for_s)
-                link.update(**before)
-
     # -- counters -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         return {
+            "backend": "proxy",
             "uptime_s": (
                 asyncio.get_running_loop().time() - self._started_at
                 if self._started_at is not None
@@ -157,15 +133,6 @@ class Emulator:
             ),
             "links": [link.stats() for link in self.links.values()],
         }
-
-
-def _current_values(link: LinkRuntime, changes: dict[str, Any]) -> dict[str, Any]:
-    """The link's present values of the settings a temporary fault is about to change."""
-    params = link.a_to_b.params
-    out: dict[str, Any] = {}
-    for name in changes:
-        out[name] = link.params.rtt_ms if name == "rtt_ms" else getattr(params, name)
-    return out
 
 
 class BackgroundEmulator:

@@ -1,0 +1,331 @@
+"""The packet router of the packet-level backend: every IP packet between hosts crosses it.
+
+It holds the TUN descriptor of every emulated host (:mod:`isthmus.sim.hosts`),
+reads each IPv4 packet, finds the link from the source host to the destination
+host, and writes the packet to the destination's TUN after that direction of
+the link has delayed, rate-limited, lost or corrupted it. The link model is
+the one the TCP proxy uses (:mod:`isthmus.sim.link` and its processes); only
+the carrier differs: here a loss really drops a packet, a full queue really
+tail-drops, and the hosts' own TCP stacks react to both.
+
+One thread runs an epoll loop (cheaper here than asyncio or threads); the
+control service and the fault schedule run on a second thread and change the
+links under a lock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import heapq
+import ipaddress
+import os
+import select
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from isthmus.sim.hosts import Host
+from isthmus.sim.jitter import JitterSampler
+from isthmus.sim.link import DirectionParams, LinkParams, link_changes_to_direction
+from isthmus.sim.loss import SegmentLoss
+from isthmus.sim.proxy import direction_rng
+from isthmus.sim.token_bucket import TokenBucket
+from isthmus.sim.topology import Topology
+
+# Packets due within this slack are written when a wake-up happens: epoll's
+# timeout has millisecond resolution (see the same constant in proxy.py).
+TIMER_SLACK_S = 0.001
+# Packets read from one device before looking at the others and the timers.
+READ_BUDGET = 64
+MAX_PACKET = 65536 + 64
+
+
+@dataclass
+class PacketCounters:
+    """Counters of one direction of one link."""
+
+    bytes: int = 0
+    """Bytes of the packets that crossed (IP headers included)."""
+    packets: int = 0
+    packets_delayed: int = 0
+    lost_packets: int = 0
+    """Dropped by the loss model."""
+    queue_drops: int = 0
+    """Tail-dropped because the bottleneck queue was full."""
+    partition_drops: int = 0
+    corrupted_bytes: int = 0
+
+
+class PacketDirection:
+    """One direction of a link as the router applies it to packets."""
+
+    def __init__(
+        self,
+        *,
+        src: str,
+        dst: str,
+        params: DirectionParams,
+        seed: int,
+        egress: TokenBucket | None,
+        ingress: TokenBucket | None,
+    ) -> None:
+        self.src, self.dst = src, dst
+        self.counters = PacketCounters()
+        self.blackholed = False
+        self._rng = direction_rng(seed, src, dst)
+        self._bucket = TokenBucket(params.rate_bytes_per_s)
+        self._buckets = [b for b in (self._bucket, egress, ingress) if b is not None]
+        self._last_deliver = 0.0
+        self.apply(params)
+
+    def apply(self, params: DirectionParams) -> None:
+        self.params = params
+        self._bucket.set_rate(params.rate_bytes_per_s)
+        self._jitter = JitterSampler(
+            self._rng,
+            delay_ms=params.delay_ms,
+            jitter_ms=params.jitter_ms,
+            distribution=params.jitter_distribution,
+            pareto_shape=params.jitter_pareto_shape,
+        )
+        self._loss = SegmentLoss(
+            self._rng, loss=params.loss, mean_burst_segments=params.loss_burst_segments
+        )
+        self._queue_s = params.queue_ms / 1e3
+        self._delayed = params.delay_ms > 0 or params.jitter_ms > 0
+
+    def admit(self, packet: bytes, now: float) -> tuple[float, bytes] | None:
+        """When ``packet`` reaches the other end, and in what state; None if it is dropped."""
+        c = self.counters
+        if self.blackholed:
+            c.partition_drops += 1
+            return None
+        if max(b.backlog_s(now) for b in self._buckets) > self._queue_s:
+            c.queue_drops += 1
+            return None
+        depart = max(b.reserve(len(packet), now) for b in self._buckets)
+        if self._loss.lost_in(1):
+            c.lost_packets += 1
+            return None
+        if self.params.corrupt:
+            packet = self._corrupt(packet)
+        deliver = max(depart + self._jitter.sample_s(), self._last_deliver)
+        self._last_deliver = deliver
+        c.bytes += len(packet)
+        c.packets += 1
+        if self._delayed:
+            c.packets_delayed += 1
+        return deliver, packet
+
+    def _corrupt(self, packet: bytes) -> bytes:
+        # Flip bits past the IP header: the hosts' TCP or UDP checksum catches it,
+        # as it would catch a bad link on a real path.
+        header = (packet[0] & 0x0F) * 4
+        buf = None
+        for pos in range(header, len(packet)):
+            if self._rng.random() < self.params.corrupt:
+                buf = buf or bytearray(packet)
+                buf[pos] ^= 1 << self._rng.randrange(8)
+                self.counters.corrupted_bytes += 1
+        return bytes(buf) if buf is not None else packet
+
+    def stats(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self.counters), "blackholed": self.blackholed}
+
+
+class PacketLink:
+    """Both directions of a link between two hosts, with the emulator's controls."""
+
+    def __init__(
+        self,
+        a: str,
+        b: str,
+        params: LinkParams,
+        *,
+        seed: int,
+        lock: threading.Lock,
+        site_buckets: dict[str, tuple[TokenBucket | None, TokenBucket | None]],
+    ) -> None:
+        self.a, self.b = a, b
+        self._lock = lock
+        eg_a, in_a = site_buckets.get(a, (None, None))
+        eg_b, in_b = site_buckets.get(b, (None, None))
+        self.a_to_b = PacketDirection(
+            src=a, dst=b, params=params.a_to_b, seed=seed, egress=eg_a, ingress=in_b
+        )
+        self.b_to_a = PacketDirection(
+            src=b, dst=a, params=params.b_to_a, seed=seed, egress=eg_b, ingress=in_a
+        )
+        self.events: list[tuple[float, str]] = []
+
+    @property
+    def params(self) -> LinkParams:
+        return LinkParams(self.a_to_b.params, self.b_to_a.params)
+
+    @property
+    def state(self) -> str:
+        return "blackhole" if self.a_to_b.blackholed else "up"
+
+    def update(self, *, source: str | None = None, **changes: Any) -> None:
+        changes = link_changes_to_direction(changes)
+        if source is None:
+            targets = [self.a_to_b, self.b_to_a]
+        elif source in (self.a, self.b):
+            targets = [self.a_to_b if source == self.a else self.b_to_a]
+        else:
+            raise KeyError(f"site {source!r} is not an end of link {self.a}<->{self.b}")
+        new = [t.params.replace(**changes) for t in targets]
+        with self._lock:
+            for target, params in zip(targets, new, strict=True):
+                target.apply(params)
+        self._event(f"set {changes}")
+
+    def cut(self, mode: str = "blackhole") -> None:
+        """Partition: every packet is dropped until :meth:`heal`. At packet level both
+        modes drop; the hosts' TCP then times out as it would on a real cut."""
+        if mode not in ("blackhole", "reset"):
+            raise ValueError(f"unknown partition mode {mode!r}; use blackhole or reset")
+        with self._lock:
+            self.a_to_b.blackholed = self.b_to_a.blackholed = True
+        self._event(f"cut ({mode})")
+
+    def heal(self) -> None:
+        with self._lock:
+            self.a_to_b.blackholed = self.b_to_a.blackholed = False
+        self._event("heal")
+
+    def _event(self, what: str) -> None:
+        self.events.append((time.monotonic(), what))
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "between": [self.a, self.b],
+            "state": self.state,
+            "rtt_ms": self.params.rtt_ms,
+            f"{self.a}->{self.b}": self.a_to_b.stats(),
+            f"{self.b}->{self.a}": self.b_to_a.stats(),
+        }
+
+
+class Router:
+    """Routes packets among ``hosts`` through the links of ``topology``."""
+
+    def __init__(self, topology: Topology, hosts: dict[str, Host]) -> None:
+        self.topology = topology
+        self.hosts = hosts
+        self.lock = threading.Lock()
+        site_buckets: dict[str, tuple[TokenBucket | None, TokenBucket | None]] = {}
+        for site in topology.sites:
+            if site.uplink_mbit is not None:
+                rate = site.uplink_mbit * 1e6 / 8
+                site_buckets[site.name] = (TokenBucket(rate), TokenBucket(rate))
+        self.links: dict[frozenset[str], PacketLink] = {
+            frozenset((a, b)): PacketLink(
+                a,
+                b,
+                topology.link_params(a, b),
+                seed=topology.seed,
+                lock=self.lock,
+                site_buckets=site_buckets,
+            )
+            for a, b in topology.pairs()
+        }
+        self._by_address = {ipaddress.IPv4Address(h.address).packed: h for h in hosts.values()}
+        self._by_fd = {h.fd: h for h in hosts.values()}
+        # (src fd, dst address) -> (direction, dst fd), filled on first use.
+        self._routes: dict[tuple[int, bytes], tuple[PacketDirection, int] | None] = {}
+        self._line: list[tuple[float, int, int, bytes]] = []
+        self._seq = 0
+        self._stop = threading.Event()
+        self.other_packets = 0
+        """Packets that are not IPv4 between two hosts (IPv6 neighbour discovery...)."""
+        self.write_drops = 0
+        self.started_at = time.monotonic()
+
+    def link(self, a: str, b: str) -> PacketLink:
+        try:
+            return self.links[frozenset((a, b))]
+        except KeyError:
+            names = ", ".join(s.name for s in self.topology.sites)
+            raise KeyError(f"no link between {a!r} and {b!r}; sites: {names}") from None
+
+    def stats(self) -> dict[str, Any]:
+        with self.lock:
+            return {
+                "backend": "hosts",
+                "uptime_s": time.monotonic() - self.started_at,
+                "links": [link.stats() for link in self.links.values()],
+                "other_packets": self.other_packets,
+                "write_drops": self.write_drops,
+            }
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _route(self, fd: int, dst: bytes) -> tuple[PacketDirection, int] | None:
+        key = (fd, dst)
+        if key not in self._routes:
+            src_host = self._by_fd[fd]
+            dst_host = self._by_address.get(dst)
+            if dst_host is None or dst_host is src_host:
+                self._routes[key] = None
+            else:
+                link = self.link(src_host.site, dst_host.site)
+                direction = link.a_to_b if link.a == src_host.site else link.b_to_a
+                self._routes[key] = (direction, dst_host.fd)
+        return self._routes[key]
+
+    def run(self) -> None:
+        """Route until :meth:`stop`; the caller owns the devices and closes them after."""
+        poller = select.epoll()
+        for fd in self._by_fd:
+            poller.register(fd, select.EPOLLIN)
+        line = self._line
+        try:
+            while not self._stop.is_set():
+                timeout = 0.2
+                if line:
+                    timeout = min(timeout, max(0.0, line[0][0] - time.monotonic() - TIMER_SLACK_S))
+                events = poller.poll(timeout)
+                with self.lock:
+                    now = time.monotonic()
+                    for fd, _ in events:
+                        self._read(fd, now)
+                    self._deliver(time.monotonic() + TIMER_SLACK_S)
+        finally:
+            poller.close()
+
+    def _read(self, fd: int, now: float) -> None:
+        for _ in range(READ_BUDGET):
+            try:
+                packet = os.read(fd, MAX_PACKET)
+            except BlockingIOError:
+                return
+            if len(packet) < 20 or packet[0] >> 4 != 4:
+                self.other_packets += 1
+                continue
+            route = self._route(fd, packet[16:20])
+            if route is None:
+                self.other_packets += 1
+                continue
+            direction, dst_fd = route
+            admitted = direction.admit(packet, now)
+            if admitted is not None:
+                deliver, packet = admitted
+                self._seq += 1
+                heapq.heappush(self._line, (deliver, self._seq, dst_fd, packet))
+
+    def _deliver(self, horizon: float) -> None:
+        line = self._line
+        while line and line[0][0] <= horizon:
+            _, _, fd, packet = heapq.heappop(line)
+            try:
+                os.write(fd, packet)
+            except OSError as exc:
+                # A full device queue or a host that went down: the packet is lost,
+                # as on a real link; TCP recovers.
+                if exc.errno not in (errno.EAGAIN, errno.EIO, errno.EBADF):
+                    raise
+                self.write_drops += 1
