@@ -31,12 +31,15 @@ from isthmus.sim.jitter import JitterSampler
 from isthmus.sim.link import DirectionParams, LinkParams, link_changes_to_direction
 from isthmus.sim.loss import SegmentLoss
 from isthmus.sim.proxy import direction_rng
+from isthmus.sim.timerfd import TimerFD
 from isthmus.sim.token_bucket import TokenBucket
 from isthmus.sim.topology import Topology
 
-# Packets due within this slack are written when a wake-up happens: epoll's
-# timeout has millisecond resolution (see the same constant in proxy.py).
-TIMER_SLACK_S = 0.001
+# A timerfd wakes the loop ~0.1 ms after a packet is due: packets due within
+# this slack are written on a wake-up, which centres the error on zero.
+TIMER_SLACK_S = 0.0001
+# The loop wakes at least this often to notice stop().
+STOP_CHECK_S = 0.2
 # Packets read from one device before looking at the others and the timers.
 READ_BUDGET = 64
 MAX_PACKET = 65536 + 64
@@ -238,7 +241,9 @@ class Router:
         self._routes: dict[tuple[int, bytes], tuple[PacketDirection, int] | None] = {}
         self._line: list[tuple[float, int, int, bytes]] = []
         self._seq = 0
-        self._stop = threading.Event()
+        # A plain flag, not a threading.Event: stop() runs in signal handlers,
+        # and Event.set() takes a lock that a second signal would deadlock on.
+        self._stopping = False
         self.other_packets = 0
         """Packets that are not IPv4 between two hosts (IPv6 neighbour discovery...)."""
         self.write_drops = 0
@@ -262,7 +267,8 @@ class Router:
             }
 
     def stop(self) -> None:
-        self._stop.set()
+        """Ask :meth:`run` to return (safe from a signal handler or another thread)."""
+        self._stopping = True
 
     def _route(self, fd: int, dst: bytes) -> tuple[PacketDirection, int] | None:
         key = (fd, dst)
@@ -280,22 +286,27 @@ class Router:
     def run(self) -> None:
         """Route until :meth:`stop`; the caller owns the devices and closes them after."""
         poller = select.epoll()
+        timer = TimerFD()
+        poller.register(timer.fd, select.EPOLLIN)
         for fd in self._by_fd:
             poller.register(fd, select.EPOLLIN)
         line = self._line
         try:
-            while not self._stop.is_set():
-                timeout = 0.2
+            while not self._stopping:
                 if line:
-                    timeout = min(timeout, max(0.0, line[0][0] - time.monotonic() - TIMER_SLACK_S))
-                events = poller.poll(timeout)
+                    timer.arm(line[0][0] - TIMER_SLACK_S)
+                events = poller.poll(STOP_CHECK_S)
                 with self.lock:
                     now = time.monotonic()
                     for fd, _ in events:
-                        self._read(fd, now)
+                        if fd == timer.fd:
+                            timer.clear()
+                        else:
+                            self._read(fd, now)
                     self._deliver(time.monotonic() + TIMER_SLACK_S)
         finally:
             poller.close()
+            timer.close()
 
     def _read(self, fd: int, now: float) -> None:
         for _ in range(READ_BUDGET):
