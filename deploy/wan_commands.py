@@ -436,9 +436,10 @@ def format_packet_stats(stats: dict[str, Any]) -> str:
         for direction in (f"{a}->{b}", f"{b}->{a}"):
             c = link[direction]
             lines.append(
-                f"  {direction}: {c['bytes'] / 1e6:.1f} MB, {c['packets']} packets, "
-                f"{c['lost_packets']} lost, {c['queue_drops']} queue drops, "
-                f"{c['partition_drops']} partition drops"
+                f"  {direction}: {c['bytes'] / 1e6:.1f} MB, {c['segments']} segments "
+                f"in {c['frames']} frames, {c['lost_segments']} lost, "
+                f"{c['queue_drops']} queue drops, {c['partition_drops']} partition drops, "
+                f"{c['corrupted_segments']} corrupted"
             )
     return "\n".join(lines)
 

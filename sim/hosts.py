@@ -25,8 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TUNSETIFF = 0x400454CA
+TUNSETOFFLOAD = 0x400454D0
 IFF_TUN = 0x0001
 IFF_NO_PI = 0x1000
+IFF_VNET_HDR = 0x4000
+# What the router accepts from the hosts' stacks: partial checksums and TCP
+# segmentation offload (IPv4, with ECN), so TCP hands it ~64 KB super-packets.
+TUN_F_CSUM = 0x01
+TUN_F_TSO4 = 0x02
+TUN_F_TSO_ECN = 0x08
 
 NETNS_PREFIX = "isthmus-"
 NETNS_DIR = Path("/run/netns")
@@ -87,9 +94,12 @@ def _device_name(job: str, index: int) -> str:
 
 
 def _open_tun(name: str) -> int:
+    """A TUN device whose reads and writes carry a virtio-net header (see sim/gso.py)."""
     fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", name.encode(), IFF_TUN | IFF_NO_PI))
+        flags = IFF_TUN | IFF_NO_PI | IFF_VNET_HDR
+        fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", name.encode(), flags))
+        fcntl.ioctl(fd, TUNSETOFFLOAD, TUN_F_CSUM | TUN_F_TSO4 | TUN_F_TSO_ECN)
     except OSError:
         os.close(fd)
         raise

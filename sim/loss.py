@@ -63,6 +63,27 @@ class SegmentLoss:
         self._good_left = self._geometric(p_gb)
         self._bad_left = self._geometric(p_bg)
 
+    def lost_positions(self, segments: int) -> list[int]:
+        """Advance the stream by ``segments`` segments; return the indices of the lost ones."""
+        if self._loss == 0 or segments <= 0:
+            return []
+        lost: list[int] = []
+        position = 0
+        while position < segments:
+            remaining = segments - position
+            if self._good_left >= remaining:
+                self._good_left -= remaining
+                break
+            position += self._good_left
+            self._good_left = 0
+            take = min(self._bad_left, segments - position)
+            lost.extend(range(position, position + take))
+            position += take
+            self._bad_left -= take
+            if self._bad_left == 0:
+                self._start_cycle()
+        return lost
+
     def lost_in(self, segments: int) -> int:
         """Advance the stream by ``segments`` segments; return how many were lost."""
         if self._loss == 0 or segments <= 0:

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from isthmus.sim import gso
 from isthmus.sim.hosts import Host
 from isthmus.sim.jitter import JitterSampler
 from isthmus.sim.link import DirectionParams, LinkParams, link_changes_to_direction
@@ -42,23 +43,29 @@ TIMER_SLACK_S = 0.0001
 STOP_CHECK_S = 0.2
 # Packets read from one device before looking at the others and the timers.
 READ_BUDGET = 64
-MAX_PACKET = 65536 + 64
+MAX_FRAME = gso.VNET_HDR_LEN + 65536
+# Where an IPv4 packet's destination address lies in a TUN read.
+DST_ADDRESS = slice(gso.VNET_HDR_LEN + 16, gso.VNET_HDR_LEN + 20)
 
 
 @dataclass
 class PacketCounters:
-    """Counters of one direction of one link."""
+    """Counters of one direction of one link. Segments are TCP's real segments,
+    whether the hosts handed them over one by one or as offload super-packets."""
 
     bytes: int = 0
-    """Bytes of the packets that crossed (IP headers included)."""
-    packets: int = 0
-    packets_delayed: int = 0
-    lost_packets: int = 0
+    """Bytes on the wire that crossed (every segment's headers included)."""
+    segments: int = 0
+    frames: int = 0
+    """Reads from the source device (a super-packet is one frame, many segments)."""
+    segments_delayed: int = 0
+    lost_segments: int = 0
     """Dropped by the loss model."""
     queue_drops: int = 0
-    """Tail-dropped because the bottleneck queue was full."""
+    """Segments tail-dropped because the bottleneck queue was full."""
     partition_drops: int = 0
-    corrupted_bytes: int = 0
+    corrupted_segments: int = 0
+    """Hit by corruption: the receiver's checksum discards them, TCP resends."""
 
 
 class PacketDirection:
@@ -98,41 +105,72 @@ class PacketDirection:
         )
         self._queue_s = params.queue_ms / 1e3
         self._delayed = params.delay_ms > 0 or params.jitter_ms > 0
+        self._lossy = params.loss > 0 or params.corrupt > 0
+        rates = [b.rate for b in self._buckets if b.rate is not None]
+        self._slowest_rate = min(rates) if rates else None
 
-    def admit(self, packet: bytes, now: float) -> tuple[float, bytes] | None:
-        """When ``packet`` reaches the other end, and in what state; None if it is dropped."""
+    def admit(self, data: bytes, frame: gso.Frame, now: float) -> list[tuple[float, bytes]]:
+        """What of one frame reaches the other end, and when: (time, bytes to write)."""
         c = self.counters
+        c.frames += 1
+        segments = frame.segments
         if self.blackholed:
-            c.partition_drops += 1
-            return None
-        if max(b.backlog_s(now) for b in self._buckets) > self._queue_s:
-            c.queue_drops += 1
-            return None
-        depart = max(b.reserve(len(packet), now) for b in self._buckets)
-        if self._loss.lost_in(1):
-            c.lost_packets += 1
-            return None
-        if self.params.corrupt:
-            packet = self._corrupt(packet)
+            c.partition_drops += segments
+            return []
+        keep = segments
+        if self._slowest_rate is not None:
+            # Tail drop: the segments that do not fit in the queue are lost.
+            backlog = max(b.backlog_s(now) for b in self._buckets)
+            room = (self._queue_s - backlog) * self._slowest_rate
+            per_segment = frame.wire_bytes / segments
+            keep = min(segments, max(0, int(room // per_segment) + (room > 0)))
+            if keep < segments:
+                c.queue_drops += segments - keep
+                if keep == 0:
+                    return []
+                frame = gso.slice_segments(frame, 0, keep) if frame.is_tcp_gso else frame
+                data = b""  # re-encode below
+        wire = frame.wire_bytes
+        buckets = self._buckets
+        if len(buckets) == 1:
+            depart = buckets[0].reserve(wire, now)
+        else:
+            depart = max(b.reserve(wire, now) for b in buckets)
+        c.bytes += wire
+        c.segments += keep
+        if self._delayed:
+            c.segments_delayed += keep
         deliver = max(depart + self._jitter.sample_s(), self._last_deliver)
         self._last_deliver = deliver
-        c.bytes += len(packet)
-        c.packets += 1
-        if self._delayed:
-            c.packets_delayed += 1
-        return deliver, packet
+        if not self._lossy:
+            return [(deliver, data or frame.encode())]
+        dropped = set(self._loss.lost_positions(keep))
+        c.lost_segments += len(dropped)
+        if self.params.corrupt:
+            corrupted = self._corrupted_positions(keep, wire / keep) - dropped
+            c.corrupted_segments += len(corrupted)
+            dropped |= corrupted
+        if not dropped:
+            return [(deliver, data or frame.encode())]
+        if not frame.is_tcp_gso:
+            return []
+        # Cut the super-packet around the lost segments: runs of kept segments
+        # leave as smaller super-packets (or single segments).
+        out = []
+        run_start = None
+        for index in range(keep + 1):
+            if index < keep and index not in dropped:
+                if run_start is None:
+                    run_start = index
+            elif run_start is not None:
+                piece = gso.slice_segments(frame, run_start, index - run_start)
+                out.append((deliver, piece.encode()))
+                run_start = None
+        return out
 
-    def _corrupt(self, packet: bytes) -> bytes:
-        # Flip bits past the IP header: the hosts' TCP or UDP checksum catches it,
-        # as it would catch a bad link on a real path.
-        header = (packet[0] & 0x0F) * 4
-        buf = None
-        for pos in range(header, len(packet)):
-            if self._rng.random() < self.params.corrupt:
-                buf = buf or bytearray(packet)
-                buf[pos] ^= 1 << self._rng.randrange(8)
-                self.counters.corrupted_bytes += 1
-        return bytes(buf) if buf is not None else packet
+    def _corrupted_positions(self, segments: int, segment_bytes: float) -> set[int]:
+        p = 1.0 - (1.0 - self.params.corrupt) ** segment_bytes
+        return {i for i in range(segments) if self._rng.random() < p}
 
     def stats(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self.counters), "blackholed": self.blackholed}
@@ -311,22 +349,21 @@ class Router:
     def _read(self, fd: int, now: float) -> None:
         for _ in range(READ_BUDGET):
             try:
-                packet = os.read(fd, MAX_PACKET)
+                data = os.read(fd, MAX_FRAME)
             except BlockingIOError:
                 return
-            if len(packet) < 20 or packet[0] >> 4 != 4:
+            frame = gso.parse(data)
+            if frame is None or frame.packet[0] >> 4 != 4:
                 self.other_packets += 1
                 continue
-            route = self._route(fd, packet[16:20])
+            route = self._route(fd, data[DST_ADDRESS])
             if route is None:
                 self.other_packets += 1
                 continue
             direction, dst_fd = route
-            admitted = direction.admit(packet, now)
-            if admitted is not None:
-                deliver, packet = admitted
+            for deliver, out in direction.admit(data, frame, now):
                 self._seq += 1
-                heapq.heappush(self._line, (deliver, self._seq, dst_fd, packet))
+                heapq.heappush(self._line, (deliver, self._seq, dst_fd, out))
 
     def _deliver(self, horizon: float) -> None:
         line = self._line

@@ -38,6 +38,17 @@ class TimerFD:
             raise OSError(err, f"timerfd_create: {os.strerror(err)}")
         self.fd: int = fd
         self._armed_at: float | None = None
+        # One preallocated argument, reused on every call: arming is on the
+        # router's hot path.
+        self._spec = _Itimerspec()
+        self._settime = self._libc.timerfd_settime
+        self._settime.argtypes = [
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.POINTER(_Itimerspec),
+            ctypes.c_void_p,
+        ]
+        self._spec_ref = ctypes.byref(self._spec)
 
     def arm(self, when: float) -> None:
         """Fire at ``when`` (a ``time.monotonic()`` value); re-arming replaces the last."""
@@ -45,8 +56,10 @@ class TimerFD:
             return
         when = max(when, 1e-9)  # an all-zero it_value would disarm the timer
         sec = int(when)
-        spec = _Itimerspec(_Timespec(0, 0), _Timespec(sec, int((when - sec) * 1e9)))
-        if self._libc.timerfd_settime(self.fd, _TFD_TIMER_ABSTIME, ctypes.byref(spec), None) < 0:
+        value = self._spec.it_value
+        value.tv_sec = sec
+        value.tv_nsec = int((when - sec) * 1e9)
+        if self._settime(self.fd, _TFD_TIMER_ABSTIME, self._spec_ref, None) < 0:
             err = ctypes.get_errno()
             raise OSError(err, f"timerfd_settime: {os.strerror(err)}")
         self._armed_at = when

@@ -126,3 +126,12 @@ def test_symmetric_link_splits_rtt():
     assert link.rtt_ms == 80
     with pytest.raises(LinkConfigError, match="rtt_ms"):
         LinkParams.symmetric(rtt_ms=-3)
+
+
+def test_loss_positions_agree_with_counts():
+    by_count = SegmentLoss(random.Random(9), loss=0.03, mean_burst_segments=2.0)
+    by_position = SegmentLoss(random.Random(9), loss=0.03, mean_burst_segments=2.0)
+    for _ in range(3000):
+        positions = by_position.lost_positions(45)
+        assert positions == sorted(set(positions)) and all(0 <= p < 45 for p in positions)
+        assert len(positions) == by_count.lost_in(45)
