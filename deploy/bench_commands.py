@@ -26,6 +26,12 @@ def register(commands: Any) -> None:
     wan.add_argument("--repeats", type=int, default=3, help="runs per throughput point (median)")
     wan.add_argument("--seconds", type=float, default=2.0, help="length of each throughput run")
     wan.add_argument("--plot", metavar="FILE.png", help="also draw the results into a PNG")
+    wan.add_argument(
+        "--hosts",
+        action="store_true",
+        help="benchmark the packet-level backend (separate hosts, real TCP, "
+        "Gloo baseline); needs root",
+    )
 
 
 def _wan(args: argparse.Namespace) -> int:
@@ -35,6 +41,8 @@ def _wan(args: argparse.Namespace) -> int:
         raise UsageError(f"--repeats: must be >= 1, got {args.repeats}")
     if args.seconds <= 0:
         raise UsageError(f"--seconds: must be > 0, got {args.seconds}")
+    if args.hosts:
+        return _wan_hosts(args)
     results, samples = run_wan_bench(
         repeats=args.repeats, seconds=args.seconds, verbose=not args.json
     )
@@ -42,4 +50,18 @@ def _wan(args: argparse.Namespace) -> int:
     if args.plot:
         plot_report(results, samples, args.plot)
         print(f"plot: {args.plot}", file=sys.stderr)
+    return 0 if results["ok"] else 1
+
+
+def _wan_hosts(args: argparse.Namespace) -> int:
+    from isthmus.deploy.bench_hosts import format_hosts_report, run_hosts_bench
+    from isthmus.sim.hosts import HostsUnavailable, check_support
+
+    try:
+        check_support()
+    except HostsUnavailable as exc:
+        raise UsageError(str(exc)) from None
+    seconds = max(args.seconds, 6.0)  # long enough for TCP to ramp up on a 50 ms path
+    results = run_hosts_bench(seconds=seconds, verbose=not args.json)
+    print(json.dumps(results, indent=2) if args.json else format_hosts_report(results))
     return 0 if results["ok"] else 1

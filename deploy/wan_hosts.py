@@ -63,6 +63,7 @@ def serve_hosts(job: Job, state_path: Path, write_state: Any) -> int:
                     "ranks": s.ranks,
                     "address": made[s.name].address,
                     "netns": made[s.name].netns,
+                    "device": made[s.name].device,
                     "listen": ["{}:{}".format(*a) for a in listen[s.name]],
                     "dial": {
                         other.name: ["{}:{}".format(*a) for a in listen[other.name]]

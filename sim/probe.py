@@ -79,17 +79,25 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
 
 
 def _sink(conn: socket.socket) -> None:
-    """Count bytes until EOF; answer (bytes, first-to-last-byte seconds)."""
+    """Count bytes until EOF; answer the total, the first-to-last-byte seconds, and
+    progress samples (seconds since the first byte, bytes so far) every ~50 ms."""
     buf = bytearray(4 << 20)
     view = memoryview(buf)
     total = 0
-    first = last = 0.0
+    first = last = next_sample = 0.0
+    progress: list[float] = []
     while n := conn.recv_into(view):
         last = time.perf_counter()
         if total == 0:
             first = last
+            next_sample = last
         total += n
-    conn.sendall(struct.pack("!qd", total, last - first))
+        if last >= next_sample:
+            progress += (last - first, float(total))
+            next_sample = last + 0.05
+    progress += (last - first, float(total))
+    header = struct.pack("!qdi", total, last - first, len(progress))
+    conn.sendall(header + struct.pack(f"!{len(progress)}d", *progress))
 
 
 def _stamps(conn: socket.socket) -> None:
@@ -152,6 +160,8 @@ class Throughput:
     bytes: int
     seconds: float
     """From the first to the last byte at the receiver."""
+    progress: tuple[tuple[float, float], ...] = ()
+    """(seconds since the first byte, bytes received so far), every ~50 ms."""
 
     @property
     def mbit_per_s(self) -> float:
@@ -161,16 +171,82 @@ class Throughput:
     def mbyte_per_s(self) -> float:
         return self.bytes / self.seconds / 1e6 if self.seconds > 0 else 0.0
 
+    def mbit_per_s_after(self, skip_s: float) -> float:
+        """Throughput after the first ``skip_s`` seconds (TCP's ramp-up excluded)."""
+        after = [(t, b) for t, b in self.progress if t >= skip_s]
+        if len(after) < 2 or after[-1][0] <= after[0][0]:
+            return self.mbit_per_s
+        (t0, b0), (t1, b1) = after[0], after[-1]
+        return (b1 - b0) * 8 / (t1 - t0) / 1e6
+
 
 def measure_throughput(
-    address: tuple[str, int], *, seconds: float = 3.0, timeout_s: float = 120
+    address: tuple[str, int],
+    *,
+    seconds: float = 3.0,
+    congestion: str | None = None,
+    timeout_s: float = 120,
 ) -> Throughput:
-    """Send as fast as possible for ``seconds``; the receiver times what arrived."""
+    """Send as fast as possible for ``seconds``; the receiver times what arrived.
+    ``congestion`` picks the sender's TCP congestion control (e.g. cubic, bbr)."""
     block = b"\0" * (1 << 20)
-    with _connect(address, _SINK, timeout_s) as sock:
+    with socket.create_connection(address, timeout=timeout_s) as sock:
+        if congestion:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion.encode())
+        sock.sendall(_SINK)
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
             sock.sendall(block)
         sock.shutdown(socket.SHUT_WR)
-        total, elapsed = struct.unpack("!qd", _recv_exact(sock, 16))
-    return Throughput(total, elapsed)
+        total, elapsed, n = struct.unpack("!qdi", _recv_exact(sock, 20))
+        flat = struct.unpack(f"!{n}d", _recv_exact(sock, 8 * n))
+    progress = tuple(zip(flat[0::2], flat[1::2], strict=True))
+    return Throughput(total, elapsed, progress)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m isthmus.sim.probe``: the same probes as a command, for use inside
+    emulated hosts (``isthmus wan exec``). Results are printed as JSON."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m isthmus.sim.probe")
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    serve = verbs.add_parser("serve", help="run the probe server until killed")
+    serve.add_argument("--host", default="0.0.0.0")
+    serve.add_argument("--port", type=int, default=9000)
+    rtt = verbs.add_parser("rtt", help="round trips through the server's echo")
+    rtt.add_argument("address", metavar="HOST:PORT")
+    rtt.add_argument("--count", type=int, default=20)
+    bulk = verbs.add_parser("throughput", help="bulk transfer into the server's sink")
+    bulk.add_argument("address", metavar="HOST:PORT")
+    bulk.add_argument("--seconds", type=float, default=5.0)
+    bulk.add_argument("--congestion", help="TCP congestion control of the sender")
+    bulk.add_argument("--skip-s", type=float, default=0.0, help="ramp-up to leave out")
+    args = parser.parse_args(argv)
+    if args.verb == "serve":
+        with ProbeServer(args.host, args.port) as server:
+            print(json.dumps({"listening": "{}:{}".format(*server.address)}), flush=True)
+            threading.Event().wait()
+        return 0
+    host, _, port = args.address.rpartition(":")
+    address = (host, int(port))
+    if args.verb == "rtt":
+        print(json.dumps({"rtt_ms": measure_rtt_ms(address, count=args.count)}))
+    else:
+        result = measure_throughput(address, seconds=args.seconds, congestion=args.congestion)
+        print(
+            json.dumps(
+                {
+                    "bytes": result.bytes,
+                    "seconds": result.seconds,
+                    "mbit_per_s": result.mbit_per_s,
+                    "mbit_per_s_after_ramp": result.mbit_per_s_after(args.skip_s),
+                }
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
