@@ -306,11 +306,13 @@ def format_hosts_report(r: dict[str, Any]) -> str:
 
     rtt, tput, cpu, unc, gloo = r["rtt"], r["throughput"], r["router_cpu"], r["uncapped"], r["gloo"]
     out = [
-        f"packet-level hosts, link {r['link']['bandwidth_mbit']} Mbit/s, {r['link']['rtt_ms']} ms RTT",
+        f"packet-level hosts, link {r['link']['bandwidth_mbit']} Mbit/s, "
+        f"{r['link']['rtt_ms']} ms RTT",
         f"  RTT: median {rtt['median_ms']:.3f} ms (error {rtt['error_ms']:+.3f}, "
         f"allowed +-{rtt['tolerance_ms']:.2f})  {mark(rtt['ok'])}",
         f"  one flow after {tput['ramp_s']:g} s ramp-up: {tput['after_ramp_mbit']:.1f} Mbit/s "
-        f"({tput['error']:+.2%} of the cap; whole run {tput['whole_run_mbit']:.1f})  {mark(tput['ok'])}",
+        f"({tput['error']:+.2%} of the cap; whole run {tput['whole_run_mbit']:.1f})"
+        f"  {mark(tput['ok'])}",
         f"  router CPU for that flow: {cpu['per_flow_core_fraction']:.0%} of a core "
         f"(target <= 20%)  {mark(cpu['ok'])}",
         f"  uncapped a -> b: {unc['mbyte_per_s']:.0f} MB/s, router at "
@@ -323,7 +325,8 @@ def format_hosts_report(r: dict[str, Any]) -> str:
             f"{row['cubic_mbit']:.1f} Mbit/s, Mathis estimate {row['mathis_mbit']:.1f} Mbit/s"
         )
     out.append(
-        f"  Gloo all-reduce of {gloo['size_mib']:g} MiB across 3 hosts: median {gloo['median_s']:.2f} s; "
+        f"  Gloo all-reduce of {gloo['size_mib']:g} MiB across 3 hosts: "
+        f"median {gloo['median_s']:.2f} s; "
         f"ring bound {gloo['ring_bound_s']:.2f} s ({gloo['efficiency_vs_ring']:.2f} of it), "
         f"direct bound {gloo['direct_bound_s']:.2f} s ({gloo['efficiency_vs_direct']:.2f}); "
         f"result {'correct' if gloo['correct'] else 'WRONG'}"

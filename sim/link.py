@@ -64,8 +64,10 @@ class DirectionParams:
     accepted from the sender (back-pressure), so memory stays bounded."""
 
     loss: float = 0.0
-    """Fraction of TCP segments lost. TCP repairs a loss by retransmission, so the stream
-    stalls for a retransmission timeout instead of losing bytes."""
+    """Fraction of TCP segments lost. TCP repairs a loss by retransmission, so no byte is
+    lost: the stream stalls until the repair arrives (one round trip by fast retransmit,
+    a retransmission timeout when too little is in flight) and the connection's
+    congestion window halves, so bulk throughput follows real TCP (Mathis)."""
 
     loss_burst_segments: float = 1.0
     """Mean number of consecutive segments lost in one burst. 1 gives independent
@@ -76,7 +78,8 @@ class DirectionParams:
     real TCP would catch most of these, a middlebox bug would not)."""
 
     min_rto_ms: float = LINUX_MIN_RTO_MS
-    """Lower bound of the retransmission timeout a loss stalls the stream for."""
+    """Lower bound of the retransmission timeout (a loss with fewer than four segments
+    in flight cannot be fast-retransmitted and waits this long at least)."""
 
     mss_bytes: int = DEFAULT_MSS_BYTES
     """Segment size used to count segments for loss and for counters."""

@@ -352,3 +352,13 @@ def test_eof_before_the_upstream_is_connected_still_reaches_it(hasher, two_sites
     with two_sites(hasher.address, LinkParams.symmetric(rtt_ms=60)) as wan:
         answer = _send_and_hash(wan.dial_address("a", "b"), b"")
     assert answer == hashlib.sha256(b"").digest()
+
+
+def test_bulk_throughput_under_loss_follows_tcp(probe, two_sites):
+    # Reno/cubic-like TCP under random loss moves about MSS/RTT * 1.22/sqrt(p)
+    # (Mathis); the proxy's congestion response is calibrated to it.
+    params = LinkParams.symmetric(rtt_ms=20, loss=0.01)
+    with two_sites(probe.address, params, seed=3) as wan:
+        result = measure_throughput(wan.dial_address("a", "b"), seconds=3)
+    mathis = 1448 * 8 / 0.020 * 1.2247 / 0.1 / 1e6
+    assert mathis / 2.5 <= result.mbit_per_s_after(1.0) <= mathis * 2.5
