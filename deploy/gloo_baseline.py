@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.ifname:
         os.environ["GLOO_SOCKET_IFNAME"] = args.ifname
+    # Hosts in namespaces have no name for their address: c10d would warn about
+    # it on every connection.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
     import torch
     import torch.distributed as dist
