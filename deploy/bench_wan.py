@@ -32,7 +32,7 @@ from isthmus.sim.probe import (
     measure_rtt_ms,
     measure_throughput,
 )
-from isthmus.sim.proxy import direction_rng
+from isthmus.sim.topology import direction_rng
 
 CAPS_MBIT = (10, 100, 500, 1000)
 RTTS_MS = (10, 50, 150)

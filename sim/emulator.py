@@ -18,7 +18,6 @@ from typing import Any, TypeVar
 
 from isthmus.sim.faults import run_fault
 from isthmus.sim.proxy import LinkRuntime, Listener
-from isthmus.sim.token_bucket import TokenBucket
 from isthmus.sim.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -40,11 +39,7 @@ class Emulator:
         self.topology = topology
         self.host = host
         self._fixed_listen = listen or {}
-        site_buckets: dict[str, tuple[TokenBucket | None, TokenBucket | None]] = {}
-        for site in topology.sites:
-            if site.uplink_mbit is not None:
-                rate = site.uplink_mbit * 1e6 / 8
-                site_buckets[site.name] = (TokenBucket(rate), TokenBucket(rate))
+        site_buckets = topology.uplink_buckets()
         self.links: dict[frozenset[str], LinkRuntime] = {}
         for a, b in topology.pairs():
             self.links[frozenset((a, b))] = LinkRuntime(

@@ -29,10 +29,8 @@ import contextlib
 import dataclasses
 import logging
 import math
-import random
 import socket
 import struct
-import zlib
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +39,7 @@ from isthmus.sim.jitter import JitterSampler
 from isthmus.sim.link import DirectionParams, LinkParams, link_changes_to_direction
 from isthmus.sim.loss import SegmentLoss
 from isthmus.sim.token_bucket import TokenBucket
+from isthmus.sim.topology import direction_rng
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +82,6 @@ class DirectionCounters:
     """Connections whose destination could not be reached."""
 
 
-def direction_rng(seed: int, src: str, dst: str) -> random.Random:
-    """The random stream of the direction src -> dst of a topology seeded ``seed``."""
-    return random.Random(zlib.crc32(f"{seed}:{src}->{dst}".encode()))
-
-
 class DirectionRuntime:
     """One direction of a link while the emulator runs: settings, limiters, RNG, counters."""
 
@@ -106,8 +100,6 @@ class DirectionRuntime:
         self.counters = DirectionCounters()
         self.pipes: set[Pipe] = set()
         self.blackholed = False
-        # Seeded per direction from the topology seed and the names, so a run
-        # is reproducible and adding a link does not change the others' draws.
         self._rng = direction_rng(seed, src, dst)
         self._bucket = TokenBucket(params.rate_bytes_per_s)
         self._site_buckets = [b for b in (egress, ingress) if b is not None]

@@ -31,10 +31,9 @@ from isthmus.sim.hosts import Host
 from isthmus.sim.jitter import JitterSampler
 from isthmus.sim.link import DirectionParams, LinkParams, link_changes_to_direction
 from isthmus.sim.loss import SegmentLoss
-from isthmus.sim.proxy import direction_rng
 from isthmus.sim.timerfd import TimerFD
 from isthmus.sim.token_bucket import TokenBucket
-from isthmus.sim.topology import Topology
+from isthmus.sim.topology import Topology, direction_rng
 
 # A timerfd wakes the loop ~0.1 ms after a packet is due: packets due within
 # this slack are written on a wake-up, which centres the error on zero.
@@ -255,11 +254,7 @@ class Router:
         self.topology = topology
         self.hosts = hosts
         self.lock = threading.Lock()
-        site_buckets: dict[str, tuple[TokenBucket | None, TokenBucket | None]] = {}
-        for site in topology.sites:
-            if site.uplink_mbit is not None:
-                rate = site.uplink_mbit * 1e6 / 8
-                site_buckets[site.name] = (TokenBucket(rate), TokenBucket(rate))
+        site_buckets = topology.uplink_buckets()
         self.links: dict[frozenset[str], PacketLink] = {
             frozenset((a, b)): PacketLink(
                 a,

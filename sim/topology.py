@@ -9,10 +9,13 @@ inter-region link does.
 
 from __future__ import annotations
 
+import random
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from isthmus.sim.link import LinkConfigError, LinkParams, link_changes_to_direction
+from isthmus.sim.token_bucket import TokenBucket
 
 FAULT_ACTIONS = ("partition", "flap", "brownout", "corrupt")
 PARTITION_MODES = ("blackhole", "reset")
@@ -82,6 +85,16 @@ class Topology:
             return params
         return LinkParams(params.b_to_a, params.a_to_b)
 
+    def uplink_buckets(self) -> dict[str, tuple[TokenBucket, TokenBucket]]:
+        """For each site with an uplink cap: (egress, ingress) rate limiters, shared by
+        every link of the site."""
+        out = {}
+        for site in self.sites:
+            if site.uplink_mbit is not None:
+                rate = site.uplink_mbit * 1e6 / 8
+                out[site.name] = (TokenBucket(rate), TokenBucket(rate))
+        return out
+
     def pairs(self) -> list[tuple[str, str]]:
         """Every link as (a, b) in a stable order."""
         return [pair for pair, _ in self.links.values()]
@@ -109,6 +122,12 @@ class Topology:
         for fault in faults:
             validate_fault(fault, names)
         return cls(tuple(sites), links, tuple(faults), seed)
+
+
+def direction_rng(seed: int, src: str, dst: str) -> random.Random:
+    """The random stream of the direction src -> dst of a topology seeded ``seed``:
+    reproducible, and independent of the other links (adding one changes no draws)."""
+    return random.Random(zlib.crc32(f"{seed}:{src}->{dst}".encode()))
 
 
 def validate_fault(fault: Fault, site_names: list[str]) -> None:
