@@ -35,11 +35,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from isthmus.sim.jitter import JitterSampler
+from isthmus.sim.direction import DirectionModel
 from isthmus.sim.link import DirectionParams, LinkParams, link_changes_to_direction
-from isthmus.sim.loss import SegmentLoss
 from isthmus.sim.token_bucket import TokenBucket
-from isthmus.sim.topology import direction_rng
 
 log = logging.getLogger(__name__)
 
@@ -82,69 +80,27 @@ class DirectionCounters:
     """Connections whose destination could not be reached."""
 
 
-class DirectionRuntime:
-    """One direction of a link while the emulator runs: settings, limiters, RNG, counters."""
+class DirectionRuntime(DirectionModel):
+    """One direction of a link in the proxy: the model plus its connections and counters."""
 
-    def __init__(
-        self,
-        *,
-        src: str,
-        dst: str,
-        params: DirectionParams,
-        seed: int,
-        egress: TokenBucket | None = None,
-        ingress: TokenBucket | None = None,
-    ) -> None:
-        self.src = src
-        self.dst = dst
+    def __init__(self, **kwargs: Any) -> None:
         self.counters = DirectionCounters()
         self.pipes: set[Pipe] = set()
-        self.blackholed = False
-        self._rng = direction_rng(seed, src, dst)
-        self._bucket = TokenBucket(params.rate_bytes_per_s)
-        self._site_buckets = [b for b in (egress, ingress) if b is not None]
-        self._corrupt_gap = 0
-        self.params = params
-        self._apply(params)
+        super().__init__(**kwargs)
 
-    def _apply(self, params: DirectionParams) -> None:
-        self.params = params
-        self._bucket.set_rate(params.rate_bytes_per_s)
-        self.jitter = JitterSampler(
-            self._rng,
-            delay_ms=params.delay_ms,
-            jitter_ms=params.jitter_ms,
-            distribution=params.jitter_distribution,
-            pareto_shape=params.jitter_pareto_shape,
-        )
-        self.loss = SegmentLoss(
-            self._rng, loss=params.loss, mean_burst_segments=params.loss_burst_segments
-        )
+    def apply(self, params: DirectionParams) -> None:
+        super().apply(params)
         self._corrupt_gap = self._next_corrupt_gap()
         rate = params.rate_bytes_per_s
         self.batch_bytes = (
             max(MIN_BATCH_BYTES, int(rate * BATCH_SECONDS)) if rate is not None else None
         )
-        # What a loss costs: Linux's RTO is srtt + 4 * rttvar, at least min_rto.
-        rtt_s = 2 * params.delay_ms / 1e3
-        self.stall_s = max(params.min_rto_ms / 1e3, rtt_s + 4 * params.jitter_ms / 1e3)
 
     def update(self, params: DirectionParams) -> None:
         """Switch to new settings while traffic flows; bytes already scheduled keep their times."""
-        self._apply(params)
+        self.apply(params)
         for pipe in list(self.pipes):
             pipe.pump()
-
-    @property
-    def buckets(self) -> list[TokenBucket]:
-        return [self._bucket, *self._site_buckets]
-
-    def reserve(self, nbytes: int, now: float) -> float:
-        """Departure time of ``nbytes`` offered at ``now`` (the slowest limiter decides)."""
-        return max(b.reserve(nbytes, now) for b in self.buckets)
-
-    def backlog_s(self, now: float) -> float:
-        return max(b.backlog_s(now) for b in self.buckets)
 
     def corrupt(self, data: bytes) -> bytes:
         """Flip one bit in a ``params.corrupt`` fraction of bytes (seeded, reproducible)."""
@@ -156,7 +112,7 @@ class DirectionRuntime:
         buf = bytearray(data)
         pos = self._corrupt_gap
         while pos < len(buf):
-            buf[pos] ^= 1 << self._rng.randrange(8)
+            buf[pos] ^= 1 << self.rng.randrange(8)
             self.counters.corrupted_bytes += 1
             pos += self._next_corrupt_gap() + 1
         self._corrupt_gap = pos - len(buf)
@@ -164,11 +120,9 @@ class DirectionRuntime:
 
     def _next_corrupt_gap(self) -> int:
         rate = self.params.corrupt
-        if rate <= 0:
+        if rate <= 0 or rate >= 1:
             return 0
-        if rate >= 1:
-            return 0
-        u = 1.0 - self._rng.random()
+        u = 1.0 - self.rng.random()
         return int(math.log(u) / math.log1p(-rate))
 
     def queued_bytes(self) -> int:
@@ -322,7 +276,7 @@ class Pipe:
         mss = d.params.mss_bytes
         rtt_s = (d.params.delay_ms + self.reverse.params.delay_ms) / 1e3
         if self._cwnd < 4 * mss:
-            self._stall_until = depart + d.stall_s
+            self._stall_until = depart + d.rto_s
             return self._stall_until + d.params.delay_ms / 1e3
         if depart >= self._recovery_until:
             self._ssthresh = max(self._cwnd / 2, 2.0 * mss)

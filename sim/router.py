@@ -27,13 +27,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from isthmus.sim import gso
+from isthmus.sim.direction import DirectionModel
 from isthmus.sim.hosts import Host
-from isthmus.sim.jitter import JitterSampler
 from isthmus.sim.link import DirectionParams, LinkParams, link_changes_to_direction
-from isthmus.sim.loss import SegmentLoss
 from isthmus.sim.timerfd import TimerFD
 from isthmus.sim.token_bucket import TokenBucket
-from isthmus.sim.topology import Topology, direction_rng
+from isthmus.sim.topology import Topology
 
 # A timerfd wakes the loop ~0.1 ms after a packet is due: packets due within
 # this slack are written on a wake-up, which centres the error on zero.
@@ -65,46 +64,17 @@ class PacketCounters:
     """Hit by corruption: the receiver's checksum discards them, TCP resends."""
 
 
-class PacketDirection:
+class PacketDirection(DirectionModel):
     """One direction of a link as the router applies it to packets."""
 
-    def __init__(
-        self,
-        *,
-        src: str,
-        dst: str,
-        params: DirectionParams,
-        seed: int,
-        egress: TokenBucket | None,
-        ingress: TokenBucket | None,
-    ) -> None:
-        self.src, self.dst = src, dst
+    def __init__(self, **kwargs: Any) -> None:
         self.counters = PacketCounters()
-        self.blackholed = False
-        self._rng = direction_rng(seed, src, dst)
-        self._bucket = TokenBucket(params.rate_bytes_per_s)
-        self._buckets = [b for b in (self._bucket, egress, ingress) if b is not None]
         self._last_deliver = 0.0
-        self.apply(params)
+        super().__init__(**kwargs)
 
     def apply(self, params: DirectionParams) -> None:
-        self.params = params
-        self._bucket.set_rate(params.rate_bytes_per_s)
-        self._jitter = JitterSampler(
-            self._rng,
-            delay_ms=params.delay_ms,
-            jitter_ms=params.jitter_ms,
-            distribution=params.jitter_distribution,
-            pareto_shape=params.jitter_pareto_shape,
-        )
-        self._loss = SegmentLoss(
-            self._rng, loss=params.loss, mean_burst_segments=params.loss_burst_segments
-        )
-        self._queue_s = params.queue_ms / 1e3
-        self._delayed = params.delay_ms > 0 or params.jitter_ms > 0
+        super().apply(params)
         self._lossy = params.loss > 0 or params.corrupt > 0
-        rates = [b.rate for b in self._buckets if b.rate is not None]
-        self._slowest_rate = min(rates) if rates else None
 
     def admit(self, data: bytes, frame: gso.Frame, now: float) -> list[tuple[float, bytes]]:
         """What of one frame reaches the other end, and when: (time, bytes to write)."""
@@ -115,10 +85,10 @@ class PacketDirection:
             c.partition_drops += segments
             return []
         keep = segments
-        if self._slowest_rate is not None:
+        if self.slowest_rate is not None:
             # Tail drop: the segments that do not fit in the queue are lost.
-            backlog = max(b.backlog_s(now) for b in self._buckets)
-            room = (self._queue_s - backlog) * self._slowest_rate
+            backlog = self.backlog_s(now)
+            room = (self.queue_s - backlog) * self.slowest_rate
             per_segment = frame.wire_bytes / segments
             keep = min(segments, max(0, int(room // per_segment) + (room > 0)))
             if keep < segments:
@@ -128,20 +98,16 @@ class PacketDirection:
                 frame = gso.slice_segments(frame, 0, keep) if frame.is_tcp_gso else frame
                 data = b""  # re-encode below
         wire = frame.wire_bytes
-        buckets = self._buckets
-        if len(buckets) == 1:
-            depart = buckets[0].reserve(wire, now)
-        else:
-            depart = max(b.reserve(wire, now) for b in buckets)
+        depart = self.reserve(wire, now)
         c.bytes += wire
         c.segments += keep
-        if self._delayed:
+        if self.delayed:
             c.segments_delayed += keep
-        deliver = max(depart + self._jitter.sample_s(), self._last_deliver)
+        deliver = max(depart + self.jitter.sample_s(), self._last_deliver)
         self._last_deliver = deliver
         if not self._lossy:
             return [(deliver, data or frame.encode())]
-        dropped = set(self._loss.lost_positions(keep))
+        dropped = set(self.loss.lost_positions(keep))
         c.lost_segments += len(dropped)
         if self.params.corrupt:
             corrupted = self._corrupted_positions(keep, wire / keep) - dropped
@@ -167,7 +133,7 @@ class PacketDirection:
 
     def _corrupted_positions(self, segments: int, segment_bytes: float) -> set[int]:
         p = 1.0 - (1.0 - self.params.corrupt) ** segment_bytes
-        return {i for i in range(segments) if self._rng.random() < p}
+        return {i for i in range(segments) if self.rng.random() < p}
 
     def stats(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self.counters), "blackholed": self.blackholed}
