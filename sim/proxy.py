@@ -35,9 +35,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from isthmus.sim.direction import DirectionModel
-from isthmus.sim.link import DirectionParams, LinkParams, link_changes_to_direction
-from isthmus.sim.token_bucket import TokenBucket
+from isthmus.sim.direction import DirectionModel, LinkModel
+from isthmus.sim.link import DirectionParams
 
 log = logging.getLogger(__name__)
 
@@ -547,71 +546,28 @@ def _abort_with_rst(transport: asyncio.Transport) -> None:
     transport.abort()
 
 
-class LinkRuntime:
-    """A running link between sites ``a`` and ``b``: both directions and its controls."""
+class LinkRuntime(LinkModel[DirectionRuntime]):
+    """A running link of the proxy: both directions, their connections, and the controls."""
 
-    def __init__(
-        self,
-        a: str,
-        b: str,
-        params: LinkParams,
-        *,
-        seed: int,
-        site_buckets: dict[str, tuple[TokenBucket | None, TokenBucket | None]],
-    ) -> None:
-        self.a, self.b = a, b
-        self.name = f"{a}<->{b}"
-        eg_a, in_a = site_buckets.get(a, (None, None))
-        eg_b, in_b = site_buckets.get(b, (None, None))
-        self.a_to_b = DirectionRuntime(
-            src=a, dst=b, params=params.a_to_b, seed=seed, egress=eg_a, ingress=in_b
-        )
-        self.b_to_a = DirectionRuntime(
-            src=b, dst=a, params=params.b_to_a, seed=seed, egress=eg_b, ingress=in_a
-        )
+    direction_class = DirectionRuntime
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.connections: set[ProxiedConnection] = set()
         self.reset_mode = False
-        self.events: list[tuple[float, str]] = []
-
-    def direction(self, src: str) -> DirectionRuntime:
-        if src == self.a:
-            return self.a_to_b
-        if src == self.b:
-            return self.b_to_a
-        raise KeyError(f"site {src!r} is not an end of link {self.name}")
-
-    def other(self, direction: DirectionRuntime) -> DirectionRuntime:
-        return self.b_to_a if direction is self.a_to_b else self.a_to_b
-
-    @property
-    def params(self) -> LinkParams:
-        return LinkParams(self.a_to_b.params, self.b_to_a.params)
 
     @property
     def state(self) -> str:
-        if self.reset_mode:
-            return "reset"
-        return "blackhole" if self.a_to_b.blackholed else "up"
+        return "reset" if self.reset_mode else super().state
 
-    def update(self, *, source: str | None = None, **changes: Any) -> None:
-        """Change settings while traffic flows (both directions, or those leaving ``source``).
+    def _apply(self, changes: list[tuple[DirectionRuntime, DirectionParams]]) -> None:
+        for direction, params in changes:
+            direction.update(params)
 
-        Link-level names are accepted (``rtt_ms`` sets each direction's delay to rtt / 2).
-        Raises :class:`~isthmus.sim.link.LinkConfigError` and changes nothing if any is invalid.
-        """
-        changes = link_changes_to_direction(changes)
-        targets = [self.direction(source)] if source else [self.a_to_b, self.b_to_a]
-        new = [t.params.replace(**changes) for t in targets]  # validate all first
-        for target, params in zip(targets, new, strict=True):
-            target.update(params)
-        self._event(f"set {changes}" + (f" from {source}" if source else ""))
-
-    def cut(self, mode: str = "blackhole") -> None:
-        """Partition the link. blackhole: bytes stop and connections hang; reset: torn down."""
-        if mode not in ("blackhole", "reset"):
-            raise ValueError(f"unknown partition mode {mode!r}; use blackhole or reset")
+    def _cut(self, mode: str) -> None:
+        """blackhole: bytes stop and connections hang; reset: connections torn down."""
+        super()._cut(mode)
         for d in (self.a_to_b, self.b_to_a):
-            d.blackholed = True
             for pipe in list(d.pipes):
                 pipe.blackhole()
         if mode == "reset":
@@ -619,32 +575,16 @@ class LinkRuntime:
             for conn in list(self.connections):
                 conn.to_server.direction.counters.resets += 1
                 conn.reset()
-        self._event(f"cut ({mode})")
 
-    def heal(self) -> None:
-        """End a partition: held bytes flow again and waiting connections are opened."""
+    def _heal(self) -> None:
+        """Held bytes flow again and waiting connections are opened."""
         self.reset_mode = False
-        for d in (self.a_to_b, self.b_to_a):
-            d.blackholed = False
+        super()._heal()
         for conn in list(self.connections):
             conn.connect_upstream()
         for d in (self.a_to_b, self.b_to_a):
             for pipe in list(d.pipes):
                 pipe.pump()
-        self._event("heal")
-
-    def _event(self, what: str) -> None:
-        self.events.append((asyncio.get_running_loop().time(), what))
-        log.info("link %s: %s", self.name, what)
-
-    def stats(self) -> dict[str, Any]:
-        return {
-            "between": [self.a, self.b],
-            "state": self.state,
-            "rtt_ms": self.params.rtt_ms,
-            f"{self.a}->{self.b}": self.a_to_b.stats(),
-            f"{self.b}->{self.a}": self.b_to_a.stats(),
-        }
 
 
 class Listener:

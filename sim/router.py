@@ -27,11 +27,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from isthmus.sim import gso
-from isthmus.sim.direction import DirectionModel
+from isthmus.sim.direction import DirectionModel, LinkModel
 from isthmus.sim.hosts import Host
-from isthmus.sim.link import DirectionParams, LinkParams, link_changes_to_direction
+from isthmus.sim.link import DirectionParams
 from isthmus.sim.timerfd import TimerFD
-from isthmus.sim.token_bucket import TokenBucket
 from isthmus.sim.topology import Topology
 
 # A timerfd wakes the loop ~0.1 ms after a packet is due: packets due within
@@ -139,78 +138,28 @@ class PacketDirection(DirectionModel):
         return {**dataclasses.asdict(self.counters), "blackholed": self.blackholed}
 
 
-class PacketLink:
-    """Both directions of a link between two hosts, with the emulator's controls."""
+class PacketLink(LinkModel[PacketDirection]):
+    """A link of the router. Its controls run on the control thread, so they change
+    the directions under the router's lock. At packet level both partition modes
+    drop every packet; the hosts' TCP then times out as on a real cut."""
 
-    def __init__(
-        self,
-        a: str,
-        b: str,
-        params: LinkParams,
-        *,
-        seed: int,
-        lock: threading.Lock,
-        site_buckets: dict[str, tuple[TokenBucket | None, TokenBucket | None]],
-    ) -> None:
-        self.a, self.b = a, b
+    direction_class = PacketDirection
+
+    def __init__(self, *args: Any, lock: threading.Lock, **kwargs: Any) -> None:
         self._lock = lock
-        eg_a, in_a = site_buckets.get(a, (None, None))
-        eg_b, in_b = site_buckets.get(b, (None, None))
-        self.a_to_b = PacketDirection(
-            src=a, dst=b, params=params.a_to_b, seed=seed, egress=eg_a, ingress=in_b
-        )
-        self.b_to_a = PacketDirection(
-            src=b, dst=a, params=params.b_to_a, seed=seed, egress=eg_b, ingress=in_a
-        )
-        self.events: list[tuple[float, str]] = []
+        super().__init__(*args, **kwargs)
 
-    @property
-    def params(self) -> LinkParams:
-        return LinkParams(self.a_to_b.params, self.b_to_a.params)
-
-    @property
-    def state(self) -> str:
-        return "blackhole" if self.a_to_b.blackholed else "up"
-
-    def update(self, *, source: str | None = None, **changes: Any) -> None:
-        changes = link_changes_to_direction(changes)
-        if source is None:
-            targets = [self.a_to_b, self.b_to_a]
-        elif source in (self.a, self.b):
-            targets = [self.a_to_b if source == self.a else self.b_to_a]
-        else:
-            raise KeyError(f"site {source!r} is not an end of link {self.a}<->{self.b}")
-        new = [t.params.replace(**changes) for t in targets]
+    def _apply(self, changes: list[tuple[PacketDirection, DirectionParams]]) -> None:
         with self._lock:
-            for target, params in zip(targets, new, strict=True):
-                target.apply(params)
-        self._event(f"set {changes}")
+            super()._apply(changes)
 
-    def cut(self, mode: str = "blackhole") -> None:
-        """Partition: every packet is dropped until :meth:`heal`. At packet level both
-        modes drop; the hosts' TCP then times out as it would on a real cut."""
-        if mode not in ("blackhole", "reset"):
-            raise ValueError(f"unknown partition mode {mode!r}; use blackhole or reset")
+    def _cut(self, mode: str) -> None:
         with self._lock:
-            self.a_to_b.blackholed = self.b_to_a.blackholed = True
-        self._event(f"cut ({mode})")
+            super()._cut(mode)
 
-    def heal(self) -> None:
+    def _heal(self) -> None:
         with self._lock:
-            self.a_to_b.blackholed = self.b_to_a.blackholed = False
-        self._event("heal")
-
-    def _event(self, what: str) -> None:
-        self.events.append((time.monotonic(), what))
-
-    def stats(self) -> dict[str, Any]:
-        return {
-            "between": [self.a, self.b],
-            "state": self.state,
-            "rtt_ms": self.params.rtt_ms,
-            f"{self.a}->{self.b}": self.a_to_b.stats(),
-            f"{self.b}->{self.a}": self.b_to_a.stats(),
-        }
+            super()._heal()
 
 
 class Router:
