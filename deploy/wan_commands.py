@@ -427,38 +427,32 @@ def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_packet_stats(stats: dict[str, Any]) -> str:
-    """Counters of the packet-level backend (``wan up --hosts``)."""
-    lines = []
-    for link in stats["links"]:
-        a, b = link["between"]
-        lines.append(f"link {a}<->{b} ({link['state']}):")
-        for direction in (f"{a}->{b}", f"{b}->{a}"):
-            c = link[direction]
-            lines.append(
-                f"  {direction}: {c['bytes'] / 1e6:.1f} MB, {c['segments']} segments "
-                f"in {c['frames']} frames, {c['lost_segments']} lost, "
-                f"{c['queue_drops']} queue drops, {c['partition_drops']} partition drops, "
-                f"{c['corrupted_segments']} corrupted"
-            )
-    return "\n".join(lines)
-
-
 def format_stats(stats: dict[str, Any]) -> str:
-    if stats.get("backend") == "hosts":
-        return format_packet_stats(stats)
+    """Per link and direction, the counters that matter for the backend that made them."""
+    describe = _packet_counters if stats.get("backend") == "hosts" else _proxy_counters
     lines = []
     for link in stats["links"]:
         a, b = link["between"]
         lines.append(f"link {a}<->{b} ({link['state']}):")
         for direction in (f"{a}->{b}", f"{b}->{a}"):
-            c = link[direction]
-            lines.append(
-                f"  {direction}: {c['bytes'] / 1e6:.1f} MB, {c['segments']} segments, "
-                f"{c['stalls']} stalls, {c['resets']} resets, {c['disconnects']} disconnects, "
-                f"{c['active_connections']} open, queue {c['queued_bytes'] / 1e3:.0f} kB"
-            )
+            lines.append(f"  {direction}: {describe(link[direction])}")
     return "\n".join(lines)
+
+
+def _proxy_counters(c: dict[str, Any]) -> str:
+    return (
+        f"{c['bytes'] / 1e6:.1f} MB, {c['segments']} segments, {c['stalls']} stalls, "
+        f"{c['resets']} resets, {c['disconnects']} disconnects, "
+        f"{c['active_connections']} open, queue {c['queued_bytes'] / 1e3:.0f} kB"
+    )
+
+
+def _packet_counters(c: dict[str, Any]) -> str:
+    return (
+        f"{c['bytes'] / 1e6:.1f} MB, {c['segments']} segments in {c['frames']} frames, "
+        f"{c['lost_segments']} lost, {c['queue_drops']} queue drops, "
+        f"{c['partition_drops']} partition drops, {c['corrupted_segments']} corrupted"
+    )
 
 
 # -- wan demo ---------------------------------------------------------------------------

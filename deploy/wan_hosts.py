@@ -91,9 +91,9 @@ def serve_hosts(job: Job, state_path: Path, write_state: Any) -> int:
         hosts.remove()
         with contextlib.suppress(FileNotFoundError):
             state_path.unlink()
-    from isthmus.deploy.wan_commands import format_packet_stats
+    from isthmus.deploy.wan_commands import format_stats
 
-    print(format_packet_stats(stats), flush=True)
+    print(format_stats(stats), flush=True)
     return 0
 
 
