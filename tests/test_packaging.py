@@ -7,6 +7,7 @@ folders of the repository cannot be picked up by accident.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -50,6 +51,15 @@ def _check(python: Path, cwd: Path) -> None:
     assert result.stdout.startswith("ok ")
 
 
+def _clean_copy(tmp_path: Path) -> Path:
+    """The checkout without build leftovers: setuptools reuses build/lib, so a stale
+    module there would end up in the wheel and hide a packaging mistake."""
+    source = tmp_path / "source"
+    ignore = shutil.ignore_patterns(".venv", "build", "dist", "*.egg-info", ".git", "__pycache__")
+    shutil.copytree(ROOT, source, ignore=ignore)
+    return source
+
+
 def test_wheel_holds_only_the_isthmus_namespace_and_imports(tmp_path):
     dist = tmp_path / "dist"
     subprocess.run(
@@ -63,7 +73,7 @@ def test_wheel_holds_only_the_isthmus_namespace_and_imports(tmp_path):
             "--no-build-isolation",
             "-w",
             str(dist),
-            str(ROOT),
+            str(_clean_copy(tmp_path)),
         ],
         check=True,
         timeout=600,
