@@ -64,6 +64,11 @@ class TimerFD:
             raise OSError(err, f"timerfd_settime: {os.strerror(err)}")
         self._armed_at = when
 
+    def fired(self) -> None:
+        """Note that the timer went off, so the next :meth:`arm` sets it even for the
+        same time (for edge-triggered epoll, where the expiry is never read)."""
+        self._armed_at = None
+
     def clear(self) -> None:
         """Consume the expiry so the descriptor stops being readable."""
         with contextlib.suppress(BlockingIOError):
