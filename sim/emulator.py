@@ -17,6 +17,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from isthmus.sim.faults import run_fault
+from isthmus.sim.precise_timers import PreciseTimers
 from isthmus.sim.proxy import LinkRuntime, Listener
 from isthmus.sim.topology import Topology
 
@@ -40,10 +41,17 @@ class Emulator:
         self.host = host
         self._fixed_listen = listen or {}
         site_buckets = topology.uplink_buckets()
+        # Construct the emulator on the loop that will run it: its timers live there.
+        self._timers = PreciseTimers(asyncio.get_running_loop())
         self.links: dict[frozenset[str], LinkRuntime] = {}
         for a, b in topology.pairs():
             self.links[frozenset((a, b))] = LinkRuntime(
-                a, b, topology.link_params(a, b), seed=topology.seed, site_buckets=site_buckets
+                a,
+                b,
+                topology.link_params(a, b),
+                seed=topology.seed,
+                site_buckets=site_buckets,
+                timers=self._timers,
             )
         self._listeners: dict[tuple[str, str, int], tuple[Listener, tuple[str, int]]] = {}
         self._fault_tasks: list[asyncio.Task[None]] = []
@@ -90,6 +98,7 @@ class Emulator:
         for link in self.links.values():
             for conn in list(link.connections):
                 conn.close()
+        self._timers.close()
 
     # -- addressing -------------------------------------------------------------
     def link(self, a: str, b: str) -> LinkRuntime:

@@ -35,6 +35,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from isthmus.sim import precise_timers
 from isthmus.sim.direction import DirectionModel, LinkModel
 from isthmus.sim.link import DirectionParams
 
@@ -47,12 +48,6 @@ PENDING_LIMIT_BYTES = 256 * 1024
 # seconds of the rate, so the receiver sees a smooth stream, not bursts.
 BATCH_SECONDS = 0.002
 MIN_BATCH_BYTES = 16 * 1024
-# asyncio's timers fire up to ~1 ms late (epoll rounds its timeout up to whole
-# milliseconds), and each hop through this process costs ~0.25 ms. Delivering
-# bytes that are due within the next millisecond when a timer fires offsets
-# both: measured added RTT lands within about +-0.8 ms of the configured one
-# (`isthmus bench wan`), where no slack measured +1 to +1.4 ms.
-TIMER_SLACK_S = 0.001
 # Linux's initial congestion window (RFC 6928).
 INITIAL_CWND_SEGMENTS = 10
 
@@ -164,7 +159,7 @@ class Pipe:
         self._ssthresh = math.inf
         self._recovery_until = 0.0
         self._pump_timer: asyncio.TimerHandle | None = None
-        self._deliver_timer: asyncio.TimerHandle | None = None
+        self._deliver_timer: precise_timers.TimerHandle | None = None
         self._dst_paused = False
         self._reading_paused = False
         self._eof = False
@@ -289,13 +284,15 @@ class Pipe:
     # -- off the link ---------------------------------------------------------
     def _arm_deliver(self) -> None:
         if self._line and not self._dst_paused and self.dst is not None:
-            self._deliver_timer = self.loop.call_at(self._line[0][0] - TIMER_SLACK_S, self._deliver)
+            self._deliver_timer = self.connection.link.timers.call_at(
+                self._line[0][0], self._deliver
+            )
 
     def _deliver(self) -> None:
         self._deliver_timer = None
         if self._done or self.dst is None:
             return
-        horizon = self.loop.time() + TIMER_SLACK_S
+        horizon = self.loop.time() + precise_timers.SLACK_S
         out: list[bytes] = []
         while self._line and self._line[0][0] <= horizon:
             out.append(self._line.popleft()[1])
@@ -551,8 +548,10 @@ class LinkRuntime(LinkModel[DirectionRuntime]):
 
     direction_class = DirectionRuntime
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, timers: precise_timers.PreciseTimers, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.timers = timers
+        """Where the link's deliveries are scheduled (sub-millisecond precision)."""
         self.connections: set[ProxiedConnection] = set()
         self.reset_mode = False
 
