@@ -22,6 +22,16 @@ def register(commands: Any) -> None:
         description="Runs 'isthmus wan proxy' as a separate process and measures what "
         "traffic through it sees, against the targets of the emulator.",
     )
+    codec = add_command(
+        kinds,
+        "codec",
+        _codec,
+        help="speed (one core), compression ratio and error of every codec",
+        description="Encode and decode speed per core, and ratio and error on a real "
+        "pseudo-gradient, for every codec.",
+    )
+    codec.add_argument("--size-mib", type=float, default=64.0, help="tensor size for speed")
+    codec.add_argument("--json", action="store_true", help="print the results as JSON")
     wan.add_argument("--json", action="store_true", help="print the results as JSON")
     wan.add_argument("--repeats", type=int, default=3, help="runs per throughput point (median)")
     wan.add_argument("--seconds", type=float, default=2.0, help="length of each throughput run")
@@ -32,6 +42,16 @@ def register(commands: Any) -> None:
         help="benchmark the packet-level backend (separate hosts, real TCP, "
         "Gloo baseline); needs root",
     )
+
+
+def _codec(args: argparse.Namespace) -> int:
+    from isthmus.deploy.bench_codec import format_codec_report, run_codec_bench
+
+    if args.size_mib <= 0:
+        raise UsageError(f"--size-mib: must be > 0, got {args.size_mib}")
+    results = run_codec_bench(size_mib=args.size_mib)
+    print(json.dumps(results, indent=2) if args.json else format_codec_report(results))
+    return 0 if results["ok"] else 1
 
 
 def _wan(args: argparse.Namespace) -> int:
