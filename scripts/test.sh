@@ -7,5 +7,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 echo "test: ruff"
 .venv/bin/ruff check .
+echo "test: generated protocol code"
+.venv/bin/python scripts/gen_proto.py --check
 echo "test: pytest"
 exec .venv/bin/python -m pytest "$@"
