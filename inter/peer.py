@@ -1,0 +1,304 @@
+"""The peer service: one gRPC endpoint per local rank, through which sites exchange tensors.
+
+A rank dials each counterpart in the other sites, opens a session with
+``Hello`` (job, protocol version and layout must match, or it is refused with
+a message that says which), then streams chunks with ``Exchange``; every chunk
+is verified (checksum, codec, sizes) and acknowledged, or refused with the
+reason and never applied. Complete tensors are handed to the collective engine
+through ``on_tensor``.
+
+Every call carries a deadline. Interceptors give an authentication hook and
+per-method metrics; the standard gRPC health service answers for the site.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from isthmus.inter.chunks import Assembly, ChunkError
+from isthmus.inter.codecs import Encoded
+from isthmus.inter.transport import TransportSettings
+from isthmus.proto import wire_pb2, wire_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+SERVICE_NAME = "isthmus.wire.PeerService"
+# Who is calling Exchange: set by PeerClient, checked by the servicer.
+META_JOB, META_SITE, META_RANK = "isthmus-job", "isthmus-site", "isthmus-rank"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Identity:
+    """Who a rank is, as the other sites must see it."""
+
+    job: str
+    site: str
+    rank: int
+    layout_fingerprint: str = ""
+    """SHA-256 of the layout every site must share (tensor/pipeline degrees, shapes)."""
+
+
+@dataclass(frozen=True)
+class ReceivedTensor:
+    """A complete, verified tensor from a peer (still encoded)."""
+
+    site: str
+    rank: int
+    round: int
+    shard: int
+    weight: float
+    encoded: Encoded
+
+
+TensorSink = Callable[[ReceivedTensor], Awaitable[None] | None]
+
+
+class PeerError(RuntimeError):
+    """A peer refused us or could not be reached; the message names the peer and why."""
+
+
+class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
+    """Checks who calls and what they send; hands complete tensors to ``on_tensor``."""
+
+    def __init__(self, identity: Identity, sites: Collection[str], on_tensor: TensorSink) -> None:
+        self.identity = identity
+        self.sites = set(sites)
+        self.on_tensor = on_tensor
+        self.refused: list[str] = []
+        """Reasons of refused handshakes and chunks, newest last (for tests and metrics)."""
+
+    def check_handshake(self, request: wire_pb2.Handshake) -> wire_pb2.Error | None:
+        me = self.identity
+        if request.protocol_version != PROTOCOL_VERSION:
+            return wire_pb2.Error(
+                code=wire_pb2.PROTOCOL_MISMATCH,
+                message=f"peer speaks protocol {request.protocol_version}, this site speaks "
+                f"{PROTOCOL_VERSION}; run the same Isthmus version on every site",
+            )
+        if request.job != me.job:
+            return wire_pb2.Error(
+                code=wire_pb2.WRONG_JOB,
+                message=f"peer belongs to job {request.job!r}, this is job {me.job!r}",
+            )
+        if request.site not in self.sites or request.site == me.site:
+            return wire_pb2.Error(
+                code=wire_pb2.WRONG_JOB,
+                message=f"site {request.site!r} is not another site of job {me.job!r} "
+                f"(sites: {', '.join(sorted(self.sites))})",
+            )
+        if request.layout_fingerprint != me.layout_fingerprint:
+            return wire_pb2.Error(
+                code=wire_pb2.LAYOUT_MISMATCH,
+                message=f"site {request.site!r} has layout {request.layout_fingerprint[:12]!r}, "
+                f"this site {me.layout_fingerprint[:12]!r}: tensor/pipeline degrees or "
+                "parameter shapes differ",
+            )
+        return None
+
+    async def Hello(
+        self, request: wire_pb2.Handshake, context: grpc.aio.ServicerContext
+    ) -> wire_pb2.HandshakeReply:
+        error = self.check_handshake(request)
+        me = self.identity
+        reply = wire_pb2.HandshakeReply(
+            accepted=error is None, site=me.site, rank=me.rank, protocol_version=PROTOCOL_VERSION
+        )
+        if error is not None:
+            reply.error.CopyFrom(error)
+            self._refuse(f"handshake from {context.peer()}: {error.message}")
+        return reply
+
+    async def Exchange(
+        self, request_iterator: AsyncIterator[wire_pb2.Chunk], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[wire_pb2.Ack]:
+        metadata = dict(context.invocation_metadata() or ())
+        site = metadata.get(META_SITE, "")
+        if metadata.get(META_JOB) != self.identity.job or site not in self.sites:
+            message = (
+                f"Exchange from {context.peer()} names job {metadata.get(META_JOB)!r} and site "
+                f"{site!r}; this is job {self.identity.job!r}"
+            )
+            self._refuse(message)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
+        rank = int(metadata.get(META_RANK, "0") or 0)
+        # Partial tensors live as long as their stream: after a reset the sender
+        # sends the tensor again on a new stream. (Resuming from the last
+        # acknowledged chunk across streams is still to come, with the engine.)
+        assemblies: dict[tuple[int, int], Assembly] = {}
+        async for chunk in request_iterator:
+            key = (chunk.round, chunk.shard)
+            assembly = assemblies.setdefault(key, Assembly.start(chunk))
+            try:
+                assembly.add(chunk)
+            except ChunkError as exc:
+                self._refuse(f"chunk from site {site!r} ({context.peer()}): {exc}")
+                yield _ack(chunk, wire_pb2.Error(code=exc.code, message=str(exc)))
+                continue
+            if assembly.complete:
+                del assemblies[key]
+                received = ReceivedTensor(
+                    site, rank, chunk.round, chunk.shard, chunk.weight, assembly.encoded()
+                )
+                result = self.on_tensor(received)
+                if asyncio.iscoroutine(result):
+                    await result
+            yield _ack(chunk, None)
+
+    def _refuse(self, reason: str) -> None:
+        self.refused.append(reason)
+        log.warning("refused: %s", reason)
+
+
+def _ack(chunk: wire_pb2.Chunk, error: wire_pb2.Error | None) -> wire_pb2.Ack:
+    ack = wire_pb2.Ack(round=chunk.round, shard=chunk.shard, index=chunk.index, ok=error is None)
+    if error is not None:
+        ack.error.CopyFrom(error)
+    return ack
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """The authentication hook: ``check(metadata)`` returns None to admit a call, or
+    the reason to refuse it (UNAUTHENTICATED). mTLS (a later issue) plugs in here too."""
+
+    def __init__(self, check: Callable[[dict[str, str]], str | None]) -> None:
+        self.check = check
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        reason = self.check(dict(details.invocation_metadata or ()))
+        handler = await continuation(details)
+        if reason is None or handler is None:
+            return handler
+
+        async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(deny)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(deny)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(deny)
+        return grpc.unary_unary_rpc_method_handler(deny)
+
+
+@dataclass
+class MetricsInterceptor(grpc.aio.ServerInterceptor):
+    """Counts calls per method (bytes and latency are counted by the engine, per chunk)."""
+
+    calls: dict[str, int] = field(default_factory=dict)
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        self.calls[details.method] = self.calls.get(details.method, 0) + 1
+        return await continuation(details)
+
+
+class PeerServer:
+    """A rank's gRPC server: the peer service, the health service, the interceptors."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        sites: Collection[str],
+        on_tensor: TensorSink,
+        *,
+        settings: TransportSettings | None = None,
+        interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+    ) -> None:
+        self.settings = settings or TransportSettings()
+        self.metrics = MetricsInterceptor()
+        self.servicer = PeerServicer(identity, sites, on_tensor)
+        self.server = grpc.aio.server(
+            interceptors=[self.metrics, *interceptors], options=self.settings.server_options()
+        )
+        wire_pb2_grpc.add_PeerServiceServicer_to_server(self.servicer, self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port: int | None = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Listen on ``host:port`` (0: a free port); return the port. Names the address
+        when it cannot be bound."""
+        try:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as exc:
+            raise PeerError(
+                f"cannot listen on {host}:{port} ({exc}); is the port in use?"
+            ) from None
+        await self.server.start()
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        return self.port
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+
+
+class PeerClient:
+    """A session with one counterpart rank of another site."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        address: str,
+        *,
+        settings: TransportSettings | None = None,
+        deadline_s: float = 30.0,
+    ) -> None:
+        self.identity = identity
+        self.address = address
+        self.deadline_s = deadline_s
+        self.settings = settings or TransportSettings()
+        self.channel = grpc.aio.insecure_channel(address, options=self.settings.channel_options())
+        self.stub = wire_pb2_grpc.PeerServiceStub(self.channel)
+        self.peer: tuple[str, int] | None = None
+
+    async def hello(self) -> wire_pb2.HandshakeReply:
+        me = self.identity
+        request = wire_pb2.Handshake(
+            job=me.job,
+            site=me.site,
+            rank=me.rank,
+            protocol_version=PROTOCOL_VERSION,
+            layout_fingerprint=me.layout_fingerprint,
+        )
+        try:
+            reply = await self.stub.Hello(request, timeout=self.deadline_s, wait_for_ready=True)
+        except grpc.aio.AioRpcError as exc:
+            raise PeerError(self._describe(exc)) from None
+        if not reply.accepted:
+            raise PeerError(f"peer {self.address} refused the session: {reply.error.message}")
+        self.peer = (reply.site, reply.rank)
+        return reply
+
+    async def exchange(self, chunks: Iterable[wire_pb2.Chunk]) -> list[wire_pb2.Ack]:
+        """Send ``chunks`` on one stream; return the peer's acknowledgement of each."""
+        me = self.identity
+        metadata = ((META_JOB, me.job), (META_SITE, me.site), (META_RANK, str(me.rank)))
+        try:
+            call = self.stub.Exchange(iter(chunks), timeout=self.deadline_s, metadata=metadata)
+            return [ack async for ack in call]
+        except grpc.aio.AioRpcError as exc:
+            raise PeerError(self._describe(exc)) from None
+
+    def _describe(self, exc: grpc.aio.AioRpcError) -> str:
+        code = exc.code()
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return (
+                f"peer {self.address} did not answer within {self.deadline_s:g} s "
+                "(down, partitioned, or the address is wrong)"
+            )
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return f"peer {self.address} is unreachable: {exc.details()}"
+        return f"peer {self.address} refused: {code.name}: {exc.details()}"
+
+    async def close(self) -> None:
+        await self.channel.close()

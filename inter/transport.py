@@ -1,0 +1,85 @@
+"""gRPC settings for long, fat WAN links, shared by every server and channel of Isthmus.
+
+Defaults of gRPC suit a data center. Across a WAN a stream must keep a whole
+bandwidth-delay product in flight (1 Gbit/s x 100 ms = 12.5 MB), idle links
+are cut by middleboxes unless kept alive, and both ends must agree on
+keepalive or the server answers pings with GOAWAY ("too_many_pings").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# The largest chunk a message may carry, plus room for the other fields.
+MAX_CHUNK_BYTES = 16 * 1024 * 1024
+MESSAGE_OVERHEAD_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransportSettings:
+    """What both ends of a cross-site gRPC connection agree on."""
+
+    max_chunk_bytes: int = 4 * 1024 * 1024
+    """Encoded bytes per chunk message: big enough to amortise per-message cost,
+    small enough to pipeline encode, send and decode."""
+
+    stream_window_bytes: int = 64 * 1024 * 1024
+    """Initial HTTP/2 stream window (lookahead): at least one bandwidth-delay product,
+    so a stream is not held back waiting for WINDOW_UPDATEs. BDP probing then tunes it."""
+
+    keepalive_s: float = 30.0
+    """Ping an idle connection this often, so NATs and firewalls keep it open."""
+
+    keepalive_timeout_s: float = 20.0
+    """A ping unanswered this long marks the connection dead."""
+
+    def __post_init__(self) -> None:
+        if not 1024 <= self.max_chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(
+                f"max_chunk_bytes must be in [1 KiB, {MAX_CHUNK_BYTES >> 20} MiB], "
+                f"got {self.max_chunk_bytes}"
+            )
+        if self.stream_window_bytes < 65535:
+            raise ValueError(
+                f"stream_window_bytes must be >= 65535, got {self.stream_window_bytes}"
+            )
+        if self.keepalive_s <= 0 or self.keepalive_timeout_s <= 0:
+            raise ValueError("keepalive_s and keepalive_timeout_s must be > 0")
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self.max_chunk_bytes + MESSAGE_OVERHEAD_BYTES
+
+    def channel_options(self) -> list[tuple[str, Any]]:
+        return [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.http2.lookahead_bytes", self.stream_window_bytes),
+            ("grpc.http2.bdp_probe", 1),
+            ("grpc.keepalive_time_ms", int(self.keepalive_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_s * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+            # Each peer gets its own connection: parallel channels to one address
+            # must not be merged into one TCP connection.
+            ("grpc.use_local_subchannel_pool", 1),
+        ]
+
+    def server_options(self) -> list[tuple[str, Any]]:
+        return [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.http2.lookahead_bytes", self.stream_window_bytes),
+            ("grpc.http2.bdp_probe", 1),
+            ("grpc.keepalive_time_ms", int(self.keepalive_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_s * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            # Accept the clients' pings: anything more often than half their
+            # keepalive would be abuse and earns a GOAWAY.
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", int(self.keepalive_s * 500)),
+            ("grpc.http2.max_ping_strikes", 2),
+            # gRPC sets SO_REUSEPORT by default: a second rank on the same port
+            # would silently share it instead of failing.
+            ("grpc.so_reuseport", 0),
+        ]

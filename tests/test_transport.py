@@ -1,0 +1,33 @@
+"""Transport settings: both ends agree, and bad values are refused."""
+
+import pytest
+
+from isthmus.inter.transport import TransportSettings
+
+
+def test_both_ends_agree_on_message_size_and_keepalive():
+    settings = TransportSettings(max_chunk_bytes=8 << 20, keepalive_s=20)
+    client = dict(settings.channel_options())
+    server = dict(settings.server_options())
+    assert client["grpc.max_send_message_length"] == server["grpc.max_receive_message_length"]
+    assert client["grpc.max_send_message_length"] > 8 << 20
+    # The server must accept pings at the rate the client sends them.
+    assert (
+        server["grpc.http2.min_recv_ping_interval_without_data_ms"]
+        <= client["grpc.keepalive_time_ms"]
+    )
+    assert server["grpc.so_reuseport"] == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_chunk_bytes": 10}, "max_chunk_bytes"),
+        ({"max_chunk_bytes": 1 << 30}, "max_chunk_bytes"),
+        ({"stream_window_bytes": 10}, "stream_window_bytes"),
+        ({"keepalive_s": 0}, "keepalive"),
+    ],
+)
+def test_bad_settings_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TransportSettings(**kwargs)
