@@ -51,7 +51,7 @@ class TransportSettings:
     def max_message_bytes(self) -> int:
         return self.max_chunk_bytes + MESSAGE_OVERHEAD_BYTES
 
-    def channel_options(self) -> list[tuple[str, Any]]:
+    def _both_ends(self) -> list[tuple[str, Any]]:
         return [
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.max_receive_message_length", self.max_message_bytes),
@@ -60,6 +60,11 @@ class TransportSettings:
             ("grpc.keepalive_time_ms", int(self.keepalive_s * 1000)),
             ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_s * 1000)),
             ("grpc.keepalive_permit_without_calls", 1),
+        ]
+
+    def channel_options(self) -> list[tuple[str, Any]]:
+        return [
+            *self._both_ends(),
             ("grpc.http2.max_pings_without_data", 0),
             # Each peer gets its own connection: parallel channels to one address
             # must not be merged into one TCP connection.
@@ -68,13 +73,7 @@ class TransportSettings:
 
     def server_options(self) -> list[tuple[str, Any]]:
         return [
-            ("grpc.max_send_message_length", self.max_message_bytes),
-            ("grpc.max_receive_message_length", self.max_message_bytes),
-            ("grpc.http2.lookahead_bytes", self.stream_window_bytes),
-            ("grpc.http2.bdp_probe", 1),
-            ("grpc.keepalive_time_ms", int(self.keepalive_s * 1000)),
-            ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_s * 1000)),
-            ("grpc.keepalive_permit_without_calls", 1),
+            *self._both_ends(),
             # Accept the clients' pings: anything more often than half their
             # keepalive would be abuse and earns a GOAWAY.
             ("grpc.http2.min_recv_ping_interval_without_data_ms", int(self.keepalive_s * 500)),
