@@ -22,6 +22,27 @@ def register(commands: Any) -> None:
         description="Runs 'isthmus wan proxy' as a separate process and measures what "
         "traffic through it sees, against the targets of the emulator.",
     )
+    allreduce = add_command(
+        kinds,
+        "allreduce",
+        _allreduce,
+        help="the cross-site all-reduce between site processes over emulated links",
+        description="Runs SITES site processes linked through 'isthmus wan up' and reports "
+        "the round time against the alpha-beta bound, bytes moved and error.",
+    )
+    allreduce.add_argument("--sites", type=int, default=3)
+    allreduce.add_argument("--size-mib", type=float, default=64.0)
+    allreduce.add_argument("--rtt-ms", type=float, default=50.0)
+    allreduce.add_argument("--bandwidth-mbit", type=float, default=200.0)
+    allreduce.add_argument("--codec", default="none", help="e.g. none, bf16, int8, int4+zstd")
+    allreduce.add_argument(
+        "--algorithm",
+        choices=("direct",),
+        default="direct",
+        help="direct today; ring and auto come with the pipelined engine",
+    )
+    allreduce.add_argument("--repeats", type=int, default=3)
+    allreduce.add_argument("--json", action="store_true", help="print the results as JSON")
     codec = add_command(
         kinds,
         "codec",
@@ -42,6 +63,36 @@ def register(commands: Any) -> None:
         help="benchmark the packet-level backend (separate hosts, real TCP, "
         "Gloo baseline); needs root",
     )
+
+
+def _allreduce(args: argparse.Namespace) -> int:
+    from isthmus.deploy.bench_allreduce import format_allreduce_report, run_allreduce_bench
+    from isthmus.inter.codecs import CodecError, parse_codec
+
+    if not 2 <= args.sites <= 8:
+        raise UsageError(f"--sites: must be in 2..8, got {args.sites}")
+    for flag, value in (("--size-mib", args.size_mib), ("--bandwidth-mbit", args.bandwidth_mbit)):
+        if value <= 0:
+            raise UsageError(f"{flag}: must be > 0, got {value}")
+    if args.rtt_ms < 0:
+        raise UsageError(f"--rtt-ms: must be >= 0, got {args.rtt_ms}")
+    if args.repeats < 1:
+        raise UsageError(f"--repeats: must be >= 1, got {args.repeats}")
+    try:
+        parse_codec(args.codec)
+    except CodecError as exc:
+        raise UsageError(f"--codec: {exc}") from None
+    results = run_allreduce_bench(
+        sites=args.sites,
+        size_mib=args.size_mib,
+        rtt_ms=args.rtt_ms,
+        bandwidth_mbit=args.bandwidth_mbit,
+        codec=args.codec,
+        repeats=args.repeats,
+        verbose=not args.json,
+    )
+    print(json.dumps(results, indent=2) if args.json else format_allreduce_report(results))
+    return 0
 
 
 def _codec(args: argparse.Namespace) -> int:

@@ -1,0 +1,89 @@
+"""One site of ``isthmus bench allreduce``: a separate process, as a real site would be.
+
+It listens where the emulator's state file says its rank listens, dials its
+peers through the emulated links, runs ``--repeats`` all-reduces of a
+deterministic tensor and writes, as JSON, the seconds of each round, the
+data-plane bytes it sent, its error against a float64 reference and a digest of
+its result (identical on every site, or the engine is wrong).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from isthmus.deploy.addressing import load_state
+from isthmus.inter.allreduce import CrossSiteAllReduce
+from isthmus.inter.codecs import parse_codec
+from isthmus.inter.peer import Identity
+
+
+def site_tensor(index: int, count: int) -> torch.Tensor:
+    """The tensor site ``index`` contributes: reproducible anywhere from the index."""
+    return torch.randn(count, generator=torch.Generator().manual_seed(1000 + index))
+
+
+def reference(sites: int, count: int) -> torch.Tensor:
+    return sum(site_tensor(i, count).double() for i in range(sites)) / sites
+
+
+async def run(args: argparse.Namespace) -> dict[str, object]:
+    state = load_state(args.state)
+    names = sorted(state["sites"])
+    me = args.site
+    host, port = state["sites"][me]["listen"][0].rsplit(":", 1)
+    peers = {site: addresses[0] for site, addresses in state["sites"][me]["dial"].items()}
+    identity = Identity(job=state["job"], site=me, rank=0)
+    engine = CrossSiteAllReduce(
+        identity, peers, codec=parse_codec(args.codec), deadline_s=args.deadline_s
+    )
+    await engine.start(host, int(port))
+    count = int(args.size_mib * 2**20 / 4)
+    tensor = site_tensor(names.index(me), count)
+    try:
+        await engine.connect()
+        weights = {s: 1.0 for s in names}
+        seconds, sent = [], []
+        out = tensor
+        for round in range(args.repeats + 1):  # round 0 warms up connections and windows
+            start = time.perf_counter()
+            out = await engine.allreduce(tensor, round=round, participants=names, weights=weights)
+            if round:
+                seconds.append(time.perf_counter() - start)
+                assert engine.last is not None
+                sent.append(engine.last.bytes_sent)
+    finally:
+        await engine.close()
+    error = float((out.double() - reference(len(names), count)).abs().max()) if count else 0.0
+    return {
+        "site": me,
+        "seconds": seconds,
+        "bytes_sent": sent,
+        "max_abs_error": error,
+        "digest": hashlib.sha256(out.numpy().tobytes()).hexdigest(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m isthmus.deploy.allreduce_worker")
+    parser.add_argument("--state", required=True)
+    parser.add_argument("--site", required=True)
+    parser.add_argument("--size-mib", type=float, required=True)
+    parser.add_argument("--codec", default="none")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--deadline-s", type=float, default=300.0)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    result = asyncio.run(run(args))
+    Path(args.out).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,164 @@
+"""``isthmus bench allreduce``: the cross-site all-reduce between site processes, emulated WAN.
+
+Every site is its own process (``isthmus.deploy.allreduce_worker``); the links
+are ``isthmus wan up`` (the proxy backend) in a process of their own. Reported,
+as the collective engine issue asks: the median seconds of a round, the best
+alpha-beta bound of any algorithm on the topology, efficiency = bound /
+measured, the data-plane bytes against the algorithm's theoretical volume,
+the emulator's wire bytes, and the largest error against a float64 reference.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from isthmus.deploy.jobfile import free_ports
+from isthmus.sim.control import ControlClient
+
+ISTHMUS = [sys.executable, "-m", "isthmus"]
+
+
+def bounds(*, sites: int, nbytes: float, rtt_ms: float, bandwidth_mbit: float) -> dict[str, float]:
+    """Alpha-beta lower bounds with one link of ``bandwidth_mbit`` per pair of sites."""
+    bandwidth = bandwidth_mbit * 1e6 / 8
+    one_way = rtt_ms / 2e3
+    return {
+        # Direct reduce-scatter + all-gather over the full mesh: N/S on each link per phase.
+        "direct": 2 * nbytes / (sites * bandwidth) + 2 * one_way,
+        # A ring uses one link per site at a time.
+        "ring": 2 * (sites - 1) / sites * nbytes / bandwidth + 2 * (sites - 1) * one_way,
+    }
+
+
+def run_allreduce_bench(
+    *,
+    sites: int,
+    size_mib: float,
+    rtt_ms: float,
+    bandwidth_mbit: float,
+    codec: str,
+    repeats: int,
+    verbose: bool = True,
+) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="isthmus-allreduce-") as tmp:
+        tmpdir = Path(tmp)
+        names = [f"site{i}" for i in range(sites)]
+        ports = free_ports("127.0.0.1", sites)
+        job = tmpdir / "job.yaml"
+        lines = ["name: bench-allreduce", "sites:"]
+        lines += [
+            f"  - {{name: {n}, address: '127.0.0.1:{p}'}}"
+            for n, (_, p) in zip(names, ports, strict=True)
+        ]
+        lines += ["wan:", f"  default: {{rtt_ms: {rtt_ms}, bandwidth_mbit: {bandwidth_mbit}}}"]
+        job.write_text("\n".join(lines) + "\n")
+        state = tmpdir / "state.json"
+        wan = subprocess.Popen(
+            [*ISTHMUS, "wan", "up", str(job), "--state", str(state), "--stats-every", "0"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert wan.stdout is not None
+            while line := wan.stdout.readline():
+                if line.startswith("ready"):
+                    break
+            else:
+                raise RuntimeError(
+                    f"'wan up' did not start: {wan.stderr.read() if wan.stderr else ''}"
+                )
+            control = json.loads(state.read_text())["control"]
+            host, port = control.rsplit(":", 1)
+            if verbose:
+                print(
+                    f"bench allreduce: {sites} sites, {size_mib:g} MiB, codec {codec}, "
+                    f"{rtt_ms:g} ms, {bandwidth_mbit:g} Mbit/s; {repeats} rounds after a warm-up",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            started = time.monotonic()
+            workers = [
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "isthmus.deploy.allreduce_worker",
+                        "--state",
+                        str(state),
+                        "--site",
+                        name,
+                        "--size-mib",
+                        str(size_mib),
+                        "--codec",
+                        codec,
+                        "--repeats",
+                        str(repeats),
+                        "--out",
+                        str(tmpdir / f"{name}.json"),
+                    ]
+                )
+                for name in names
+            ]
+            failed = [w.args for w in workers if w.wait(timeout=1800) != 0]
+            if failed:
+                raise RuntimeError(f"a site process failed: {failed[0]}")
+            wire = ControlClient((host, int(port))).stats()
+        finally:
+            wan.send_signal(signal.SIGTERM)
+            wan.communicate(timeout=30)
+        results = [json.loads((tmpdir / f"{n}.json").read_text()) for n in names]
+    nbytes = size_mib * 2**20
+    per_round = [max(r["seconds"][i] for r in results) for i in range(repeats)]
+    median = statistics.median(per_round)
+    b = bounds(sites=sites, nbytes=nbytes, rtt_ms=rtt_ms, bandwidth_mbit=bandwidth_mbit)
+    best = min(b.values())
+    sent_per_round = sum(statistics.median(r["bytes_sent"]) for r in results)
+    theoretical = sites * 2 * (sites - 1) / sites * nbytes  # direct, codec none
+    wire_bytes = sum(d["bytes"] for link in wire["links"] for k, d in link.items() if "->" in k)
+    return {
+        "sites": sites,
+        "size_mib": size_mib,
+        "rtt_ms": rtt_ms,
+        "bandwidth_mbit": bandwidth_mbit,
+        "codec": codec,
+        "algorithm": "direct",
+        "rounds": repeats,
+        "seconds": [round(s, 3) for s in per_round],
+        "median_seconds": round(median, 3),
+        "bound_seconds": round(best, 3),
+        "bounds": {k: round(v, 3) for k, v in b.items()},
+        "efficiency": round(best / median, 3),
+        "data_plane_bytes_per_round": int(sent_per_round),
+        "theoretical_bytes_per_round": int(theoretical),
+        "data_plane_over_theoretical": round(sent_per_round / theoretical, 4),
+        "emulator_wire_bytes": int(wire_bytes),
+        "max_abs_error": max(r["max_abs_error"] for r in results),
+        "identical_on_all_sites": len({r["digest"] for r in results}) == 1,
+        "wall_seconds": round(time.monotonic() - started, 1),
+    }
+
+
+def format_allreduce_report(r: dict[str, Any]) -> str:
+    return "\n".join(
+        [
+            f"all-reduce of {r['size_mib']:g} MiB across {r['sites']} sites ({r['algorithm']}, "
+            f"codec {r['codec']}), links {r['bandwidth_mbit']:g} Mbit/s and {r['rtt_ms']:g} ms RTT",
+            f"  median {r['median_seconds']:.3f} s over {r['rounds']} rounds {r['seconds']}",
+            f"  bound {r['bound_seconds']:.3f} s (direct {r['bounds']['direct']:.3f}, "
+            f"ring {r['bounds']['ring']:.3f}); efficiency {r['efficiency']:.2f}",
+            f"  data-plane bytes per round {r['data_plane_bytes_per_round']:,} "
+            f"({r['data_plane_over_theoretical']:.4f} of the algorithm's volume); "
+            f"emulator wire bytes in all {r['emulator_wire_bytes']:,}",
+            f"  max |error| vs float64 {r['max_abs_error']:.3g}; identical on all sites: "
+            f"{r['identical_on_all_sites']}",
+        ]
+    )
