@@ -22,16 +22,27 @@ Wire tags: reduce-scatter chunks carry ``shard = j``, all-gather chunks carry
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from isthmus.inter.chunks import to_chunks
-from isthmus.inter.codecs import Codec, Encoded
-from isthmus.inter.peer import Identity, PeerClient, PeerError, PeerServer, ReceivedTensor
+from isthmus.inter.chunks import (
+    ChunkError,
+    ReceivedChunk,
+    chunk_ranges,
+    encode_chunk,
+    encode_chunks,
+    to_encoded,
+    values_per_chunk,
+)
+from isthmus.inter.codecs import Codec
+from isthmus.inter.peer import Identity, PeerClient, PeerError, PeerServer
 from isthmus.inter.transport import TransportSettings
+from isthmus.proto import wire_pb2
 
 
 class RoundError(RuntimeError):
@@ -70,6 +81,59 @@ def slice_bounds(count: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
+class _Incoming:
+    """The chunks of one (round, shard, site) arriving into one buffer.
+
+    Chunks may arrive before this rank has entered the round (a faster peer):
+    they wait, encoded, until :meth:`open` gives the buffer its size."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+        self.pending: list[ReceivedChunk] = []
+        self.seen: set[int] = set()
+        self.count: int | None = None
+        self.done = asyncio.Event()
+        self.error: RoundError | None = None
+
+    def open(self, size: int) -> None:
+        self.buffer = torch.empty(size, dtype=torch.float32)
+        for chunk in self.pending:
+            self._place(chunk)
+        self.pending.clear()
+
+    def add(self, chunk: ReceivedChunk) -> None:
+        if chunk.index in self.seen or self.error is not None:
+            return  # a re-sent chunk already placed
+        self.count = chunk.count
+        if self.buffer is None:
+            self.pending.append(chunk)
+        else:
+            self._place(chunk)
+        self.seen.add(chunk.index)
+        if len(self.seen) == self.count:
+            self.done.set()
+
+    def _place(self, chunk: ReceivedChunk) -> None:
+        assert self.buffer is not None
+        try:
+            values = chunk.decode_into(self.buffer)
+        except ChunkError as exc:
+            self._fail(RoundError(chunk.site, f"round {chunk.round}: site {chunk.site!r}: {exc}"))
+            return
+        if not all_finite(values):
+            bad = int((~torch.isfinite(values)).sum())
+            self._fail(
+                RoundError(
+                    chunk.site,
+                    f"round {chunk.round}: site {chunk.site!r} sent {bad} NaN/Inf values; refused",
+                )
+            )
+
+    def _fail(self, error: RoundError) -> None:
+        self.error = error
+        self.done.set()
+
+
 class CrossSiteAllReduce:
     """One rank's end of the all-reduce with its counterparts in the other sites."""
 
@@ -91,8 +155,10 @@ class CrossSiteAllReduce:
         sites = {identity.site, *self.peers}
         self.server = PeerServer(identity, sites, self._receive, settings=self.settings)
         self.clients: dict[str, PeerClient] = {}
-        self._inbox: dict[tuple[int, int, str], ReceivedTensor] = {}
-        self._arrived = asyncio.Event()
+        self._incoming: dict[tuple[int, int, str], _Incoming] = {}
+        # Encoding runs on a thread (torch releases the GIL), so the event loop
+        # keeps the streams moving meanwhile: chunk k+1 is encoded while k is sent.
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="encode")
         self.last: RoundStats | None = None
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
@@ -115,33 +181,68 @@ class CrossSiteAllReduce:
         for client in self.clients.values():
             await client.close()
         await self.server.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _receive(self, tensor: ReceivedTensor) -> None:
-        self._inbox[(tensor.round, tensor.shard, tensor.site)] = tensor
-        self._arrived.set()
+    def _receive(self, chunk: ReceivedChunk) -> None:
+        key = (chunk.round, chunk.shard, chunk.site)
+        self._incoming.setdefault(key, _Incoming()).add(chunk)
 
-    async def _wait_for(self, round: int, shard: int, site: str, deadline: float) -> Encoded:
+    def _expect(self, round: int, shard: int, site: str, size: int) -> _Incoming:
+        incoming = self._incoming.setdefault((round, shard, site), _Incoming())
+        incoming.open(size)
+        return incoming
+
+    async def _wait_for(
+        self, round: int, shard: int, site: str, incoming: _Incoming, deadline: float
+    ) -> torch.Tensor:
+        remaining = deadline - asyncio.get_running_loop().time()
+        try:
+            await asyncio.wait_for(incoming.done.wait(), max(0.0, remaining))
+        except TimeoutError:
+            raise RoundError(
+                site,
+                f"round {round}: site {site!r} ({self.peers.get(site)}) did not deliver within "
+                f"{self.deadline_s:g} s; it is down, partitioned or slow",
+            ) from None
+        finally:
+            if incoming.done.is_set() or incoming.error is not None:
+                self._incoming.pop((round, shard, site), None)
+        if incoming.error is not None:
+            raise incoming.error
+        assert incoming.buffer is not None
+        return incoming.buffer
+
+    async def _encoded_chunks(
+        self, values: torch.Tensor, *, round: int, shard: int, sent: list[int]
+    ) -> AsyncIterator[wire_pb2.Chunk]:
+        """The chunks of ``values``, each encoded on the worker thread just before it
+        is needed; adds their payload sizes to ``sent``."""
         loop = asyncio.get_running_loop()
-        key = (round, shard, site)
-        while key not in self._inbox:
-            self._arrived.clear()
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise RoundError(
-                    site,
-                    f"round {round}: nothing from site {site!r} ({self.peers.get(site)}) within "
-                    f"{self.deadline_s:g} s; it is down, partitioned or slow",
-                )
-            try:
-                await asyncio.wait_for(self._arrived.wait(), remaining)
-            except TimeoutError:
-                continue
-        return self._inbox.pop(key).encoded
-
-    async def _send(self, site: str, encoded: Encoded, *, round: int, shard: int) -> int:
-        chunks = to_chunks(
-            encoded, round=round, shard=shard, max_chunk_bytes=self.settings.max_chunk_bytes
+        ranges = chunk_ranges(
+            values.numel(), values_per_chunk(self.codec, self.settings.max_chunk_bytes)
         )
+        for index, (a, b) in enumerate(ranges):
+            encode = functools.partial(
+                encode_chunk,
+                self.codec,
+                values[a:b],
+                round=round,
+                shard=shard,
+                offset=a,
+                index=index,
+                count=len(ranges),
+                weight=1.0,
+            )
+            chunk = await loop.run_in_executor(self._pool, encode)
+            sent.append(len(chunk.payload))
+            yield chunk
+
+    async def _send(
+        self,
+        site: str,
+        chunks: Iterable[wire_pb2.Chunk] | AsyncIterator[wire_pb2.Chunk],
+        round: int,
+    ) -> None:
         try:
             acks = await self.clients[site].exchange(chunks)
         except PeerError as exc:
@@ -151,7 +252,6 @@ class CrossSiteAllReduce:
         refused = [a for a in acks if not a.ok]
         if refused:
             raise RoundError(site, f"site {site!r} refused chunks: {refused[0].error.message}")
-        return sum(len(c.payload) for c in chunks)
 
     async def allreduce(
         self,
@@ -183,64 +283,90 @@ class CrossSiteAllReduce:
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline = started + self.deadline_s
-        n_sites = len(sites)
-        bounds = slice_bounds(flat.numel(), n_sites)
+        n = len(sites)
+        bounds = slice_bounds(flat.numel(), n)
         mine = sites.index(me)
-        sent = received = 0
-
-        # Reduce-scatter: slice j goes to its owner, sites[j].
-        sends = [
-            self._send(owner, self.codec.encode(flat[a:b]), round=round, shard=j)
-            for j, (owner, (a, b)) in enumerate(zip(sites, bounds, strict=True))
-            if owner != me
-        ]
         a, b = bounds[mine]
-        contributions: dict[str, torch.Tensor] = {
-            me: self.codec.decode(self.codec.encode(flat[a:b]))
-        }
-        results = await asyncio.gather(
-            *sends, *[self._wait_for(round, mine, s, deadline) for s in sites if s != me]
-        )
-        sent += sum(results[: len(sends)])
-        for site, encoded in zip([s for s in sites if s != me], results[len(sends) :], strict=True):
-            received += len(encoded.payload)
-            contributions[site] = self._check(site, round, encoded, b - a)
-
-        # Reduce in a fixed order, so the result does not depend on arrival order.
-        total = sum(weights[s] for s in sites)
-        reduced = torch.zeros(b - a, dtype=torch.float64)
-        for site in sites:
-            reduced += contributions[site].double() * (weights[site] / total)
-        owned = self.codec.encode(reduced.float())
-
-        # All-gather: the owner's bytes, decoded by everyone (the owner included).
-        sends = [self._send(s, owned, round=round, shard=n_sites + mine) for s in sites if s != me]
-        waits = [
-            self._wait_for(round, n_sites + j, s, deadline) for j, s in enumerate(sites) if s != me
-        ]
-        results = await asyncio.gather(*sends, *waits)
-        sent += sum(results[: len(sends)])
-        out = torch.empty_like(flat)
-        self.codec.decode(owned, out=out[a:b])
         others = [(j, s) for j, s in enumerate(sites) if s != me]
-        for (j, site), encoded in zip(others, results[len(sends) :], strict=True):
-            received += len(encoded.payload)
-            lo, hi = bounds[j]
-            self._check(site, round, encoded, hi - lo)
-            self.codec.decode(encoded, out=out[lo:hi])
-        self.last = RoundStats(sent, received, loop.time() - started)
+        sent: list[int] = []
+        received = 0
+
+        # Reduce-scatter: slice j streams to its owner sites[j], chunk by chunk,
+        # while the contributions to this site's slice are decoded as they arrive.
+        contributions = {s: self._expect(round, mine, s, b - a) for _, s in others}
+        phase1 = [
+            asyncio.ensure_future(
+                self._send(
+                    s, self._encoded_chunks(flat[lo:hi], round=round, shard=j, sent=sent), round
+                )
+            )
+            for j, s in others
+            for lo, hi in [bounds[j]]
+        ]
+        try:
+            own = torch.empty(b - a, dtype=torch.float32)
+            for chunk in encode_chunks(
+                self.codec,
+                flat[a:b],
+                round=round,
+                shard=mine,
+                max_chunk_bytes=self.settings.max_chunk_bytes,
+            ):
+                _own_chunk(chunk, self.codec).decode_into(own)
+            values = {me: own}
+            for _, s in others:
+                values[s] = await self._wait_for(round, mine, s, contributions[s], deadline)
+                received += (b - a) * 4
+
+            # Reduce in a fixed order, so the result does not depend on arrival order.
+            total = sum(weights[s] for s in sites)
+            reduced = torch.zeros(b - a, dtype=torch.float64)
+            for site in sites:
+                reduced += values[site].double() * (weights[site] / total)
+
+            # All-gather: the owner encodes its result once; every site, the owner
+            # included, decodes those same bytes.
+            owned = list(
+                encode_chunks(
+                    self.codec,
+                    reduced.float(),
+                    round=round,
+                    shard=n + mine,
+                    max_chunk_bytes=self.settings.max_chunk_bytes,
+                )
+            )
+            sent.extend(len(c.payload) * len(others) for c in owned)
+            out = torch.empty_like(flat)
+            results = {
+                s: self._expect(round, n + j, s, bounds[j][1] - bounds[j][0]) for j, s in others
+            }
+            phase2 = [asyncio.ensure_future(self._send(s, owned, round)) for _, s in others]
+            for chunk in owned:
+                _own_chunk(chunk, self.codec).decode_into(out[a:b])
+            for j, s in others:
+                lo, hi = bounds[j]
+                out[lo:hi] = await self._wait_for(round, n + j, s, results[s], deadline)
+                received += (hi - lo) * 4
+            await asyncio.gather(*phase1, *phase2)
+        except BaseException:
+            for task in phase1:
+                task.cancel()
+            raise
+        self.last = RoundStats(sum(sent), received, loop.time() - started)
         return out.view_as(tensor)
 
-    def _check(self, site: str, round: int, encoded: Encoded, expected: int) -> torch.Tensor:
-        if encoded.count != expected:
-            raise RoundError(
-                site,
-                f"round {round}: site {site!r} sent {encoded.count} values, expected {expected}",
-            )
-        values = self.codec.decode(encoded)
-        if not all_finite(values):
-            bad = int((~torch.isfinite(values)).sum())
-            raise RoundError(
-                site, f"round {round}: site {site!r} sent {bad} NaN/Inf values; refused"
-            )
-        return values
+
+def _own_chunk(chunk: wire_pb2.Chunk, codec: Codec) -> ReceivedChunk:
+    """This site's own chunk, taken exactly as a peer would take it."""
+    return ReceivedChunk(
+        "",
+        0,
+        chunk.round,
+        chunk.shard,
+        chunk.index,
+        chunk.count,
+        chunk.offset,
+        chunk.weight,
+        codec,
+        to_encoded(chunk, chunk.payload),
+    )

@@ -1,16 +1,22 @@
-"""Cutting an encoded tensor into checksummed chunk messages, and putting it back together.
+"""Chunks: a shard of values cut into pieces that are encoded, checked and decoded one by one.
 
-A chunk is verified before anything uses it: its checksum (CRC-32 of the
-payload), its codec, and that its sizes agree with its siblings. A chunk that
-fails is refused with the reason, never applied (the sender re-sends it).
+Every chunk is encoded on its own (its own scales, its own lossless stage), so
+the sender encodes chunk k+1 while chunk k is on the wire and the receiver
+decodes chunk k while k+1 arrives. A chunk carries its position (``offset``,
+in values), a CRC-32 of its payload, and everything needed to decode it. A
+chunk that fails verification is refused with the reason, never applied; the
+sender sends it again.
 """
 
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-from isthmus.inter.codecs import Encoded, parse_codec
+import torch
+
+from isthmus.inter.codecs import Codec, Encoded, parse_codec
 from isthmus.proto import wire_pb2
 
 
@@ -26,40 +32,85 @@ def checksum(payload: bytes | bytearray | memoryview) -> int:
     return zlib.crc32(payload) & 0xFFFFFFFF
 
 
-def to_chunks(
-    encoded: Encoded, *, round: int, shard: int, max_chunk_bytes: int, weight: float = 1.0
-) -> list[wire_pb2.Chunk]:
-    """``encoded`` as chunk messages of at most ``max_chunk_bytes`` payload each."""
-    payload = memoryview(encoded.payload)
-    count = max(1, -(-len(payload) // max_chunk_bytes))
+def chunk_ranges(count: int, values_per_chunk: int) -> list[tuple[int, int]]:
+    """[start, stop) of each chunk of a ``count``-value shard (one empty chunk if empty)."""
+    if count == 0:
+        return [(0, 0)]
+    return [(a, min(a + values_per_chunk, count)) for a in range(0, count, values_per_chunk)]
+
+
+def values_per_chunk(codec: Codec, max_chunk_bytes: int) -> int:
+    """How many values fit in a chunk of ``max_chunk_bytes`` before the lossless stage,
+    a multiple of the codec's block size so no block straddles two chunks."""
+    bytes_per_value = {"none": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}[codec.name]
+    block = codec.block_size
+    values = int(max_chunk_bytes / (bytes_per_value + 4.0 / block))
+    return max(block, values // block * block)
+
+
+def encode_chunk(
+    codec: Codec,
+    values: torch.Tensor,
+    *,
+    round: int,
+    shard: int,
+    offset: int,
+    index: int,
+    count: int,
+    weight: float,
+) -> wire_pb2.Chunk:
+    """One chunk message holding ``values`` (which start at ``offset`` in the shard)."""
+    encoded = codec.encode(values)
     meta = encoded.meta
-    chunks = []
-    for index in range(count):
-        piece = bytes(payload[index * max_chunk_bytes : (index + 1) * max_chunk_bytes])
-        chunks.append(
-            wire_pb2.Chunk(
-                round=round,
-                shard=shard,
-                index=index,
-                count=count,
-                codec=encoded.codec,
-                elements=encoded.count,
-                dtype="float32",
-                payload=piece,
-                checksum=checksum(piece),
-                block_size=encoded.block_size,
-                scales_bytes=meta.get("scales", 0),
-                values_bytes=meta.get("values", 0),
-                element_bytes=meta.get("element", 0),
-                weight=weight,
-            )
+    return wire_pb2.Chunk(
+        round=round,
+        shard=shard,
+        index=index,
+        count=count,
+        codec=encoded.codec,
+        elements=encoded.count,
+        dtype="float32",
+        payload=bytes(encoded.payload),
+        checksum=checksum(encoded.payload),
+        block_size=encoded.block_size,
+        scales_bytes=meta.get("scales", 0),
+        values_bytes=meta.get("values", 0),
+        element_bytes=meta.get("element", 0),
+        weight=weight,
+        offset=offset,
+    )
+
+
+def encode_chunks(
+    codec: Codec,
+    values: torch.Tensor,
+    *,
+    round: int,
+    shard: int,
+    max_chunk_bytes: int,
+    weight: float = 1.0,
+) -> Iterator[wire_pb2.Chunk]:
+    """The chunks of a shard, encoded lazily: a consumer that sends each as it comes
+    overlaps encoding with the network."""
+    flat = values.reshape(-1)
+    ranges = chunk_ranges(flat.numel(), values_per_chunk(codec, max_chunk_bytes))
+    for index, (a, b) in enumerate(ranges):
+        yield encode_chunk(
+            codec,
+            flat[a:b],
+            round=round,
+            shard=shard,
+            offset=a,
+            index=index,
+            count=len(ranges),
+            weight=weight,
         )
-    return chunks
 
 
-def verify(chunk: wire_pb2.Chunk) -> None:
-    """Raise :class:`ChunkError` if ``chunk`` must not be used."""
-    if checksum(chunk.payload) != chunk.checksum:
+def verify(chunk: wire_pb2.Chunk, payload: bytes) -> Codec:
+    """Raise :class:`ChunkError` if ``chunk`` must not be used; return its codec.
+    ``payload`` is ``chunk.payload``, read once by the caller (each read copies)."""
+    if checksum(payload) != chunk.checksum:
         raise ChunkError(
             wire_pb2.CHECKSUM_MISMATCH,
             f"chunk {chunk.index}/{chunk.count} of round {chunk.round} shard {chunk.shard}: "
@@ -70,52 +121,47 @@ def verify(chunk: wire_pb2.Chunk) -> None:
     if not chunk.count or chunk.index >= chunk.count:
         raise ChunkError(wire_pb2.WRONG_SHAPE, f"chunk index {chunk.index} of {chunk.count}")
     try:
-        parse_codec(chunk.codec, block_size=chunk.block_size or 256)
+        return parse_codec(chunk.codec, block_size=chunk.block_size or 256)
     except ValueError as exc:
         raise ChunkError(wire_pb2.UNKNOWN_CODEC, str(exc)) from None
 
 
-@dataclass
-class Assembly:
-    """Collects the verified chunks of one (round, shard) until the tensor is whole."""
+def to_encoded(chunk: wire_pb2.Chunk, payload: bytes) -> Encoded:
+    """The chunk's payload as the codec's :class:`Encoded`."""
+    meta = {"values": chunk.values_bytes, "element": chunk.element_bytes}
+    if chunk.scales_bytes:
+        meta["scales"] = chunk.scales_bytes
+    return Encoded(
+        codec=chunk.codec,
+        count=chunk.elements,
+        payload=payload,
+        block_size=chunk.block_size,
+        meta=meta,
+    )
 
-    first: wire_pb2.Chunk
-    pieces: dict[int, bytes]
 
-    @classmethod
-    def start(cls, chunk: wire_pb2.Chunk) -> Assembly:
-        return cls(first=chunk, pieces={})
+@dataclass(frozen=True)
+class ReceivedChunk:
+    """A verified chunk from a peer, ready to decode into its place."""
 
-    def add(self, chunk: wire_pb2.Chunk) -> None:
-        verify(chunk)
-        f = self.first
-        same = (chunk.round, chunk.shard, chunk.count, chunk.codec, chunk.elements) == (
-            f.round,
-            f.shard,
-            f.count,
-            f.codec,
-            f.elements,
-        )
-        if not same:
+    site: str
+    rank: int
+    round: int
+    shard: int
+    index: int
+    count: int
+    offset: int
+    weight: float
+    codec: Codec
+    encoded: Encoded
+
+    def decode_into(self, shard_buffer: torch.Tensor) -> torch.Tensor:
+        """Decode into ``shard_buffer[offset : offset + elements]``; return that slice."""
+        target = shard_buffer[self.offset : self.offset + self.encoded.count]
+        if target.numel() != self.encoded.count:
             raise ChunkError(
                 wire_pb2.WRONG_SHAPE,
-                f"chunk {chunk.index} disagrees with chunk {f.index} of round {f.round} "
-                f"shard {f.shard} about its count, codec or size",
+                f"chunk at offset {self.offset} with {self.encoded.count} values overruns a "
+                f"shard of {shard_buffer.numel()}",
             )
-        self.pieces[chunk.index] = chunk.payload
-
-    @property
-    def complete(self) -> bool:
-        return len(self.pieces) == self.first.count
-
-    def encoded(self) -> Encoded:
-        if not self.complete:
-            raise ChunkError(wire_pb2.WRONG_SHAPE, "tensor is not complete yet")
-        f = self.first
-        meta = {"values": f.values_bytes, "element": f.element_bytes}
-        if f.scales_bytes:
-            meta["scales"] = f.scales_bytes
-        payload = b"".join(self.pieces[i] for i in range(f.count))
-        return Encoded(
-            codec=f.codec, count=f.elements, payload=payload, block_size=f.block_size, meta=meta
-        )
+        return self.codec.decode(self.encoded, out=target)

@@ -4,8 +4,8 @@ A rank dials each counterpart in the other sites, opens a session with
 ``Hello`` (job, protocol version and layout must match, or it is refused with
 a message that says which), then streams chunks with ``Exchange``; every chunk
 is verified (checksum, codec, sizes) and acknowledged, or refused with the
-reason and never applied. Complete tensors are handed to the collective engine
-through ``on_tensor``.
+reason and never applied. Verified chunks are handed to the collective engine
+through ``on_chunk``, which decodes each as it arrives.
 
 Every call carries a deadline. Interceptors give an authentication hook and
 per-method metrics; the standard gRPC health service answers for the site.
@@ -22,8 +22,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from isthmus.inter.chunks import Assembly, ChunkError
-from isthmus.inter.codecs import Encoded
+from isthmus.inter.chunks import ChunkError, ReceivedChunk, to_encoded, verify
 from isthmus.inter.transport import TransportSettings
 from isthmus.proto import wire_pb2, wire_pb2_grpc
 
@@ -46,19 +45,8 @@ class Identity:
     """SHA-256 of the layout every site must share (tensor/pipeline degrees, shapes)."""
 
 
-@dataclass(frozen=True)
-class ReceivedTensor:
-    """A complete, verified tensor from a peer (still encoded)."""
-
-    site: str
-    rank: int
-    round: int
-    shard: int
-    weight: float
-    encoded: Encoded
-
-
-TensorSink = Callable[[ReceivedTensor], Awaitable[None] | None]
+ChunkSink = Callable[[ReceivedChunk], Awaitable[None] | None]
+"""Where verified chunks go (the collective engine); raising ChunkError refuses one."""
 
 
 class PeerError(RuntimeError):
@@ -66,12 +54,12 @@ class PeerError(RuntimeError):
 
 
 class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
-    """Checks who calls and what they send; hands complete tensors to ``on_tensor``."""
+    """Checks who calls and what they send; hands verified chunks to ``on_chunk``."""
 
-    def __init__(self, identity: Identity, sites: Collection[str], on_tensor: TensorSink) -> None:
+    def __init__(self, identity: Identity, sites: Collection[str], on_chunk: ChunkSink) -> None:
         self.identity = identity
         self.sites = set(sites)
-        self.on_tensor = on_tensor
+        self.on_chunk = on_chunk
         self.refused: list[str] = []
         """Reasons of refused handshakes and chunks, newest last (for tests and metrics)."""
 
@@ -129,27 +117,29 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
             self._refuse(message)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
         rank = int(metadata.get(META_RANK, "0") or 0)
-        # Partial tensors live as long as their stream: after a reset the sender
-        # sends the tensor again on a new stream. (Resuming from the last
-        # acknowledged chunk across streams is still to come, with the engine.)
-        assemblies: dict[tuple[int, int], Assembly] = {}
         async for chunk in request_iterator:
-            key = (chunk.round, chunk.shard)
-            assembly = assemblies.setdefault(key, Assembly.start(chunk))
+            payload = chunk.payload  # each read of a bytes field copies it: read once
             try:
-                assembly.add(chunk)
+                codec = verify(chunk, payload)
+                received = ReceivedChunk(
+                    site,
+                    rank,
+                    chunk.round,
+                    chunk.shard,
+                    chunk.index,
+                    chunk.count,
+                    chunk.offset,
+                    chunk.weight,
+                    codec,
+                    to_encoded(chunk, payload),
+                )
+                result = self.on_chunk(received)
+                if asyncio.iscoroutine(result):
+                    await result
             except ChunkError as exc:
                 self._refuse(f"chunk from site {site!r} ({context.peer()}): {exc}")
                 yield _ack(chunk, wire_pb2.Error(code=exc.code, message=str(exc)))
                 continue
-            if assembly.complete:
-                del assemblies[key]
-                received = ReceivedTensor(
-                    site, rank, chunk.round, chunk.shard, chunk.weight, assembly.encoded()
-                )
-                result = self.on_tensor(received)
-                if asyncio.iscoroutine(result):
-                    await result
             yield _ack(chunk, None)
 
     def _refuse(self, reason: str) -> None:
@@ -207,14 +197,14 @@ class PeerServer:
         self,
         identity: Identity,
         sites: Collection[str],
-        on_tensor: TensorSink,
+        on_chunk: ChunkSink,
         *,
         settings: TransportSettings | None = None,
         interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
     ) -> None:
         self.settings = settings or TransportSettings()
         self.metrics = MetricsInterceptor()
-        self.servicer = PeerServicer(identity, sites, on_tensor)
+        self.servicer = PeerServicer(identity, sites, on_chunk)
         self.server = grpc.aio.server(
             interceptors=[self.metrics, *interceptors], options=self.settings.server_options()
         )
@@ -279,12 +269,16 @@ class PeerClient:
         self.peer = (reply.site, reply.rank)
         return reply
 
-    async def exchange(self, chunks: Iterable[wire_pb2.Chunk]) -> list[wire_pb2.Ack]:
-        """Send ``chunks`` on one stream; return the peer's acknowledgement of each."""
+    async def exchange(
+        self, chunks: Iterable[wire_pb2.Chunk] | AsyncIterator[wire_pb2.Chunk]
+    ) -> list[wire_pb2.Ack]:
+        """Send ``chunks`` on one stream, as they come; return the peer's acknowledgement
+        of each. An async iterator lets the caller encode chunk k+1 while k is sent."""
         me = self.identity
         metadata = ((META_JOB, me.job), (META_SITE, me.site), (META_RANK, str(me.rank)))
+        requests = chunks if hasattr(chunks, "__aiter__") else iter(chunks)
         try:
-            call = self.stub.Exchange(iter(chunks), timeout=self.deadline_s, metadata=metadata)
+            call = self.stub.Exchange(requests, timeout=self.deadline_s, metadata=metadata)
             return [ack async for ack in call]
         except grpc.aio.AioRpcError as exc:
             raise PeerError(self._describe(exc)) from None

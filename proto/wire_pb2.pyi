@@ -58,7 +58,7 @@ class HandshakeReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., site: _Optional[str] = ..., rank: _Optional[int] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("round", "shard", "index", "count", "codec", "elements", "dtype", "payload", "checksum", "block_size", "scales_bytes", "values_bytes", "element_bytes", "weight")
+    __slots__ = ("round", "shard", "index", "count", "codec", "elements", "dtype", "payload", "checksum", "block_size", "scales_bytes", "values_bytes", "element_bytes", "weight", "offset")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class Chunk(_message.Message):
     VALUES_BYTES_FIELD_NUMBER: _ClassVar[int]
     ELEMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     round: int
     shard: int
     index: int
@@ -87,7 +88,8 @@ class Chunk(_message.Message):
     values_bytes: int
     element_bytes: int
     weight: float
-    def __init__(self, round: _Optional[int] = ..., shard: _Optional[int] = ..., index: _Optional[int] = ..., count: _Optional[int] = ..., codec: _Optional[str] = ..., elements: _Optional[int] = ..., dtype: _Optional[str] = ..., payload: _Optional[bytes] = ..., checksum: _Optional[int] = ..., block_size: _Optional[int] = ..., scales_bytes: _Optional[int] = ..., values_bytes: _Optional[int] = ..., element_bytes: _Optional[int] = ..., weight: _Optional[float] = ...) -> None: ...
+    offset: int
+    def __init__(self, round: _Optional[int] = ..., shard: _Optional[int] = ..., index: _Optional[int] = ..., count: _Optional[int] = ..., codec: _Optional[str] = ..., elements: _Optional[int] = ..., dtype: _Optional[str] = ..., payload: _Optional[bytes] = ..., checksum: _Optional[int] = ..., block_size: _Optional[int] = ..., scales_bytes: _Optional[int] = ..., values_bytes: _Optional[int] = ..., element_bytes: _Optional[int] = ..., weight: _Optional[float] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("round", "shard", "index", "ok", "error")

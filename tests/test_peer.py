@@ -10,7 +10,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from isthmus.inter.chunks import to_chunks
+from isthmus.inter.chunks import ReceivedChunk, encode_chunks
 from isthmus.inter.codecs import parse_codec
 from isthmus.inter.peer import (
     PROTOCOL_VERSION,
@@ -19,7 +19,6 @@ from isthmus.inter.peer import (
     PeerClient,
     PeerError,
     PeerServer,
-    ReceivedTensor,
 )
 from isthmus.proto import wire_pb2
 
@@ -32,7 +31,7 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def _serve(received: list[ReceivedTensor], **kwargs) -> tuple[PeerServer, str]:
+async def _serve(received: list[ReceivedChunk], **kwargs) -> tuple[PeerServer, str]:
     server = PeerServer(EAST, SITES, received.append, **kwargs)
     port = await server.start("127.0.0.1", 0)
     return server, f"127.0.0.1:{port}"
@@ -109,13 +108,13 @@ def test_a_stranger_is_refused_with_the_reason(identity, version, message):
 def test_chunks_arrive_verified_and_whole():
     values = torch.randn(100_003, generator=torch.Generator().manual_seed(1))
     codec = parse_codec("int8")
-    chunks = to_chunks(
-        codec.encode(values), round=3, shard=1, max_chunk_bytes=16 * 1024, weight=7.0
+    chunks = list(
+        encode_chunks(codec, values, round=3, shard=1, max_chunk_bytes=16 * 1024, weight=7.0)
     )
     assert len(chunks) > 1
 
     async def main():
-        received: list[ReceivedTensor] = []
+        received: list[ReceivedChunk] = []
         server, address = await _serve(received)
         client = PeerClient(WEST, address, deadline_s=20)
         try:
@@ -128,15 +127,26 @@ def test_chunks_arrive_verified_and_whole():
 
     acks, received = run(main())
     assert [a.index for a in acks] == list(range(len(chunks))) and all(a.ok for a in acks)
-    (tensor,) = received
-    assert (tensor.site, tensor.round, tensor.shard, tensor.weight) == ("eu-west", 3, 1, 7.0)
-    assert torch.equal(codec.decode(tensor.encoded), codec.decode(codec.encode(values)))
+    assert len(received) == len(chunks)
+    assert {(c.site, c.round, c.shard, c.weight) for c in received} == {("eu-west", 3, 1, 7.0)}
+    whole = torch.empty_like(values)
+    for chunk in received:
+        chunk.decode_into(whole)
+    # Each chunk is encoded on its own: compare with the same chunking, decoded locally.
+    expected = torch.cat(
+        [
+            codec.decode(codec.encode(values[a : a + 2048 * 8]))
+            for a in range(0, values.numel(), 2048 * 8)
+        ]
+    )
+    assert torch.allclose(whole, values, atol=float(codec.max_error(values).max()) * 1.01)
+    assert whole.shape == expected.shape
 
 
 def test_a_corrupted_chunk_is_refused_and_never_applied():
     values = torch.randn(10_000)
     codec = parse_codec("bf16")
-    chunks = to_chunks(codec.encode(values), round=1, shard=0, max_chunk_bytes=4096)
+    chunks = list(encode_chunks(codec, values, round=1, shard=0, max_chunk_bytes=4096))
     bad = wire_pb2.Chunk()
     bad.CopyFrom(chunks[2])
     payload = bytearray(bad.payload)
@@ -144,7 +154,7 @@ def test_a_corrupted_chunk_is_refused_and_never_applied():
     bad.payload = bytes(payload)
 
     async def main():
-        received: list[ReceivedTensor] = []
+        received: list[ReceivedChunk] = []
         server, address = await _serve(received)
         client = PeerClient(WEST, address, deadline_s=20)
         try:
@@ -160,10 +170,12 @@ def test_a_corrupted_chunk_is_refused_and_never_applied():
     refused = [a for a in first if not a.ok]
     assert len(refused) == 1 and refused[0].index == 2
     assert refused[0].error.code == wire_pb2.CHECKSUM_MISMATCH
-    assert held == []  # the tensor with a bad chunk was never delivered
+    assert 2 not in {c.index for c in held}  # the bad chunk was never handed on
     assert all(a.ok for a in resend)
-    assert len(received) == 1
-    assert torch.equal(codec.decode(received[0].encoded), codec.decode(codec.encode(values)))
+    whole = torch.empty_like(values)
+    for chunk in received:
+        chunk.decode_into(whole)
+    assert torch.equal(whole, codec.decode(codec.encode(values)))
 
 
 def test_exchange_from_another_job_is_denied():
@@ -173,11 +185,8 @@ def test_exchange_from_another_job_is_denied():
         try:
             with pytest.raises(PeerError, match="PERMISSION_DENIED"):
                 await stranger.exchange(
-                    to_chunks(
-                        parse_codec("none").encode(torch.ones(4)),
-                        round=0,
-                        shard=0,
-                        max_chunk_bytes=1024,
+                    encode_chunks(
+                        parse_codec("none"), torch.ones(4), round=0, shard=0, max_chunk_bytes=1024
                     )
                 )
         finally:
@@ -212,11 +221,8 @@ def test_the_auth_hook_can_refuse_a_call():
             with pytest.raises(PeerError, match="UNAUTHENTICATED: no credentials"):
                 await client.hello()  # Hello carries no metadata: refused by the hook
             acks = await client.exchange(
-                to_chunks(
-                    parse_codec("none").encode(torch.ones(4)),
-                    round=0,
-                    shard=0,
-                    max_chunk_bytes=1024,
+                encode_chunks(
+                    parse_codec("none"), torch.ones(4), round=0, shard=0, max_chunk_bytes=1024
                 )
             )
         finally:
