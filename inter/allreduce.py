@@ -234,7 +234,7 @@ class CrossSiteAllReduce:
                 weight=1.0,
             )
             chunk = await loop.run_in_executor(self._pool, encode)
-            sent.append(len(chunk.payload))
+            sent.append(_payload_size(chunk))
             yield chunk
 
     async def _send(
@@ -318,24 +318,25 @@ class CrossSiteAllReduce:
                 values[s] = await self._wait_for(round, mine, s, contributions[s], deadline)
                 received += (b - a) * 4
 
-            # Reduce in a fixed order, so the result does not depend on arrival order.
+            # Reduce in a fixed order (sorted sites), so the result does not depend on
+            # arrival order: exact up to float32 rounding in that order.
             total = sum(weights[s] for s in sites)
-            reduced = torch.zeros(b - a, dtype=torch.float64)
-            for site in sites:
-                reduced += values[site].double() * (weights[site] / total)
+            reduced = torch.mul(values[sites[0]], weights[sites[0]] / total)
+            for site in sites[1:]:
+                reduced.add_(values[site], alpha=weights[site] / total)
 
             # All-gather: the owner encodes its result once; every site, the owner
             # included, decodes those same bytes.
             owned = list(
                 encode_chunks(
                     self.codec,
-                    reduced.float(),
+                    reduced,
                     round=round,
                     shard=n + mine,
                     max_chunk_bytes=self.settings.max_chunk_bytes,
                 )
             )
-            sent.extend(len(c.payload) * len(others) for c in owned)
+            sent.extend(_payload_size(c) * len(others) for c in owned)
             out = torch.empty_like(flat)
             results = {
                 s: self._expect(round, n + j, s, bounds[j][1] - bounds[j][0]) for j, s in others
@@ -370,3 +371,11 @@ def _own_chunk(chunk: wire_pb2.Chunk, codec: Codec) -> ReceivedChunk:
         codec,
         to_encoded(chunk, chunk.payload),
     )
+
+
+def _payload_size(chunk: wire_pb2.Chunk) -> int:
+    """Bytes of a chunk's payload. Reading the field copies it, so take the sizes of
+    its sections when no lossless stage changed them."""
+    if chunk.codec.endswith("+zstd"):
+        return len(chunk.payload)
+    return chunk.scales_bytes + chunk.values_bytes
