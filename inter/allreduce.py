@@ -156,6 +156,7 @@ class CrossSiteAllReduce:
         self.server = PeerServer(identity, sites, self._receive, settings=self.settings)
         self.clients: dict[str, PeerClient] = {}
         self._incoming: dict[tuple[int, int, str], _Incoming] = {}
+        self._oldest_round = 0
         # Encoding runs on a thread (torch releases the GIL), so the event loop
         # keeps the streams moving meanwhile: chunk k+1 is encoded while k is sent.
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="encode")
@@ -184,6 +185,8 @@ class CrossSiteAllReduce:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _receive(self, chunk: ReceivedChunk) -> None:
+        if chunk.round < self._oldest_round:
+            return  # a straggler of a round that is over: nobody waits for it
         key = (chunk.round, chunk.shard, chunk.site)
         self._incoming.setdefault(key, _Incoming()).add(chunk)
 
@@ -205,8 +208,7 @@ class CrossSiteAllReduce:
                 f"{self.deadline_s:g} s; it is down, partitioned or slow",
             ) from None
         finally:
-            if incoming.done.is_set() or incoming.error is not None:
-                self._incoming.pop((round, shard, site), None)
+            self._incoming.pop((round, shard, site), None)
         if incoming.error is not None:
             raise incoming.error
         assert incoming.buffer is not None
@@ -283,6 +285,10 @@ class CrossSiteAllReduce:
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline = started + self.deadline_s
+        # Rounds only move forward: what is left of older ones can go.
+        self._oldest_round = max(self._oldest_round, round)
+        for key in [k for k in self._incoming if k[0] < round]:
+            del self._incoming[key]
         n = len(sites)
         bounds = slice_bounds(flat.numel(), n)
         mine = sites.index(me)
