@@ -179,3 +179,38 @@ def test_slices_cover_everything_evenly():
             assert bounds[0][0] == 0 and bounds[-1][1] == count
             sizes = [b - a for a, b in bounds]
             assert max(sizes) - min(sizes) <= 1
+
+
+def test_after_a_failed_round_the_survivors_go_on_without_the_lost_site():
+    async def main():
+        names, members = await _group(3, deadline_s=2)
+        try:
+            w = {s: 1.0 for s in names}
+            failed = await asyncio.gather(
+                *[
+                    members[s].allreduce(torch.ones(50), round=0, participants=names, weights=w)
+                    for s in ("site0", "site1")
+                ],
+                return_exceptions=True,
+            )
+            survivors = ["site0", "site1"]
+            x = {"site0": torch.full((50,), 2.0), "site1": torch.full((50,), 4.0)}
+            ok = await asyncio.gather(
+                *[
+                    members[s].allreduce(
+                        x[s], round=1, participants=survivors, weights={"site0": 1.0, "site1": 1.0}
+                    )
+                    for s in survivors
+                ]
+            )
+            # The survivors keep nothing of the failed round (the lost site, which
+            # never entered a round, still holds what was sent to it).
+            leftovers = {k for s in survivors for k in members[s]._incoming if k[0] == 0}
+        finally:
+            await _close(members)
+        return failed, ok, leftovers
+
+    failed, ok, leftovers = asyncio.run(main())
+    assert all(isinstance(r, RoundError) for r in failed)
+    assert all(torch.equal(r, torch.full((50,), 3.0)) for r in ok)
+    assert not leftovers
