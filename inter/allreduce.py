@@ -35,7 +35,6 @@ from isthmus.inter.chunks import (
     ReceivedChunk,
     chunk_ranges,
     encode_chunk,
-    encode_chunks,
     to_encoded,
     values_per_chunk,
 )
@@ -93,6 +92,8 @@ class _Incoming:
         self.seen: set[int] = set()
         self.count: int | None = None
         self.done = asyncio.Event()
+        self.progress = asyncio.Event()
+        """Set whenever a chunk lands (waiters clear it before waiting)."""
         self.error: RoundError | None = None
 
     def open(self, size: int) -> None:
@@ -110,6 +111,7 @@ class _Incoming:
         else:
             self._place(chunk)
         self.seen.add(chunk.index)
+        self.progress.set()
         if len(self.seen) == self.count:
             self.done.set()
 
@@ -131,6 +133,7 @@ class _Incoming:
 
     def _fail(self, error: RoundError) -> None:
         self.error = error
+        self.progress.set()
         self.done.set()
 
 
@@ -213,6 +216,32 @@ class CrossSiteAllReduce:
             raise incoming.error
         assert incoming.buffer is not None
         return incoming.buffer
+
+    async def _wait_chunk(
+        self, round: int, site: str, incoming: _Incoming, index: int, deadline: float
+    ) -> None:
+        """Until chunk ``index`` from ``site`` is in place (or the round fails)."""
+        loop = asyncio.get_running_loop()
+        while index not in incoming.seen or incoming.buffer is None:
+            if incoming.error is not None:
+                raise incoming.error
+            incoming.progress.clear()
+            remaining = deadline - loop.time()
+            try:
+                await asyncio.wait_for(incoming.progress.wait(), max(0.0, remaining))
+            except TimeoutError:
+                raise RoundError(
+                    site,
+                    f"round {round}: site {site!r} ({self.peers.get(site)}) did not deliver "
+                    f"within {self.deadline_s:g} s; it is down, partitioned or slow",
+                ) from None
+        if incoming.error is not None:
+            raise incoming.error
+
+    async def _encode(self, values: torch.Tensor, **where: int) -> wire_pb2.Chunk:
+        """One chunk, encoded on the worker thread."""
+        encode = functools.partial(encode_chunk, self.codec, values, weight=1.0, **where)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, encode)
 
     async def _encoded_chunks(
         self, values: torch.Tensor, *, round: int, shard: int, sent: list[int]
@@ -309,58 +338,79 @@ class CrossSiteAllReduce:
             for j, s in others
             for lo, hi in [bounds[j]]
         ]
+        out = torch.empty_like(flat)
+        results = {s: self._expect(round, n + j, s, bounds[j][1] - bounds[j][0]) for j, s in others}
+        queues: dict[str, asyncio.Queue[wire_pb2.Chunk | None]] = {
+            s: asyncio.Queue() for _, s in others
+        }
+        phase2 = [asyncio.ensure_future(self._send(s, _drain(queues[s]), round)) for _, s in others]
         try:
-            own = torch.empty(b - a, dtype=torch.float32)
-            for chunk in encode_chunks(
-                self.codec,
-                flat[a:b],
-                round=round,
-                shard=mine,
-                max_chunk_bytes=self.settings.max_chunk_bytes,
-            ):
-                _own_chunk(chunk, self.codec).decode_into(own)
-            values = {me: own}
-            for _, s in others:
-                values[s] = await self._wait_for(round, mine, s, contributions[s], deadline)
-                received += (b - a) * 4
-
-            # Reduce in a fixed order (sorted sites), so the result does not depend on
-            # arrival order: exact up to float32 rounding in that order.
+            # Reduce chunk by chunk: as soon as every site's chunk k of this slice is
+            # here, chunk k of the result is reduced, encoded once and on its way to
+            # every site (and decoded here from the same bytes), while later chunks
+            # of the reduce-scatter are still arriving.
+            loop_ranges = chunk_ranges(
+                b - a, values_per_chunk(self.codec, self.settings.max_chunk_bytes)
+            )
             total = sum(weights[s] for s in sites)
-            reduced = torch.mul(values[sites[0]], weights[sites[0]] / total)
-            for site in sites[1:]:
-                reduced.add_(values[site], alpha=weights[site] / total)
-
-            # All-gather: the owner encodes its result once; every site, the owner
-            # included, decodes those same bytes.
-            owned = list(
-                encode_chunks(
-                    self.codec,
+            mine_flat = flat[a:b]
+            own_values = torch.empty(b - a, dtype=torch.float32)
+            for index, (lo, hi) in enumerate(loop_ranges):
+                own_chunk = await self._encode(
+                    mine_flat[lo:hi],
+                    round=round,
+                    shard=mine,
+                    offset=lo,
+                    index=index,
+                    count=len(loop_ranges),
+                )
+                # This site's own contribution goes through the codec like the others'.
+                _own_chunk(own_chunk, self.codec).decode_into(own_values)
+                for _, s in others:
+                    await self._wait_chunk(round, s, contributions[s], index, deadline)
+                # A fixed order (sorted sites): the result does not depend on arrival
+                # order, and is exact up to float32 rounding in that order.
+                parts = {s: contributions[s].buffer[lo:hi] for _, s in others}  # type: ignore[index]
+                parts[me] = own_values[lo:hi]
+                reduced = torch.mul(parts[sites[0]], weights[sites[0]] / total)
+                for site in sites[1:]:
+                    reduced.add_(parts[site], alpha=weights[site] / total)
+                result = await self._encode(
                     reduced,
                     round=round,
                     shard=n + mine,
-                    max_chunk_bytes=self.settings.max_chunk_bytes,
+                    offset=lo,
+                    index=index,
+                    count=len(loop_ranges),
                 )
-            )
-            sent.extend(_payload_size(c) * len(others) for c in owned)
-            out = torch.empty_like(flat)
-            results = {
-                s: self._expect(round, n + j, s, bounds[j][1] - bounds[j][0]) for j, s in others
-            }
-            phase2 = [asyncio.ensure_future(self._send(s, owned, round)) for _, s in others]
-            for chunk in owned:
-                _own_chunk(chunk, self.codec).decode_into(out[a:b])
+                sent.append(_payload_size(result) * len(others))
+                for queue in queues.values():
+                    queue.put_nowait(result)
+                _own_chunk(result, self.codec).decode_into(out[a:b])
+            for queue in queues.values():
+                queue.put_nowait(None)
+            for _, s in others:
+                self._incoming.pop((round, mine, s), None)
+                received += (b - a) * 4
             for j, s in others:
                 lo, hi = bounds[j]
                 out[lo:hi] = await self._wait_for(round, n + j, s, results[s], deadline)
                 received += (hi - lo) * 4
             await asyncio.gather(*phase1, *phase2)
         except BaseException:
-            for task in phase1:
+            for task in (*phase1, *phase2):
                 task.cancel()
+            for _, s in others:
+                self._incoming.pop((round, mine, s), None)
             raise
         self.last = RoundStats(sum(sent), received, loop.time() - started)
         return out.view_as(tensor)
+
+
+async def _drain(queue: asyncio.Queue[wire_pb2.Chunk | None]) -> AsyncIterator[wire_pb2.Chunk]:
+    """The chunks put on ``queue`` until None: one peer's all-gather stream."""
+    while (chunk := await queue.get()) is not None:
+        yield chunk
 
 
 def _own_chunk(chunk: wire_pb2.Chunk, codec: Codec) -> ReceivedChunk:
