@@ -62,11 +62,15 @@ class RoundStats:
 
 
 def all_finite(values: torch.Tensor) -> bool:
-    """No NaN or Inf in ``values``. Two reductions (NaN propagates through max and
-    min) instead of torch.isfinite's full-size boolean temporary: ~10x faster."""
+    """No NaN or Inf in ``values``. One reduction on the common path: a finite sum
+    means every value is finite (NaN and Inf propagate into it); only an
+    infinite sum, which finite values can also reach by overflow, is checked
+    value by value."""
     if values.numel() == 0:
         return True
-    return math.isfinite(float(values.amax())) and math.isfinite(float(values.amin()))
+    if math.isfinite(float(values.sum())):
+        return True
+    return bool(torch.isfinite(values).all())
 
 
 def slice_bounds(count: int, parts: int) -> list[tuple[int, int]]:
