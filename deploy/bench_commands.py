@@ -39,7 +39,7 @@ def register(commands: Any) -> None:
         "--algorithm",
         choices=("direct",),
         default="direct",
-        help="direct today; ring and auto come with the pipelined engine",
+        help="direct (ring and auto are not built yet)",
     )
     allreduce.add_argument("--repeats", type=int, default=3)
     allreduce.add_argument("--json", action="store_true", help="print the results as JSON")
