@@ -46,23 +46,32 @@ def run_allreduce_bench(
     bandwidth_mbit: float,
     codec: str,
     repeats: int,
+    hosts: bool = False,
+    vs_gloo: bool = False,
     verbose: bool = True,
 ) -> dict[str, Any]:
+    """With ``hosts`` every site runs in its own emulated host (packet backend, real
+    TCP); ``vs_gloo`` then also times Gloo's all-reduce across the same hosts."""
+    gloo: dict[str, Any] | None = None
     with tempfile.TemporaryDirectory(prefix="isthmus-allreduce-") as tmp:
         tmpdir = Path(tmp)
         names = [f"site{i}" for i in range(sites)]
-        ports = free_ports("127.0.0.1", sites)
         job = tmpdir / "job.yaml"
         lines = ["name: bench-allreduce", "sites:"]
-        lines += [
-            f"  - {{name: {n}, address: '127.0.0.1:{p}'}}"
-            for n, (_, p) in zip(names, ports, strict=True)
-        ]
+        if hosts:  # each host has its own address; every site listens on port 7100
+            lines += [f"  - {{name: {n}}}" for n in names]
+        else:
+            ports = free_ports("127.0.0.1", sites)
+            lines += [
+                f"  - {{name: {n}, address: '127.0.0.1:{p}'}}"
+                for n, (_, p) in zip(names, ports, strict=True)
+            ]
         lines += ["wan:", f"  default: {{rtt_ms: {rtt_ms}, bandwidth_mbit: {bandwidth_mbit}}}"]
         job.write_text("\n".join(lines) + "\n")
         state = tmpdir / "state.json"
+        backend = ["--hosts"] if hosts else ["--stats-every", "0"]
         wan = subprocess.Popen(
-            [*ISTHMUS, "wan", "up", str(job), "--state", str(state), "--stats-every", "0"],
+            [*ISTHMUS, "wan", "up", str(job), "--state", str(state), *backend],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -86,9 +95,14 @@ def run_allreduce_bench(
                     flush=True,
                 )
             started = time.monotonic()
+
+            def inside(site: str) -> list[str]:
+                return [*ISTHMUS, "wan", "exec", str(job), site, "--"] if hosts else []
+
             workers = [
                 subprocess.Popen(
                     [
+                        *inside(name),
                         sys.executable,
                         "-m",
                         "isthmus.deploy.allreduce_worker",
@@ -112,6 +126,10 @@ def run_allreduce_bench(
             if failed:
                 raise RuntimeError(f"a site process failed: {failed[0]}")
             wire = ControlClient((host, int(port))).stats()
+            if vs_gloo:
+                if verbose:
+                    print("bench allreduce: Gloo on the same hosts", file=sys.stderr, flush=True)
+                gloo = _gloo(job, json.loads(state.read_text()), names, size_mib, repeats, inside)
         finally:
             wan.send_signal(signal.SIGTERM)
             wan.communicate(timeout=30)
@@ -124,6 +142,12 @@ def run_allreduce_bench(
     sent_per_round = sum(statistics.median(r["bytes_sent"]) for r in results)
     theoretical = sites * 2 * (sites - 1) / sites * nbytes  # direct, codec none
     wire_bytes = sum(d["bytes"] for link in wire["links"] for k, d in link.items() if "->" in k)
+    extra: dict[str, Any] = {"backend": "hosts" if hosts else "proxy"}
+    if gloo is not None:
+        extra["gloo_median_seconds"] = gloo["median_s"]
+        extra["gloo_efficiency"] = round(best / gloo["median_s"], 3)
+        extra["speedup_over_gloo"] = round(gloo["median_s"] / median, 3)
+        extra["gloo_correct"] = gloo["correct"]
     return {
         "sites": sites,
         "size_mib": size_mib,
@@ -144,7 +168,50 @@ def run_allreduce_bench(
         "max_abs_error": max(r["max_abs_error"] for r in results),
         "identical_on_all_sites": len({r["digest"] for r in results}) == 1,
         "wall_seconds": round(time.monotonic() - started, 1),
+        **extra,
     }
+
+
+def _gloo(
+    job: Path,
+    state: dict[str, Any],
+    names: list[str],
+    size_mib: float,
+    repeats: int,
+    inside: Any,
+) -> dict[str, Any]:
+    """Gloo's all-reduce of the same size, one rank per host, over the same links."""
+    master = "{}:29500".format(state["sites"][names[0]]["address"])
+    procs = [
+        subprocess.Popen(
+            [
+                *inside(name),
+                sys.executable,
+                "-m",
+                "isthmus.deploy.gloo_baseline",
+                "--rank",
+                str(rank),
+                "--world",
+                str(len(names)),
+                "--master",
+                master,
+                "--ifname",
+                state["sites"][name]["device"],
+                "--size-mib",
+                str(size_mib),
+                "--repeats",
+                str(repeats),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for rank, name in enumerate(names)
+    ]
+    out, _ = procs[0].communicate(timeout=1800)
+    for proc in procs[1:]:
+        proc.wait(timeout=120)
+    data = json.loads(out.strip().splitlines()[-1])
+    return {"median_s": statistics.median(data["seconds"]), "correct": data["ok"]}
 
 
 def format_allreduce_report(r: dict[str, Any]) -> str:
@@ -159,6 +226,15 @@ def format_allreduce_report(r: dict[str, Any]) -> str:
             f"({r['data_plane_over_theoretical']:.4f} of the algorithm's volume); "
             f"emulator wire bytes in all {r['emulator_wire_bytes']:,}",
             f"  max |error| vs float64 {r['max_abs_error']:.3g}; identical on all sites: "
-            f"{r['identical_on_all_sites']}",
+            f"{r['identical_on_all_sites']}; backend {r['backend']}",
+            *(
+                [
+                    f"  Gloo on the same links: median {r['gloo_median_seconds']:.3f} s "
+                    f"(efficiency {r['gloo_efficiency']:.2f}); Isthmus is "
+                    f"{r['speedup_over_gloo']:.2f}x faster"
+                ]
+                if "gloo_median_seconds" in r
+                else []
+            ),
         ]
     )

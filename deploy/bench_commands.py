@@ -42,6 +42,16 @@ def register(commands: Any) -> None:
         help="direct (ring and auto are not built yet)",
     )
     allreduce.add_argument("--repeats", type=int, default=3)
+    allreduce.add_argument(
+        "--hosts",
+        action="store_true",
+        help="every site in its own emulated host (packet level, real TCP); needs root",
+    )
+    allreduce.add_argument(
+        "--vs-gloo",
+        action="store_true",
+        help="also time Gloo's all-reduce over the same hosts (implies --hosts)",
+    )
     allreduce.add_argument("--json", action="store_true", help="print the results as JSON")
     codec = add_command(
         kinds,
@@ -82,6 +92,14 @@ def _allreduce(args: argparse.Namespace) -> int:
         parse_codec(args.codec)
     except CodecError as exc:
         raise UsageError(f"--codec: {exc}") from None
+    hosts = args.hosts or args.vs_gloo
+    if hosts:
+        from isthmus.sim.hosts import HostsUnavailable, check_support
+
+        try:
+            check_support()
+        except HostsUnavailable as exc:
+            raise UsageError(f"--hosts: {exc}") from None
     results = run_allreduce_bench(
         sites=args.sites,
         size_mib=args.size_mib,
@@ -89,6 +107,8 @@ def _allreduce(args: argparse.Namespace) -> int:
         bandwidth_mbit=args.bandwidth_mbit,
         codec=args.codec,
         repeats=args.repeats,
+        hosts=hosts,
+        vs_gloo=args.vs_gloo,
         verbose=not args.json,
     )
     print(json.dumps(results, indent=2) if args.json else format_allreduce_report(results))
