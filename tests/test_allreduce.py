@@ -214,3 +214,41 @@ def test_after_a_failed_round_the_survivors_go_on_without_the_lost_site():
     assert all(isinstance(r, RoundError) for r in failed)
     assert all(torch.equal(r, torch.full((50,), 3.0)) for r in ok)
     assert not leftovers
+
+
+@pytest.mark.slow
+def test_bench_allreduce_runs_site_processes_over_the_emulator():
+    import json
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "isthmus",
+            "bench",
+            "allreduce",
+            "--sites",
+            "3",
+            "--size-mib",
+            "2",
+            "--rtt-ms",
+            "10",
+            "--bandwidth-mbit",
+            "400",
+            "--repeats",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["identical_on_all_sites"]
+    assert report["data_plane_over_theoretical"] == pytest.approx(1.0, abs=0.02)
+    assert report["max_abs_error"] < 1e-5
+    assert report["emulator_wire_bytes"] >= report["data_plane_bytes_per_round"]
+    assert 0 < report["efficiency"] <= 1.2

@@ -106,6 +106,9 @@ def test_every_command_has_help(command):
             "--jitter-distribution: unknown distribution",
         ),
         (("bench", "wan", "--repeats", "0"), "--repeats: must be >= 1"),
+        (("bench", "allreduce", "--sites", "1"), "--sites: must be in 2..8"),
+        (("bench", "allreduce", "--codec", "int3"), "--codec: unknown codec 'int3'"),
+        (("bench", "codec", "--size-mib", "0"), "--size-mib: must be > 0"),
     ],
 )
 def test_usage_errors_are_one_line_with_exit_2(args, expected):
