@@ -53,7 +53,9 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         out = tensor
         for round in range(args.repeats + 1):  # round 0 warms up connections and windows
             start = time.perf_counter()
-            out = await engine.allreduce(tensor, round=round, participants=names, weights=weights)
+            out = await engine.allreduce(
+                tensor, round=round, participants=names, weights=weights, algorithm=args.algorithm
+            )
             if round:
                 seconds.append(time.perf_counter() - start)
                 assert engine.last is not None
@@ -76,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--site", required=True)
     parser.add_argument("--size-mib", type=float, required=True)
     parser.add_argument("--codec", default="none")
+    parser.add_argument("--algorithm", choices=("direct", "ring"), default="direct")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--deadline-s", type=float, default=300.0)
     parser.add_argument("--out", required=True)

@@ -37,9 +37,10 @@ def register(commands: Any) -> None:
     allreduce.add_argument("--codec", default="none", help="e.g. none, bf16, int8, int4+zstd")
     allreduce.add_argument(
         "--algorithm",
-        choices=("direct",),
+        choices=("direct", "ring"),
         default="direct",
-        help="direct (ring and auto are not built yet)",
+        help="direct (full mesh, every site owns a slice) or ring (successor only); "
+        "auto is not built yet",
     )
     allreduce.add_argument("--repeats", type=int, default=3)
     allreduce.add_argument(
@@ -107,6 +108,7 @@ def _allreduce(args: argparse.Namespace) -> int:
         bandwidth_mbit=args.bandwidth_mbit,
         codec=args.codec,
         repeats=args.repeats,
+        algorithm=args.algorithm,
         hosts=hosts,
         vs_gloo=args.vs_gloo,
         verbose=not args.json,

@@ -36,6 +36,7 @@ from isthmus.inter.chunks import (
     chunk_ranges,
     encode_chunk,
     to_encoded,
+    to_wire,
     values_per_chunk,
 )
 from isthmus.inter.codecs import Codec
@@ -99,8 +100,12 @@ class _Incoming:
         self.progress = asyncio.Event()
         """Set whenever a chunk lands (waiters clear it before waiting)."""
         self.error: RoundError | None = None
+        self.kept: dict[int, ReceivedChunk] = {}
+        """With ``keep``: the chunks themselves, to forward them unchanged (ring)."""
+        self._keep = False
 
-    def open(self, size: int) -> None:
+    def open(self, size: int, *, keep: bool = False) -> None:
+        self._keep = keep
         self.buffer = torch.empty(size, dtype=torch.float32)
         for chunk in self.pending:
             self._place(chunk)
@@ -121,6 +126,8 @@ class _Incoming:
 
     def _place(self, chunk: ReceivedChunk) -> None:
         assert self.buffer is not None
+        if self._keep:
+            self.kept[chunk.index] = chunk
         try:
             values = chunk.decode_into(self.buffer)
         except ChunkError as exc:
@@ -197,9 +204,11 @@ class CrossSiteAllReduce:
         key = (chunk.round, chunk.shard, chunk.site)
         self._incoming.setdefault(key, _Incoming()).add(chunk)
 
-    def _expect(self, round: int, shard: int, site: str, size: int) -> _Incoming:
+    def _expect(
+        self, round: int, shard: int, site: str, size: int, *, keep: bool = False
+    ) -> _Incoming:
         incoming = self._incoming.setdefault((round, shard, site), _Incoming())
-        incoming.open(size)
+        incoming.open(size, keep=keep)
         return incoming
 
     async def _wait_for(
@@ -288,6 +297,134 @@ class CrossSiteAllReduce:
         if refused:
             raise RoundError(site, f"site {site!r} refused chunks: {refused[0].error.message}")
 
+    async def _ring(
+        self,
+        flat: torch.Tensor,
+        *,
+        round: int,
+        sites: list[str],
+        weights: Mapping[str, float],
+        bounds: list[tuple[int, int]],
+        deadline: float,
+    ) -> torch.Tensor:
+        """Ring all-reduce, pipelined by chunks. Site i sends only to its successor.
+
+        Reduce-scatter, step t = 0 .. S-2: send segment (i - t) mod S, the sum so far
+        of this site's share and what came from the predecessor at step t - 1.
+        After it, site i holds segment (i + 1) mod S complete; it encodes that once.
+        All-gather, step t: send segment (i + 1 - t) mod S; from step 1 on these are
+        the predecessor's chunks forwarded unchanged, so every site decodes the same
+        bytes. Chunk k of a step leaves as soon as chunk k of the previous step is in.
+        """
+        me = self.identity.site
+        n = len(sites)
+        i = sites.index(me)
+        succ, pred = sites[(i + 1) % n], sites[(i - 1) % n]
+        total = sum(weights[s] for s in sites)
+        local = flat * (weights[me] / total)  # a scaled copy: the ring sums shares
+        per_chunk = values_per_chunk(self.codec, self.settings.max_chunk_bytes)
+
+        def seg(k: int) -> tuple[int, int]:
+            return bounds[k % n]
+
+        def ranges(k: int) -> list[tuple[int, int]]:
+            lo, hi = seg(k)
+            return chunk_ranges(hi - lo, per_chunk)
+
+        rs_in = {
+            t: self._expect(round, (i - t - 1) % n, pred, seg(i - t - 1)[1] - seg(i - t - 1)[0])
+            for t in range(n - 1)
+        }
+        ag_in = {
+            t: self._expect(round, n + (i - t) % n, pred, seg(i - t)[1] - seg(i - t)[0], keep=True)
+            for t in range(n - 1)
+        }
+        out = torch.empty_like(flat)
+        sent: list[int] = []
+        owned_segment = (i + 1) % n
+        owned: list[wire_pb2.Chunk] = []
+        owned_ready = asyncio.Event()
+
+        async def reduce_scatter() -> AsyncIterator[wire_pb2.Chunk]:
+            for t in range(n - 1):
+                segment = (i - t) % n
+                lo, _ = seg(segment)
+                spans = ranges(segment)
+                for index, (c_lo, c_hi) in enumerate(spans):
+                    part = local[lo + c_lo : lo + c_hi]
+                    if t > 0:
+                        await self._wait_chunk(round, pred, rs_in[t - 1], index, deadline)
+                        part = rs_in[t - 1].buffer[c_lo:c_hi] + part  # type: ignore[index]
+                    chunk = await self._encode(
+                        part,
+                        round=round,
+                        shard=segment,
+                        offset=c_lo,
+                        index=index,
+                        count=len(spans),
+                    )
+                    sent.append(_payload_size(chunk))
+                    yield chunk
+
+        async def reduce_owned() -> None:
+            # The last reduce-scatter step brings segment (i + 1) % n: add this share.
+            lo, hi = seg(owned_segment)
+            spans = ranges(owned_segment)
+            for index, (c_lo, c_hi) in enumerate(spans):
+                await self._wait_chunk(round, pred, rs_in[n - 2], index, deadline)
+                part = rs_in[n - 2].buffer[c_lo:c_hi] + local[lo + c_lo : lo + c_hi]  # type: ignore[index]
+                chunk = await self._encode(
+                    part,
+                    round=round,
+                    shard=n + owned_segment,
+                    offset=c_lo,
+                    index=index,
+                    count=len(spans),
+                )
+                _own_chunk(chunk, self.codec).decode_into(out[lo:hi])
+                owned.append(chunk)
+                owned_ready.set()
+
+        async def all_gather() -> AsyncIterator[wire_pb2.Chunk]:
+            count = len(ranges(owned_segment))
+            for index in range(count):
+                while len(owned) <= index:
+                    owned_ready.clear()
+                    await owned_ready.wait()
+                sent.append(_payload_size(owned[index]))
+                yield owned[index]
+            for t in range(1, n - 1):
+                segment = (i + 1 - t) % n
+                incoming = ag_in[t - 1]
+                for index in range(len(ranges(segment))):
+                    await self._wait_chunk(round, pred, incoming, index, deadline)
+                    chunk = to_wire(incoming.kept[index])
+                    sent.append(_payload_size(chunk))
+                    yield chunk
+
+        tasks = [
+            asyncio.ensure_future(self._send(succ, reduce_scatter(), round)),
+            asyncio.ensure_future(reduce_owned()),
+            asyncio.ensure_future(self._send(succ, all_gather(), round)),
+        ]
+        try:
+            for t in range(n - 1):
+                segment = (i - t) % n
+                lo, hi = seg(segment)
+                out[lo:hi] = await self._wait_for(round, n + segment, pred, ag_in[t], deadline)
+            await asyncio.gather(*tasks)
+            for t in range(n - 1):
+                self._incoming.pop((round, (i - t - 1) % n, pred), None)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            for t in range(n - 1):
+                self._incoming.pop((round, (i - t - 1) % n, pred), None)
+            raise
+        loop = asyncio.get_running_loop()
+        self.last = RoundStats(sum(sent), 0, loop.time() - (deadline - self.deadline_s))
+        return out
+
     async def allreduce(
         self,
         tensor: torch.Tensor,
@@ -295,8 +432,15 @@ class CrossSiteAllReduce:
         round: int,
         participants: Sequence[str],
         weights: Mapping[str, float],
+        algorithm: str = "direct",
     ) -> torch.Tensor:
-        """The weighted average of ``tensor`` over ``participants`` (this site among them)."""
+        """The weighted average of ``tensor`` over ``participants`` (this site among them).
+
+        ``algorithm``: ``direct`` (full mesh: every site owns a slice; a value is
+        encoded twice) or ``ring`` (each site talks to its successor only; partial
+        sums are re-encoded at every hop, so a value is encoded up to S times)."""
+        if algorithm not in ("direct", "ring"):
+            raise ValueError(f"unknown algorithm {algorithm!r}; use direct or ring")
         me = self.identity.site
         sites = sorted(participants)
         if me not in sites:
@@ -324,6 +468,11 @@ class CrossSiteAllReduce:
             del self._incoming[key]
         n = len(sites)
         bounds = slice_bounds(flat.numel(), n)
+        if algorithm == "ring" and n > 1:
+            out = await self._ring(
+                flat, round=round, sites=sites, weights=weights, bounds=bounds, deadline=deadline
+            )
+            return out.view_as(tensor)
         mine = sites.index(me)
         a, b = bounds[mine]
         others = [(j, s) for j, s in enumerate(sites) if s != me]

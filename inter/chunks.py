@@ -165,3 +165,26 @@ class ReceivedChunk:
                 f"shard of {shard_buffer.numel()}",
             )
         return self.codec.decode(self.encoded, out=target)
+
+
+def to_wire(chunk: ReceivedChunk) -> wire_pb2.Chunk:
+    """A received chunk as a message again, to forward it unchanged (same bytes)."""
+    encoded = chunk.encoded
+    meta = encoded.meta
+    return wire_pb2.Chunk(
+        round=chunk.round,
+        shard=chunk.shard,
+        index=chunk.index,
+        count=chunk.count,
+        codec=encoded.codec,
+        elements=encoded.count,
+        dtype="float32",
+        payload=bytes(encoded.payload),
+        checksum=checksum(encoded.payload),
+        block_size=encoded.block_size,
+        scales_bytes=meta.get("scales", 0),
+        values_bytes=meta.get("values", 0),
+        element_bytes=meta.get("element", 0),
+        weight=chunk.weight,
+        offset=chunk.offset,
+    )

@@ -252,3 +252,47 @@ def test_bench_allreduce_runs_site_processes_over_the_emulator():
     assert report["max_abs_error"] < 1e-5
     assert report["emulator_wire_bytes"] >= report["data_plane_bytes_per_round"]
     assert 0 < report["efficiency"] <= 1.2
+
+
+def _run_ring(n_sites, n, codec="none"):
+    async def main():
+        names, members = await _group(n_sites, codec)
+        w = {s: float(i + 1) for i, s in enumerate(names)}
+        inputs = _inputs(names, n, seed=3)
+        try:
+            outs = await asyncio.gather(
+                *[
+                    members[s].allreduce(
+                        inputs[s], round=0, participants=names, weights=w, algorithm="ring"
+                    )
+                    for s in names
+                ]
+            )
+        finally:
+            await _close(members)
+        return names, inputs, w, dict(zip(names, outs, strict=True))
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("n_sites", [2, 3, 5])
+@pytest.mark.parametrize("n", [0, 1, 7, 10_007])
+def test_ring_is_exact_weighted_and_identical_everywhere(n_sites, n):
+    names, inputs, weights, outs = _run_ring(n_sites, n)
+    for name in names:
+        assert torch.equal(outs[name], outs[names[0]]), "sites disagree"
+    if n:
+        assert torch.allclose(outs[names[0]].double(), _reference(inputs, weights), atol=1e-5)
+
+
+def test_ring_with_a_lossy_codec_stays_identical_and_within_s_encodes():
+    names, inputs, weights, outs = _run_ring(3, 20_000, codec="int8")
+    for name in names:
+        assert torch.equal(outs[name], outs[names[0]])
+    reference = _reference(inputs, weights)
+    # Partial sums are re-encoded at every hop: up to S encodes of values no
+    # larger than the sum of the weighted inputs.
+    c = parse_codec("int8")
+    magnitude = sum(inputs[s].abs().double() * weights[s] for s in names) / sum(weights.values())
+    bound = 3 * c.max_error(magnitude.float()).max() * 2
+    assert float((outs[names[0]].double() - reference).abs().max()) <= float(bound)
