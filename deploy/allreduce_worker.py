@@ -22,6 +22,7 @@ from isthmus.deploy.addressing import load_state
 from isthmus.inter.allreduce import CrossSiteAllReduce
 from isthmus.inter.codecs import parse_codec
 from isthmus.inter.peer import Identity
+from isthmus.sim.cost import LinkCost
 
 
 def site_tensor(index: int, count: int) -> torch.Tensor:
@@ -40,8 +41,14 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     host, port = state["sites"][me]["listen"][0].rsplit(":", 1)
     peers = {site: addresses[0] for site, addresses in state["sites"][me]["dial"].items()}
     identity = Identity(job=state["job"], site=me, rank=0)
+    # Every link as configured: the same on every site, so "auto" agrees everywhere.
+    cost = LinkCost.of(bandwidth_mbit=args.bandwidth_mbit, rtt_ms=args.rtt_ms)
     engine = CrossSiteAllReduce(
-        identity, peers, codec=parse_codec(args.codec), deadline_s=args.deadline_s
+        identity,
+        peers,
+        codec=parse_codec(args.codec),
+        deadline_s=args.deadline_s,
+        link_costs=lambda a, b: cost,
     )
     await engine.start(host, int(port))
     count = int(args.size_mib * 2**20 / 4)
@@ -65,6 +72,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     error = float((out.double() - reference(len(names), count)).abs().max()) if count else 0.0
     return {
         "site": me,
+        "algorithm": engine.last_algorithm,
         "seconds": seconds,
         "bytes_sent": sent,
         "max_abs_error": error,
@@ -78,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--site", required=True)
     parser.add_argument("--size-mib", type=float, required=True)
     parser.add_argument("--codec", default="none")
-    parser.add_argument("--algorithm", choices=("direct", "ring"), default="direct")
+    parser.add_argument("--algorithm", choices=("direct", "ring", "auto"), default="direct")
+    parser.add_argument("--rtt-ms", type=float, default=0.0, help="the links, for auto")
+    parser.add_argument("--bandwidth-mbit", type=float, default=1000.0, help="the links, for auto")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--deadline-s", type=float, default=300.0)
     parser.add_argument("--out", required=True)

@@ -37,10 +37,10 @@ def register(commands: Any) -> None:
     allreduce.add_argument("--codec", default="none", help="e.g. none, bf16, int8, int4+zstd")
     allreduce.add_argument(
         "--algorithm",
-        choices=("direct", "ring"),
+        choices=("direct", "ring", "auto"),
         default="direct",
-        help="direct (full mesh, every site owns a slice) or ring (successor only); "
-        "auto is not built yet",
+        help="direct (full mesh, every site owns a slice), ring (successor only), or auto "
+        "(whichever the alpha-beta model predicts fastest on these links)",
     )
     allreduce.add_argument("--repeats", type=int, default=3)
     allreduce.add_argument(

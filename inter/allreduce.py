@@ -43,6 +43,7 @@ from isthmus.inter.codecs import Codec
 from isthmus.inter.peer import Identity, PeerClient, PeerError, PeerServer
 from isthmus.inter.transport import TransportSettings
 from isthmus.proto import wire_pb2
+from isthmus.sim.cost import LinkLookup, choose
 
 
 class RoundError(RuntimeError):
@@ -159,8 +160,15 @@ class CrossSiteAllReduce:
         codec: Codec | None = None,
         settings: TransportSettings | None = None,
         deadline_s: float = 60.0,
+        link_costs: LinkLookup | None = None,
+        uplink_bytes_per_s: Mapping[str, float] | None = None,
     ) -> None:
-        """``peers``: site -> address of this rank's counterpart there."""
+        """``peers``: site -> address of this rank's counterpart there. ``link_costs``
+        (the same on every site: configured, or measured and sealed by the strategy)
+        lets ``algorithm="auto"`` pick the algorithm the cost model predicts fastest."""
+        self.link_costs = link_costs
+        self.uplink_bytes_per_s = dict(uplink_bytes_per_s or {})
+        self.last_algorithm: str | None = None
         self.identity = identity
         self.peers = dict(peers)
         self.codec = codec or Codec()
@@ -437,10 +445,21 @@ class CrossSiteAllReduce:
         """The weighted average of ``tensor`` over ``participants`` (this site among them).
 
         ``algorithm``: ``direct`` (full mesh: every site owns a slice; a value is
-        encoded twice) or ``ring`` (each site talks to its successor only; partial
-        sums are re-encoded at every hop, so a value is encoded up to S times)."""
-        if algorithm not in ("direct", "ring"):
-            raise ValueError(f"unknown algorithm {algorithm!r}; use direct or ring")
+        encoded twice), ``ring`` (each site talks to its successor only; partial
+        sums are re-encoded at every hop, so a value is encoded up to S times), or
+        ``auto`` (the one :mod:`isthmus.sim.cost` predicts fastest on ``link_costs``)."""
+        if algorithm not in ("direct", "ring", "auto"):
+            raise ValueError(f"unknown algorithm {algorithm!r}; use direct, ring or auto")
+        if algorithm == "auto":
+            if self.link_costs is None:
+                raise ValueError("algorithm 'auto' needs link costs: pass link_costs=...")
+            algorithm = choose(
+                tensor.numel() * 4,
+                sorted(participants),
+                self.link_costs,
+                self.uplink_bytes_per_s,
+            )
+        self.last_algorithm = algorithm
         me = self.identity.site
         sites = sorted(participants)
         if me not in sites:

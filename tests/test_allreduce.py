@@ -296,3 +296,58 @@ def test_ring_with_a_lossy_codec_stays_identical_and_within_s_encodes():
     magnitude = sum(inputs[s].abs().double() * weights[s] for s in names) / sum(weights.values())
     bound = 3 * c.max_error(magnitude.float()).max() * 2
     assert float((outs[names[0]].double() - reference).abs().max()) <= float(bound)
+
+
+@pytest.mark.parametrize(
+    ("slow_pair", "expected"), [(None, "direct"), (("site0", "site2"), "ring")]
+)
+def test_auto_picks_the_algorithm_the_cost_model_predicts(slow_pair, expected):
+    from isthmus.sim.cost import LinkCost
+
+    def costs(a, b):
+        if slow_pair and {a, b} == set(slow_pair):
+            return LinkCost.of(bandwidth_mbit=5, rtt_ms=50)
+        return LinkCost.of(bandwidth_mbit=1000, rtt_ms=10)
+
+    async def main():
+        names, members = await _group(4)
+        for member in members.values():
+            member.link_costs = costs
+        inputs = _inputs(names, 5000)
+        w = {s: 1.0 for s in names}
+        try:
+            outs = await asyncio.gather(
+                *[
+                    members[s].allreduce(
+                        inputs[s], round=0, participants=names, weights=w, algorithm="auto"
+                    )
+                    for s in names
+                ]
+            )
+            chosen = {members[s].last_algorithm for s in names}
+        finally:
+            await _close(members)
+        return names, inputs, w, outs, chosen
+
+    _, inputs, w, outs, chosen = asyncio.run(main())
+    assert chosen == {expected}
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    assert torch.allclose(outs[0].double(), _reference(inputs, w), atol=1e-5)
+
+
+def test_auto_without_link_costs_is_refused():
+    async def main():
+        names, members = await _group(2)
+        try:
+            with pytest.raises(ValueError, match="'auto' needs link costs"):
+                await members["site0"].allreduce(
+                    torch.ones(4),
+                    round=0,
+                    participants=names,
+                    weights={s: 1.0 for s in names},
+                    algorithm="auto",
+                )
+        finally:
+            await _close(members)
+
+    asyncio.run(main())
