@@ -226,17 +226,20 @@ class CrossSiteAllReduce:
         try:
             await asyncio.wait_for(incoming.done.wait(), max(0.0, remaining))
         except TimeoutError:
-            raise RoundError(
-                site,
-                f"round {round}: site {site!r} ({self.peers.get(site)}) did not deliver within "
-                f"{self.deadline_s:g} s; it is down, partitioned or slow",
-            ) from None
+            raise self._late(round, site) from None
         finally:
             self._incoming.pop((round, shard, site), None)
         if incoming.error is not None:
             raise incoming.error
         assert incoming.buffer is not None
         return incoming.buffer
+
+    def _late(self, round: int, site: str) -> RoundError:
+        return RoundError(
+            site,
+            f"round {round}: site {site!r} ({self.peers.get(site)}) did not deliver within "
+            f"{self.deadline_s:g} s; it is down, partitioned or slow",
+        )
 
     async def _wait_chunk(
         self, round: int, site: str, incoming: _Incoming, index: int, deadline: float
@@ -251,11 +254,7 @@ class CrossSiteAllReduce:
             try:
                 await asyncio.wait_for(incoming.progress.wait(), max(0.0, remaining))
             except TimeoutError:
-                raise RoundError(
-                    site,
-                    f"round {round}: site {site!r} ({self.peers.get(site)}) did not deliver "
-                    f"within {self.deadline_s:g} s; it is down, partitioned or slow",
-                ) from None
+                raise self._late(round, site) from None
         if incoming.error is not None:
             raise incoming.error
 

@@ -60,7 +60,27 @@ def encode_chunk(
     weight: float,
 ) -> wire_pb2.Chunk:
     """One chunk message holding ``values`` (which start at ``offset`` in the shard)."""
-    encoded = codec.encode(values)
+    return _message(
+        codec.encode(values),
+        round=round,
+        shard=shard,
+        offset=offset,
+        index=index,
+        count=count,
+        weight=weight,
+    )
+
+
+def _message(
+    encoded: Encoded,
+    *,
+    round: int,
+    shard: int,
+    offset: int,
+    index: int,
+    count: int,
+    weight: float,
+) -> wire_pb2.Chunk:
     meta = encoded.meta
     return wire_pb2.Chunk(
         round=round,
@@ -169,22 +189,12 @@ class ReceivedChunk:
 
 def to_wire(chunk: ReceivedChunk) -> wire_pb2.Chunk:
     """A received chunk as a message again, to forward it unchanged (same bytes)."""
-    encoded = chunk.encoded
-    meta = encoded.meta
-    return wire_pb2.Chunk(
+    return _message(
+        chunk.encoded,
         round=chunk.round,
         shard=chunk.shard,
+        offset=chunk.offset,
         index=chunk.index,
         count=chunk.count,
-        codec=encoded.codec,
-        elements=encoded.count,
-        dtype="float32",
-        payload=bytes(encoded.payload),
-        checksum=checksum(encoded.payload),
-        block_size=encoded.block_size,
-        scales_bytes=meta.get("scales", 0),
-        values_bytes=meta.get("values", 0),
-        element_bytes=meta.get("element", 0),
         weight=chunk.weight,
-        offset=chunk.offset,
     )
