@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from isthmus.deploy.gloo_baseline import time_on_hosts
 from isthmus.deploy.jobfile import free_ports
 from isthmus.sim.control import ControlClient
 from isthmus.sim.cost import LinkCost, predict
@@ -132,7 +133,10 @@ def run_allreduce_bench(
             if vs_gloo:
                 if verbose:
                     print("bench allreduce: Gloo on the same hosts", file=sys.stderr, flush=True)
-                gloo = _gloo(job, json.loads(state.read_text()), names, size_mib, repeats, inside)
+                data = time_on_hosts(
+                    job, json.loads(state.read_text()), names, size_mib=size_mib, repeats=repeats
+                )
+                gloo = {"median_s": statistics.median(data["seconds"]), "correct": data["ok"]}
         finally:
             wan.send_signal(signal.SIGTERM)
             wan.communicate(timeout=30)
@@ -174,48 +178,6 @@ def run_allreduce_bench(
         "wall_seconds": round(time.monotonic() - started, 1),
         **extra,
     }
-
-
-def _gloo(
-    job: Path,
-    state: dict[str, Any],
-    names: list[str],
-    size_mib: float,
-    repeats: int,
-    inside: Any,
-) -> dict[str, Any]:
-    """Gloo's all-reduce of the same size, one rank per host, over the same links."""
-    master = "{}:29500".format(state["sites"][names[0]]["address"])
-    procs = [
-        subprocess.Popen(
-            [
-                *inside(name),
-                sys.executable,
-                "-m",
-                "isthmus.deploy.gloo_baseline",
-                "--rank",
-                str(rank),
-                "--world",
-                str(len(names)),
-                "--master",
-                master,
-                "--ifname",
-                state["sites"][name]["device"],
-                "--size-mib",
-                str(size_mib),
-                "--repeats",
-                str(repeats),
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for rank, name in enumerate(names)
-    ]
-    out, _ = procs[0].communicate(timeout=1800)
-    for proc in procs[1:]:
-        proc.wait(timeout=120)
-    data = json.loads(out.strip().splitlines()[-1])
-    return {"median_s": statistics.median(data["seconds"]), "correct": data["ok"]}
 
 
 def format_allreduce_report(r: dict[str, Any]) -> str:

@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from isthmus.deploy.bench_wan import proxy_process
+from isthmus.deploy.gloo_baseline import time_on_hosts
+from isthmus.sim.cost import LinkCost, predict
 from isthmus.sim.probe import ProbeServer, measure_throughput
 
 ISTHMUS = [sys.executable, "-m", "isthmus"]
@@ -223,49 +225,18 @@ def run_hosts_bench(*, seconds: float = 10.0, verbose: bool = True) -> dict[str,
 
 def _gloo(run: HostsRun, size_mib: float = 64.0) -> dict[str, Any]:
     sites = ["a", "b", "c"]
-    master = f"{run.address('a')}:29500"
-    procs = []
-    for rank, site in enumerate(sites):
-        device = run.state["sites"][site]["device"]
-        procs.append(
-            run.start(
-                site,
-                sys.executable,
-                "-m",
-                "isthmus.deploy.gloo_baseline",
-                "--rank",
-                str(rank),
-                "--world",
-                "3",
-                "--master",
-                master,
-                "--ifname",
-                device,
-                "--size-mib",
-                str(size_mib),
-                "--repeats",
-                "3",
-            )
-        )
-    out, _ = procs[0].communicate(timeout=600)
-    for proc in procs[1:]:
-        proc.wait(timeout=60)
-    data = json.loads(out.strip().splitlines()[-1])
-    n = data["bytes"]
-    s = len(sites)
-    bandwidth = RATE_MBIT * 1e6 / 8
-    one_way = RTT_MS / 2e3
-    ring = 2 * (s - 1) / s * n / bandwidth + 2 * (s - 1) * one_way
-    direct = 2 * n / (s * bandwidth) + 2 * one_way
+    data = time_on_hosts(run.job, run.state, sites, size_mib=size_mib, repeats=3)
+    cost = LinkCost.of(bandwidth_mbit=RATE_MBIT, rtt_ms=RTT_MS)
+    bound = predict(data["bytes"], sites, lambda a, b: cost)
     median = statistics.median(data["seconds"])
     return {
         "size_mib": size_mib,
         "seconds": [round(x, 3) for x in data["seconds"]],
         "median_s": round(median, 3),
-        "ring_bound_s": round(ring, 3),
-        "direct_bound_s": round(direct, 3),
-        "efficiency_vs_ring": round(ring / median, 3),
-        "efficiency_vs_direct": round(direct / median, 3),
+        "ring_bound_s": round(bound["ring"], 3),
+        "direct_bound_s": round(bound["direct"], 3),
+        "efficiency_vs_ring": round(bound["ring"] / median, 3),
+        "efficiency_vs_direct": round(bound["direct"] / median, 3),
         "correct": data["ok"],
     }
 

@@ -11,7 +11,11 @@ import argparse
 import datetime
 import json
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
+from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,6 +57,52 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"seconds": seconds, "bytes": tensor.numel() * 4, "ok": correct}))
     dist.destroy_process_group()
     return 0
+
+
+def time_on_hosts(
+    job: Path, state: dict[str, Any], sites: list[str], *, size_mib: float, repeats: int
+) -> dict[str, Any]:
+    """Run one rank in each of ``sites``' emulated hosts (``isthmus wan exec``) and
+    return rank 0's report: ``seconds`` of each all-reduce, ``bytes``, ``ok``."""
+    master = "{}:29500".format(state["sites"][sites[0]]["address"])
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "isthmus",
+                "wan",
+                "exec",
+                str(job),
+                site,
+                "--",
+                sys.executable,
+                "-m",
+                "isthmus.deploy.gloo_baseline",
+                "--rank",
+                str(rank),
+                "--world",
+                str(len(sites)),
+                "--master",
+                master,
+                "--ifname",
+                state["sites"][site]["device"],
+                "--size-mib",
+                str(size_mib),
+                "--repeats",
+                str(repeats),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for rank, site in enumerate(sites)
+    ]
+    out, _ = procs[0].communicate(timeout=1800)
+    for proc in procs[1:]:
+        proc.wait(timeout=120)
+    if procs[0].returncode != 0:
+        raise RuntimeError(f"the Gloo baseline failed (exit {procs[0].returncode})")
+    return json.loads(out.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

@@ -312,6 +312,7 @@ class CrossSiteAllReduce:
         sites: list[str],
         weights: Mapping[str, float],
         bounds: list[tuple[int, int]],
+        started: float,
         deadline: float,
     ) -> torch.Tensor:
         """Ring all-reduce, pipelined by chunks. Site i sends only to its successor.
@@ -428,8 +429,12 @@ class CrossSiteAllReduce:
             for t in range(n - 1):
                 self._incoming.pop((round, (i - t - 1) % n, pred), None)
             raise
+        # Every step brought one segment from the predecessor, in each phase.
+        received = 4 * sum(
+            seg(k)[1] - seg(k)[0] for t in range(n - 1) for k in ((i - t - 1) % n, (i - t) % n)
+        )
         loop = asyncio.get_running_loop()
-        self.last = RoundStats(sum(sent), 0, loop.time() - (deadline - self.deadline_s))
+        self.last = RoundStats(sum(sent), received, loop.time() - started)
         return out
 
     async def allreduce(
@@ -488,7 +493,13 @@ class CrossSiteAllReduce:
         bounds = slice_bounds(flat.numel(), n)
         if algorithm == "ring" and n > 1:
             out = await self._ring(
-                flat, round=round, sites=sites, weights=weights, bounds=bounds, deadline=deadline
+                flat,
+                round=round,
+                sites=sites,
+                weights=weights,
+                bounds=bounds,
+                started=started,
+                deadline=deadline,
             )
             return out.view_as(tensor)
         mine = sites.index(me)
