@@ -75,6 +75,8 @@ class DirectionModel:
 
     def backlog_s(self, now: float) -> float:
         """Seconds of bytes already waiting for the slowest limiter."""
+        if len(self.buckets) == 1:
+            return self.buckets[0].backlog_s(now)
         return max(b.backlog_s(now) for b in self.buckets)
 
     def stats(self) -> dict[str, Any]:

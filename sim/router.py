@@ -39,6 +39,8 @@ TIMER_SLACK_S = 0.0001
 # The loop wakes at least this often to notice stop().
 STOP_CHECK_S = 0.2
 MAX_FRAME = gso.VNET_HDR_LEN + 65536
+# The shortest read that holds an IPv4 header.
+MIN_FRAME = gso.VNET_HDR_LEN + 20
 # Where an IPv4 packet's destination address lies in a TUN read.
 DST_ADDRESS = slice(gso.VNET_HDR_LEN + 16, gso.VNET_HDR_LEN + 20)
 
@@ -75,45 +77,63 @@ class PacketDirection(DirectionModel):
         super().apply(params)
         self._lossy = params.loss > 0 or params.corrupt > 0
 
-    def admit(self, data: bytes, frame: gso.Frame, now: float) -> list[tuple[float, bytes]]:
-        """What of one frame reaches the other end, and when: (time, bytes to write)."""
+    def admit(self, data: bytes, now: float) -> list[tuple[float, bytes]]:
+        """What of one TUN read reaches the other end, and when: (time, bytes to write).
+
+        Most frames cross whole; only a frame that loses segments (to the loss
+        model, corruption or a full queue) is parsed and cut.
+        """
         c = self.counters
         c.frames += 1
-        segments = frame.segments
+        segments, wire = gso.measure(data)
         if self.blackholed:
             c.partition_drops += segments
             return []
         keep = segments
         if self.slowest_rate is not None:
             # Tail drop: the segments that do not fit in the queue are lost.
-            backlog = self.backlog_s(now)
-            room = (self.queue_s - backlog) * self.slowest_rate
-            per_segment = frame.wire_bytes / segments
-            keep = min(segments, max(0, int(room // per_segment) + (room > 0)))
-            if keep < segments:
-                c.queue_drops += segments - keep
-                if keep == 0:
-                    return []
-                frame = gso.slice_segments(frame, 0, keep) if frame.is_tcp_gso else frame
-                data = b""  # re-encode below
-        wire = frame.wire_bytes
+            room = (self.queue_s - self.backlog_s(now)) * self.slowest_rate
+            keep = min(segments, max(0, int(room // (wire / segments)) + (room > 0)))
+        if keep < segments or self._lossy:
+            return self._admit_cut(data, segments, keep, now)
+        return [(self._schedule(wire, segments, now), data)]
+
+    def _schedule(self, wire: int, segments: int, now: float) -> float:
+        """Reserve the link for ``wire`` bytes; when they reach the other end."""
+        c = self.counters
         depart = self.reserve(wire, now)
         c.bytes += wire
-        c.segments += keep
+        c.segments += segments
         if self.delayed:
-            c.segments_delayed += keep
+            c.segments_delayed += segments
         deliver = max(depart + self.jitter.sample_s(), self._last_deliver)
         self._last_deliver = deliver
-        if not self._lossy:
-            return [(deliver, data or frame.encode())]
+        return deliver
+
+    def _admit_cut(
+        self, data: bytes, segments: int, keep: int, now: float
+    ) -> list[tuple[float, bytes]]:
+        """The slow path: the frame loses segments to a full queue, loss or corruption."""
+        c = self.counters
+        frame = gso.parse(data)
+        if frame is None:
+            return []
+        if keep < segments:
+            c.queue_drops += segments - keep
+            if keep == 0:
+                return []
+            if frame.is_tcp_gso:
+                frame = gso.slice_segments(frame, 0, keep)
+                data = frame.encode()
+        deliver = self._schedule(frame.wire_bytes, keep, now)
         dropped = set(self.loss.lost_positions(keep))
         c.lost_segments += len(dropped)
         if self.params.corrupt:
-            corrupted = self._corrupted_positions(keep, wire / keep) - dropped
+            corrupted = self._corrupted_positions(keep, frame.wire_bytes / keep) - dropped
             c.corrupted_segments += len(corrupted)
             dropped |= corrupted
         if not dropped:
-            return [(deliver, data or frame.encode())]
+            return [(deliver, data)]
         if not frame.is_tcp_gso:
             return []
         # Cut the super-packet around the lost segments: runs of kept segments
@@ -183,7 +203,8 @@ class Router:
         }
         self._by_address = {ipaddress.IPv4Address(h.address).packed: h for h in hosts.values()}
         self._by_fd = {h.fd: h for h in hosts.values()}
-        # (src fd, dst address) -> (direction, dst fd), filled on first use.
+        # (src fd, dst address) -> (direction, dst fd), or None for an address
+        # that is no other host; filled on first use.
         self._routes: dict[tuple[int, bytes], tuple[PacketDirection, int] | None] = {}
         self._line: list[tuple[float, int, int, bytes]] = []
         self._seq = 0
@@ -217,72 +238,88 @@ class Router:
         self._stopping = True
 
     def _route(self, fd: int, dst: bytes) -> tuple[PacketDirection, int] | None:
-        key = (fd, dst)
-        if key not in self._routes:
-            src_host = self._by_fd[fd]
-            dst_host = self._by_address.get(dst)
-            if dst_host is None or dst_host is src_host:
-                self._routes[key] = None
-            else:
-                link = self.link(src_host.site, dst_host.site)
-                direction = link.a_to_b if link.a == src_host.site else link.b_to_a
-                self._routes[key] = (direction, dst_host.fd)
-        return self._routes[key]
+        src_host = self._by_fd[fd]
+        dst_host = self._by_address.get(dst)
+        if dst_host is None or dst_host is src_host:
+            route = None
+        else:
+            link = self.link(src_host.site, dst_host.site)
+            direction = link.a_to_b if link.a == src_host.site else link.b_to_a
+            route = (direction, dst_host.fd)
+        self._routes[fd, dst] = route
+        return route
 
     def run(self) -> None:
-        """Route until :meth:`stop`; the caller owns the devices and closes them after."""
+        """Route until :meth:`stop`; the caller owns the devices and closes them after.
+
+        This loop runs for every packet, so it is written for the interpreter:
+        names it calls are bound to locals, and a frame that crosses whole is
+        never parsed beyond its size (see :meth:`PacketDirection.admit`).
+        """
         poller = select.epoll()
         timer = TimerFD()
+        timer_fd = timer.fd
         # Edge-triggered: re-arming resets the timer, so its expiry need not be
         # read (one system call less per wake-up).
-        poller.register(timer.fd, select.EPOLLIN | select.EPOLLET)
+        poller.register(timer_fd, select.EPOLLIN | select.EPOLLET)
         for fd in self._by_fd:
             poller.register(fd, select.EPOLLIN)
         line = self._line
+        lock = self.lock
+        poll = poller.poll
+        monotonic = time.monotonic
         try:
             while not self._stopping:
                 if line:
                     timer.arm(line[0][0] - TIMER_SLACK_S)
-                events = poller.poll(STOP_CHECK_S)
-                with self.lock:
-                    now = time.monotonic()
+                events = poll(STOP_CHECK_S)
+                with lock:
+                    now = monotonic()
                     for fd, _ in events:
-                        if fd == timer.fd:
+                        if fd == timer_fd:
                             timer.fired()
-                        else:
-                            self._read(fd, now)
-                    self._deliver(time.monotonic() + TIMER_SLACK_S)
+                            continue
+                        self._read(fd, now)
+                    if line and line[0][0] <= now + TIMER_SLACK_S:
+                        self._deliver(monotonic() + TIMER_SLACK_S)
         finally:
             poller.close()
             timer.close()
 
     def _read(self, fd: int, now: float) -> None:
-        # One frame per readiness event: epoll is level-triggered, so a device
-        # with more frames is reported again at once, and no read ends in an
-        # EAGAIN exception (costly in Python; most events carry one frame).
+        """Read and admit one frame from ``fd``.
+
+        One frame per call: epoll is level-triggered, so a device with more
+        frames is reported again at once, and no read ends in an EAGAIN
+        exception (costly in Python; most events carry one frame).
+        """
         try:
             data = os.read(fd, MAX_FRAME)
         except BlockingIOError:
             return
-        frame = gso.parse(data)
-        if frame is None or frame.packet[0] >> 4 != 4:
+        if len(data) < MIN_FRAME or data[gso.VNET_HDR_LEN] >> 4 != 4:
             self.other_packets += 1
             return
-        route = self._route(fd, data[DST_ADDRESS])
+        dst = data[DST_ADDRESS]
+        routes = self._routes
+        route = routes[fd, dst] if (fd, dst) in routes else self._route(fd, dst)
         if route is None:
             self.other_packets += 1
             return
         direction, dst_fd = route
-        for deliver, out in direction.admit(data, frame, now):
+        line = self._line
+        for deliver, out in direction.admit(data, now):
             self._seq += 1
-            heapq.heappush(self._line, (deliver, self._seq, dst_fd, out))
+            heapq.heappush(line, (deliver, self._seq, dst_fd, out))
 
     def _deliver(self, horizon: float) -> None:
         line = self._line
+        pop = heapq.heappop
+        write = os.write
         while line and line[0][0] <= horizon:
-            _, _, fd, packet = heapq.heappop(line)
+            _, _, fd, packet = pop(line)
             try:
-                os.write(fd, packet)
+                write(fd, packet)
             except OSError as exc:
                 # A full device queue or a host that went down: the packet is lost,
                 # as on a real link; TCP recovers.

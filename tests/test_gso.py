@@ -7,7 +7,7 @@ import struct
 from isthmus.sim import gso
 
 
-def _super_packet(segments: int, mss: int = 1448, last: int | None = None, flags: int = 0x18):
+def super_packet(segments: int, mss: int = 1448, last: int | None = None, flags: int = 0x18):
     payload = bytes(range(256)) * ((segments * mss) // 256 + 1)
     payload = payload[: (segments - 1) * mss + (last if last is not None else mss)]
     tcp = bytearray(32)
@@ -32,8 +32,8 @@ def _checksum_ok(ip_header: bytes) -> bool:
     return total == 0xFFFF
 
 
-def test_sizes_of_a_super_packet():
-    data, _ = _super_packet(10, last=100)
+def test_sizes_of_asuper_packet():
+    data, _ = super_packet(10, last=100)
     frame = gso.parse(data)
     assert frame.is_tcp_gso and frame.headers_len == 52
     assert frame.segments == 10
@@ -41,7 +41,7 @@ def test_sizes_of_a_super_packet():
 
 
 def test_slices_carry_the_right_bytes_and_headers():
-    data, payload = _super_packet(10, last=100)
+    data, payload = super_packet(10, last=100)
     frame = gso.parse(data)
     middle = gso.slice_segments(frame, 3, 4)
     packet = bytes(middle.packet)
@@ -60,7 +60,7 @@ def test_slices_carry_the_right_bytes_and_headers():
 
 
 def test_pseudo_header_seed_matches_the_segment_length():
-    data, _ = _super_packet(3)
+    data, _ = super_packet(3)
     piece = gso.slice_segments(gso.parse(data), 1, 1)
     packet = bytes(piece.packet)
     (seed,) = struct.unpack_from("!H", packet, 20 + 16)
@@ -72,5 +72,14 @@ def test_pseudo_header_seed_matches_the_segment_length():
 
 
 def test_encode_round_trips():
-    data, _ = _super_packet(5)
+    data, _ = super_packet(5)
     assert gso.parse(data).encode() == data
+
+
+def test_measure_agrees_with_parse():
+    for segments, last in ((1, None), (10, 100), (44, None)):
+        data, _ = super_packet(segments, last=last)
+        frame = gso.parse(data)
+        assert gso.measure(data) == (frame.segments, frame.wire_bytes)
+    ack = gso.VNET_HDR.pack(0, gso.GSO_NONE, 0, 0, 0, 0) + bytes([0x45]) + bytes(51)
+    assert gso.measure(ack) == (1, 52)
