@@ -32,6 +32,7 @@ from typing import Any
 import yaml
 
 from isthmus.inter.settings import SETTING_NAMES, SettingError, TrainSettings
+from isthmus.intra.layout import Layout, LayoutError, check_sites
 from isthmus.sim.link import (
     DIRECTION_FIELDS,
     LINK_FIELDS,
@@ -45,7 +46,7 @@ from isthmus.sim.topology import Fault, Site, Topology, validate_fault
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 TOP_LEVEL_KEYS = ("name", "seed", "sites", "wan", "train")
-SITE_KEYS = ("name", "ranks", "address", "advertise", "uplink_mbit")
+SITE_KEYS = ("name", "ranks", "address", "advertise", "uplink_mbit", "parallel")
 WAN_KEYS = ("default", "links", "faults")
 FAULT_KEYS = ("at_s", "link", "action", "for_s", "mode", "period_s", "down_s", "rate", "changes")
 
@@ -78,6 +79,13 @@ class SiteSpec:
     """The address peers dial (NAT, load balancer); rank r is port + r. Default: address."""
     uplink_mbit: float | None = None
     """Emulation only: cap on the site's total WAN egress, and on its ingress."""
+    parallel: Layout | None = None
+    """The job file's ``parallel:`` degrees; see :attr:`layout`."""
+
+    @property
+    def layout(self) -> Layout:
+        """How the site's ranks split model and data; by default all data-parallel."""
+        return self.parallel or Layout.for_ranks(self.ranks)
 
     def listen_addresses(self) -> list[tuple[str, int]] | None:
         if self.address is None:
@@ -285,6 +293,11 @@ class _Validator:
             if site is not None:
                 out.append(site)
         self.check_ports(out)
+        if out:
+            try:
+                check_sites({s.name: s.layout for s in out})
+            except LayoutError as exc:
+                self.fail("sites", str(exc))
         return out
 
     def site(self, raw: Any, path: str) -> SiteSpec | None:
@@ -311,10 +324,30 @@ class _Validator:
         if uplink is not None and not (_is_number(uplink) and uplink > 0):
             self.fail(f"{path}.uplink_mbit", f"must be a positive number of Mbit/s, got {uplink!r}")
             ok = False
+        layout = None
+        if ok:
+            parallel = raw.get("parallel")
+            if parallel is not None and not isinstance(parallel, dict):
+                self.fail(
+                    f"{path}.parallel",
+                    f"must be a mapping of degrees, e.g. {{dp_shard: 2}}, got {_kind(parallel)}",
+                )
+                ok = False
+            else:
+                try:
+                    layout = Layout.for_ranks(ranks, parallel)
+                except LayoutError as exc:
+                    self.fail(f"{path}.parallel", str(exc).removeprefix("parallel: "))
+                    ok = False
         if not ok:
             return None
         return SiteSpec(
-            name=name, ranks=ranks, address=address, advertise=advertise, uplink_mbit=uplink
+            name=name,
+            ranks=ranks,
+            address=address,
+            advertise=advertise,
+            uplink_mbit=uplink,
+            parallel=layout,
         )
 
     def address(self, value: Any, path: str, ranks: int) -> tuple[str, int] | None:

@@ -162,10 +162,17 @@ class CrossSiteAllReduce:
         deadline_s: float = 60.0,
         link_costs: LinkLookup | None = None,
         uplink_bytes_per_s: Mapping[str, float] | None = None,
+        lane: int = 0,
+        server: PeerServer | None = None,
     ) -> None:
         """``peers``: site -> address of this rank's counterpart there. ``link_costs``
         (the same on every site: configured, or measured and sealed by the strategy)
-        lets ``algorithm="auto"`` pick the algorithm the cost model predicts fastest."""
+        lets ``algorithm="auto"`` pick the algorithm the cost model predicts fastest.
+
+        ``lane`` and ``server``: a rank that owns several lanes (see
+        :mod:`isthmus.inter.lanes`) runs one engine per lane on one shared server,
+        which hands each engine the chunks of its lane; ``peers`` are then the
+        lane's counterparts. Without ``server`` the engine runs its own."""
         self.link_costs = link_costs
         self.uplink_bytes_per_s = dict(uplink_bytes_per_s or {})
         self.last_algorithm: str | None = None
@@ -174,8 +181,12 @@ class CrossSiteAllReduce:
         self.codec = codec or Codec()
         self.settings = settings or TransportSettings()
         self.deadline_s = deadline_s
-        sites = {identity.site, *self.peers}
-        self.server = PeerServer(identity, sites, self._receive, settings=self.settings)
+        self.lane = lane
+        self._owns_server = server is None
+        if server is None:
+            sites = {identity.site, *self.peers}
+            server = PeerServer(identity, sites, self.receive, settings=self.settings)
+        self.server = server
         self.clients: dict[str, PeerClient] = {}
         self._incoming: dict[tuple[int, int, str], _Incoming] = {}
         self._oldest_round = 0
@@ -203,10 +214,12 @@ class CrossSiteAllReduce:
     async def close(self) -> None:
         for client in self.clients.values():
             await client.close()
-        await self.server.stop()
+        if self._owns_server:
+            await self.server.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _receive(self, chunk: ReceivedChunk) -> None:
+    def receive(self, chunk: ReceivedChunk) -> None:
+        """Take a verified chunk of this engine's lane from the server."""
         if chunk.round < self._oldest_round:
             return  # a straggler of a round that is over: nobody waits for it
         key = (chunk.round, chunk.shard, chunk.site)
@@ -260,7 +273,9 @@ class CrossSiteAllReduce:
 
     async def _encode(self, values: torch.Tensor, **where: int) -> wire_pb2.Chunk:
         """One chunk, encoded on the worker thread."""
-        encode = functools.partial(encode_chunk, self.codec, values, weight=1.0, **where)
+        encode = functools.partial(
+            encode_chunk, self.codec, values, weight=1.0, lane=self.lane, **where
+        )
         return await asyncio.get_running_loop().run_in_executor(self._pool, encode)
 
     async def _encoded_chunks(
@@ -283,6 +298,7 @@ class CrossSiteAllReduce:
                 index=index,
                 count=len(ranges),
                 weight=1.0,
+                lane=self.lane,
             )
             chunk = await loop.run_in_executor(self._pool, encode)
             sent.append(_payload_size(chunk))

@@ -58,6 +58,7 @@ def encode_chunk(
     index: int,
     count: int,
     weight: float,
+    lane: int = 0,
 ) -> wire_pb2.Chunk:
     """One chunk message holding ``values`` (which start at ``offset`` in the shard)."""
     return _message(
@@ -68,6 +69,7 @@ def encode_chunk(
         index=index,
         count=count,
         weight=weight,
+        lane=lane,
     )
 
 
@@ -80,6 +82,7 @@ def _message(
     index: int,
     count: int,
     weight: float,
+    lane: int = 0,
 ) -> wire_pb2.Chunk:
     meta = encoded.meta
     return wire_pb2.Chunk(
@@ -98,6 +101,7 @@ def _message(
         element_bytes=meta.get("element", 0),
         weight=weight,
         offset=offset,
+        lane=lane,
     )
 
 
@@ -174,6 +178,7 @@ class ReceivedChunk:
     weight: float
     codec: Codec
     encoded: Encoded
+    lane: int = 0
 
     def decode_into(self, shard_buffer: torch.Tensor) -> torch.Tensor:
         """Decode into ``shard_buffer[offset : offset + elements]``; return that slice."""
@@ -197,4 +202,5 @@ def to_wire(chunk: ReceivedChunk) -> wire_pb2.Chunk:
         index=chunk.index,
         count=chunk.count,
         weight=chunk.weight,
+        lane=chunk.lane,
     )

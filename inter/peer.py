@@ -43,6 +43,8 @@ class Identity:
     rank: int
     layout_fingerprint: str = ""
     """SHA-256 of the layout every site must share (tensor/pipeline degrees, shapes)."""
+    layout: str = ""
+    """The same layout in words, for refusals that name both sides."""
 
 
 ChunkSink = Callable[[ReceivedChunk], Awaitable[None] | None]
@@ -85,8 +87,9 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
         if request.layout_fingerprint != me.layout_fingerprint:
             return wire_pb2.Error(
                 code=wire_pb2.LAYOUT_MISMATCH,
-                message=f"site {request.site!r} has layout {request.layout_fingerprint[:12]!r}, "
-                f"this site {me.layout_fingerprint[:12]!r}: tensor/pipeline degrees or "
+                message=f"site {request.site!r} has layout "
+                f"{request.layout or request.layout_fingerprint[:12]!r}, this site "
+                f"{me.layout or me.layout_fingerprint[:12]!r}: tensor/pipeline degrees or "
                 "parameter shapes differ",
             )
         return None
@@ -132,6 +135,7 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
                     chunk.weight,
                     codec,
                     to_encoded(chunk, payload),
+                    chunk.lane,
                 )
                 result = self.on_chunk(received)
                 if asyncio.iscoroutine(result):
@@ -259,6 +263,7 @@ class PeerClient:
             rank=me.rank,
             protocol_version=PROTOCOL_VERSION,
             layout_fingerprint=me.layout_fingerprint,
+            layout=me.layout,
         )
         try:
             reply = await self.stub.Hello(request, timeout=self.deadline_s, wait_for_ready=True)

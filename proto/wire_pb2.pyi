@@ -30,18 +30,20 @@ STALE_ROUND: ErrorCode
 TOO_LARGE: ErrorCode
 
 class Handshake(_message.Message):
-    __slots__ = ("job", "site", "rank", "protocol_version", "layout_fingerprint")
+    __slots__ = ("job", "site", "rank", "protocol_version", "layout_fingerprint", "layout")
     JOB_FIELD_NUMBER: _ClassVar[int]
     SITE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     job: str
     site: str
     rank: int
     protocol_version: int
     layout_fingerprint: str
-    def __init__(self, job: _Optional[str] = ..., site: _Optional[str] = ..., rank: _Optional[int] = ..., protocol_version: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ...) -> None: ...
+    layout: str
+    def __init__(self, job: _Optional[str] = ..., site: _Optional[str] = ..., rank: _Optional[int] = ..., protocol_version: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., layout: _Optional[str] = ...) -> None: ...
 
 class HandshakeReply(_message.Message):
     __slots__ = ("accepted", "error", "site", "rank", "protocol_version")
@@ -58,7 +60,7 @@ class HandshakeReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., site: _Optional[str] = ..., rank: _Optional[int] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("round", "shard", "index", "count", "codec", "elements", "dtype", "payload", "checksum", "block_size", "scales_bytes", "values_bytes", "element_bytes", "weight", "offset")
+    __slots__ = ("round", "shard", "index", "count", "codec", "elements", "dtype", "payload", "checksum", "block_size", "scales_bytes", "values_bytes", "element_bytes", "weight", "offset", "lane")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +76,7 @@ class Chunk(_message.Message):
     ELEMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
     round: int
     shard: int
     index: int
@@ -89,7 +92,8 @@ class Chunk(_message.Message):
     element_bytes: int
     weight: float
     offset: int
-    def __init__(self, round: _Optional[int] = ..., shard: _Optional[int] = ..., index: _Optional[int] = ..., count: _Optional[int] = ..., codec: _Optional[str] = ..., elements: _Optional[int] = ..., dtype: _Optional[str] = ..., payload: _Optional[bytes] = ..., checksum: _Optional[int] = ..., block_size: _Optional[int] = ..., scales_bytes: _Optional[int] = ..., values_bytes: _Optional[int] = ..., element_bytes: _Optional[int] = ..., weight: _Optional[float] = ..., offset: _Optional[int] = ...) -> None: ...
+    lane: int
+    def __init__(self, round: _Optional[int] = ..., shard: _Optional[int] = ..., index: _Optional[int] = ..., count: _Optional[int] = ..., codec: _Optional[str] = ..., elements: _Optional[int] = ..., dtype: _Optional[str] = ..., payload: _Optional[bytes] = ..., checksum: _Optional[int] = ..., block_size: _Optional[int] = ..., scales_bytes: _Optional[int] = ..., values_bytes: _Optional[int] = ..., element_bytes: _Optional[int] = ..., weight: _Optional[float] = ..., offset: _Optional[int] = ..., lane: _Optional[int] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("round", "shard", "index", "ok", "error")

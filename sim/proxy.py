@@ -262,7 +262,7 @@ class Pipe:
         With enough segments in flight for three duplicate ACKs, fast retransmit
         repairs it one round trip later and the congestion window halves (once
         per round trip, as with SACK). With fewer, the sender waits for a
-        retransmission timeout. The stream is held until the repair arrives:
+        retransmission timeout and starts again from one segment. The stream is held until the repair arrives:
         TCP delivers in order. Calibrated against real TCP (cubic) by
         `isthmus bench wan --hosts`.
         """
@@ -270,7 +270,11 @@ class Pipe:
         mss = d.params.mss_bytes
         rtt_s = (d.params.delay_ms + self.reverse.params.delay_ms) / 1e3
         if self._cwnd < 4 * mss:
+            # A timeout: Linux restarts from a one-segment window in slow start
+            # (tcp_enter_loss), which at high loss rates keeps windows small.
             self._stall_until = depart + d.rto_s
+            self._ssthresh = max(self._cwnd / 2, 2.0 * mss)
+            self._cwnd = float(mss)
             return self._stall_until + d.params.delay_ms / 1e3
         if depart >= self._recovery_until:
             self._ssthresh = max(self._cwnd / 2, 2.0 * mss)

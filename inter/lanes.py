@@ -1,0 +1,169 @@
+"""Lanes: how the ranks of sites of different sizes share the cross-site traffic.
+
+Within a site, the data-parallel ranks of one (pipeline, tensor) coordinate
+hold the same logical vector (their share of the model). Across sites these
+groups may differ in size: a 2-rank site may meet a 1-rank one. The vector is
+cut into ``L = lcm(group sizes of all sites)`` equal lanes; in a site whose
+group has ``d`` ranks, data-parallel rank ``r`` owns the ``L / d`` consecutive
+lanes ``[r L / d, (r + 1) L / d)``. Every lane is an all-reduce of its own
+between its owner in each site, so every rank carries exactly ``1 / d`` of its
+site's WAN traffic, and a lane's counterparts are known from the lane number
+alone.
+
+A rank serves all its lanes on one gRPC endpoint (:class:`RankEndpoint`),
+which hands each chunk to the engine of the lane the chunk names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Collection, Mapping, Sequence
+
+import torch
+
+from isthmus.inter.allreduce import CrossSiteAllReduce, RoundStats
+from isthmus.inter.chunks import ChunkError, ReceivedChunk
+from isthmus.inter.codecs import Codec
+from isthmus.inter.peer import Identity, PeerServer
+from isthmus.inter.transport import TransportSettings
+from isthmus.proto import wire_pb2
+from isthmus.sim.cost import LinkLookup
+
+MAX_LANES = 4096
+"""More lanes than this means group sizes with a huge least common multiple
+(e.g. 61 and 67 ranks): refused, with the advice to use sizes that divide each other."""
+
+
+def lane_count(group_sizes: Sequence[int]) -> int:
+    """Lanes for sites whose data-parallel groups have these sizes."""
+    if not group_sizes or min(group_sizes) < 1:
+        raise ValueError(f"group sizes must be >= 1, got {list(group_sizes)}")
+    lanes = math.lcm(*group_sizes)
+    if lanes > MAX_LANES:
+        raise ValueError(
+            f"data-parallel group sizes {sorted(set(group_sizes))} need lcm = {lanes} lanes "
+            f"(at most {MAX_LANES}); use sizes that divide each other, e.g. powers of two"
+        )
+    return lanes
+
+
+def owned_lanes(dp_rank: int, dp_size: int, lanes: int) -> range:
+    """The lanes data-parallel rank ``dp_rank`` of a ``dp_size`` group owns."""
+    per_rank = lanes // dp_size
+    return range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+
+
+def lane_owner(lane: int, dp_size: int, lanes: int) -> int:
+    """The data-parallel rank of a ``dp_size`` group that owns ``lane``."""
+    return lane // (lanes // dp_size)
+
+
+def lane_bounds(numel: int, lanes: int) -> list[tuple[int, int]]:
+    """[start, stop) of every lane of a ``numel`` vector; sizes differ by at most one."""
+    base, extra = divmod(numel, lanes)
+    bounds, start = [], 0
+    for lane in range(lanes):
+        stop = start + base + (1 if lane < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+class RankEndpoint:
+    """One local rank's end of the WAN: one server, one engine per lane it owns."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        lane_peers: Mapping[int, Mapping[str, str]],
+        sites: Collection[str],
+        *,
+        codec: Codec | None = None,
+        settings: TransportSettings | None = None,
+        deadline_s: float = 60.0,
+        link_costs: LinkLookup | None = None,
+    ) -> None:
+        """``lane_peers``: for every lane this rank owns, site -> address of the
+        lane's owner there. ``sites``: every site of the job."""
+        if not lane_peers:
+            raise ValueError("a rank endpoint needs at least one lane")
+        self.identity = identity
+        self.settings = settings or TransportSettings()
+        self.server = PeerServer(identity, sites, self._dispatch, settings=self.settings)
+        self.engines = {
+            lane: CrossSiteAllReduce(
+                identity,
+                peers,
+                codec=codec,
+                settings=self.settings,
+                deadline_s=deadline_s,
+                link_costs=link_costs,
+                lane=lane,
+                server=self.server,
+            )
+            for lane, peers in sorted(lane_peers.items())
+        }
+
+    def _dispatch(self, chunk: ReceivedChunk) -> None:
+        engine = self.engines.get(chunk.lane)
+        if engine is None:
+            raise ChunkError(
+                wire_pb2.WRONG_SHAPE,
+                f"chunk for lane {chunk.lane}, but site {self.identity.site!r} rank "
+                f"{self.identity.rank} serves lanes {sorted(self.engines)}; the sites "
+                f"disagree on their layouts",
+            )
+        engine.receive(chunk)
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        return await self.server.start(host, port)
+
+    async def connect(self) -> None:
+        await asyncio.gather(*(engine.connect() for engine in self.engines.values()))
+
+    async def close(self) -> None:
+        for engine in self.engines.values():
+            await engine.close()
+        await self.server.stop()
+
+    async def allreduce(
+        self,
+        values: Mapping[int, torch.Tensor],
+        *,
+        round: int,
+        participants: Sequence[str],
+        weights: Mapping[str, float],
+        algorithm: str = "direct",
+    ) -> dict[int, torch.Tensor]:
+        """Every lane's weighted average, the lanes running at once."""
+        missing = sorted(set(self.engines) - set(values))
+        extra = sorted(set(values) - set(self.engines))
+        if missing or extra:
+            raise ValueError(
+                f"values must cover exactly this rank's lanes {sorted(self.engines)}; "
+                f"missing {missing}, not owned {extra}"
+            )
+        lanes = sorted(self.engines)
+        results = await asyncio.gather(
+            *(
+                self.engines[lane].allreduce(
+                    values[lane],
+                    round=round,
+                    participants=participants,
+                    weights=weights,
+                    algorithm=algorithm,
+                )
+                for lane in lanes
+            )
+        )
+        return dict(zip(lanes, results, strict=True))
+
+    def last_stats(self) -> RoundStats:
+        """The last round's WAN traffic of this rank, all lanes together."""
+        stats = [e.last for e in self.engines.values() if e.last is not None]
+        return RoundStats(
+            bytes_sent=sum(s.bytes_sent for s in stats),
+            bytes_received=sum(s.bytes_received for s in stats),
+            seconds=max((s.seconds for s in stats), default=0.0),
+        )

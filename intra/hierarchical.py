@@ -1,0 +1,212 @@
+"""The hierarchical step: a site's buffers averaged across sites, every local rank carrying a share.
+
+For one (pipeline, tensor) coordinate, the site's data-parallel ranks hold the
+same logical vector: the concatenation, in a fixed order, of the tensors to
+synchronise (gradients, or DiLoCo's pseudo-gradients). The step:
+
+1. **in-site reduce-scatter** (only when the ranks hold different values, e.g.
+   each replica's own gradients): the weighted in-site average, with each rank
+   receiving the block of lanes it owns (:mod:`isthmus.inter.lanes`);
+2. **cross-site all-reduce** of every owned lane, with the lane's owner in each
+   other site, all lanes and all ranks at once;
+3. **in-site all-gather** of the blocks, so every rank holds the whole average,
+   written back into its tensors.
+
+The WAN result of a lane is bitwise-identical on every site (the engine
+guarantees it), and the all-gather copies bytes, so every rank of every site
+ends with the same values.
+
+Sharded inputs (FSDP2's DTensors) are gathered to their full value first
+(``full_tensor``): simple and layout-independent, at the cost of holding the
+full vector during the step. Redistributing shards straight to lane owners
+would avoid that; see docs/ARCHITECTURE.md.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.placement_types import Placement
+
+from isthmus.inter.background import BackgroundLoop
+from isthmus.inter.lanes import RankEndpoint, owned_lanes
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one hierarchical step cost this rank."""
+
+    in_site_reduce_s: float
+    wan_s: float
+    in_site_gather_s: float
+    wan_values: int
+    """Values of the vector this rank carried across the WAN (its lanes)."""
+    wan_bytes_sent: int
+    wan_bytes_received: int
+
+    @property
+    def in_site_s(self) -> float:
+        return self.in_site_reduce_s + self.in_site_gather_s
+
+
+class HierarchicalStep:
+    """One rank's part of the hierarchical step."""
+
+    def __init__(
+        self,
+        *,
+        endpoint: RankEndpoint,
+        loop: BackgroundLoop,
+        lanes: int,
+        dp_rank: int,
+        dp_size: int,
+        dp_group: dist.ProcessGroup | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        """``dp_group``: this rank's data-parallel peers in the site (None with one)."""
+        if dp_size > 1 and dp_group is None:
+            raise ValueError("a site with several data-parallel ranks needs their process group")
+        if lanes % dp_size:
+            raise ValueError(f"{lanes} lanes cannot be dealt evenly to {dp_size} ranks")
+        self.endpoint = endpoint
+        self.loop = loop
+        self.lanes = lanes
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.dp_group = dp_group
+        self.timeout_s = timeout_s
+        self.my_lanes = owned_lanes(dp_rank, dp_size, lanes)
+
+    def average(
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        round: int,
+        participants: Sequence[str],
+        weights: Mapping[str, float],
+        rank_weight: float = 1.0,
+        in_site_reduce: bool = True,
+        algorithm: str = "direct",
+    ) -> StepReport:
+        """Replace ``tensors`` (in place) by their weighted average over ``participants``.
+
+        ``weights``: site -> weight (tokens the site saw). ``rank_weight``: this
+        rank's weight within its site, when ``in_site_reduce`` says the site's
+        ranks hold different values (their weighted average is the site's value).
+        Every rank of the data-parallel group must call this with the same arguments
+        but ``rank_weight``.
+        """
+        local = [_dp_replicated(t) if isinstance(t, DTensor) else t for t in tensors]
+        flat = (
+            torch.cat([t.detach().reshape(-1).float() for t in local]) if local else torch.empty(0)
+        )
+        numel = flat.numel()
+        lane_len = math.ceil(numel / self.lanes)
+        block_len = lane_len * len(self.my_lanes)
+        padded = torch.zeros(lane_len * self.lanes)
+        padded[:numel] = flat
+
+        started = time.perf_counter()
+        if self.dp_size > 1 and in_site_reduce:
+            total = torch.tensor([float(rank_weight)], dtype=torch.float64)
+            dist.all_reduce(total, group=self.dp_group)
+            padded.mul_(rank_weight / float(total))
+            block = torch.empty(block_len)
+            dist.reduce_scatter_tensor(block, padded, group=self.dp_group)
+        else:
+            first = self.dp_rank * block_len
+            block = padded[first : first + block_len].clone()
+        reduced_at = time.perf_counter()
+
+        values = {}
+        for position, lane in enumerate(self.my_lanes):
+            real = max(0, min(lane_len, numel - lane * lane_len))  # the last lanes may be short
+            values[lane] = block[position * lane_len : position * lane_len + real]
+        results = self.loop.run(
+            self.endpoint.allreduce(
+                values,
+                round=round,
+                participants=participants,
+                weights=weights,
+                algorithm=algorithm,
+            ),
+            self.timeout_s,
+        )
+        for lane, result in results.items():
+            values[lane].copy_(result)
+        wan_at = time.perf_counter()
+
+        if self.dp_size > 1:
+            gathered = torch.empty(lane_len * self.lanes)
+            dist.all_gather_into_tensor(gathered, block, group=self.dp_group)
+        else:
+            gathered = block
+        _write_back(tensors, gathered[:numel])
+        done = time.perf_counter()
+        stats = self.endpoint.last_stats()
+        return StepReport(
+            in_site_reduce_s=reduced_at - started,
+            wan_s=wan_at - reduced_at,
+            in_site_gather_s=done - wan_at,
+            wan_values=sum(v.numel() for v in values.values()),
+            wan_bytes_sent=stats.bytes_sent,
+            wan_bytes_received=stats.bytes_received,
+        )
+
+
+def _dp_placements(tensor: DTensor) -> list[Placement]:
+    """The tensor's placements with every data-parallel mesh dimension (named
+    ``dp*``) replicated; tensor- and pipeline-parallel splits stay."""
+    names = tensor.device_mesh.mesh_dim_names or ("dp",) * tensor.device_mesh.ndim
+    return [
+        Replicate() if name.startswith("dp") else placement
+        for name, placement in zip(names, tensor.placements, strict=True)
+    ]
+
+
+def _dp_replicated(tensor: DTensor) -> torch.Tensor:
+    """This rank's part of the logical vector: gathered over the data-parallel
+    dimensions (FSDP shards), still split over the tensor-parallel one."""
+    return tensor.redistribute(tensor.device_mesh, _dp_placements(tensor)).to_local()
+
+
+def _write_back(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    offset = 0
+    for tensor in tensors:
+        if isinstance(tensor, DTensor):
+            # Every data-parallel rank holds the same value: each keeps its own
+            # shard of it (Replicate -> Shard is a local slice, no communication).
+            mesh = tensor.device_mesh
+            shape = _dp_replicated_shape(tensor)
+            n = math.prod(shape)
+            value = flat[offset : offset + n].view(shape).to(tensor.dtype)
+            replicated = DTensor.from_local(
+                value,
+                mesh,
+                _dp_placements(tensor),
+                run_check=False,
+                shape=tensor.shape,
+                stride=tensor.stride(),
+            )
+            with torch.no_grad():
+                tensor.to_local().copy_(replicated.redistribute(mesh, tensor.placements).to_local())
+        else:
+            n = tensor.numel()
+            with torch.no_grad():
+                tensor.copy_(flat[offset : offset + n].view(tensor.shape).to(tensor.dtype))
+        offset += n
+
+
+def _dp_replicated_shape(tensor: DTensor) -> torch.Size:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, _ = compute_local_shape_and_global_offset(
+        tensor.shape, tensor.device_mesh, _dp_placements(tensor)
+    )
+    return torch.Size(shape)
