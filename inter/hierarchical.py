@@ -118,7 +118,7 @@ class HierarchicalStep:
             dist.all_reduce(total, group=self.dp_group)
             padded.mul_(rank_weight / float(total))
             block = torch.empty(block_len)
-            dist.reduce_scatter_tensor(block, padded, group=self.dp_group)
+            dist.reduce_scatter_single(block, padded, group=self.dp_group)
         else:
             first = self.dp_rank * block_len
             block = padded[first : first + block_len].clone()
@@ -144,7 +144,7 @@ class HierarchicalStep:
 
         if self.dp_size > 1:
             gathered = torch.empty(lane_len * self.lanes)
-            dist.all_gather_into_tensor(gathered, block, group=self.dp_group)
+            dist.all_gather_single(gathered, block, group=self.dp_group)
         else:
             gathered = block
         _write_back(tensors, gathered[:numel])

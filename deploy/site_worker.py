@@ -1,0 +1,131 @@
+"""One rank of a site in the hierarchical step's check: gradients averaged across sites every step.
+
+The sites issue's minimal training loop (the strategies come later): every
+rank builds the built-in model from the same seed, reads its own shard of the
+built-in data, and after every backward pass averages its gradients with the
+hierarchical step (in-site reduce-scatter, cross-site all-reduce per lane,
+in-site all-gather), weighted by tokens, then takes a plain SGD step. The
+result must equal one process training on the union of every rank's batches
+(:func:`reference_training`). Each rank writes a JSON report (its WAN share,
+in-site and WAN seconds); rank 0 of each site also saves the final parameters.
+
+Run under torchrun or :mod:`isthmus.intra.launch` (one-rank sites need neither)::
+
+    python -m isthmus.deploy.site_worker --job JOB.yaml --site a --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from isthmus.deploy.addressing import load_state
+from isthmus.deploy.jobfile import Job, load_job
+from isthmus.inter.join import start_site
+from isthmus.intra.data import Dataset, ShardSpec, stdlib_corpus
+from isthmus.intra.model import GPT, config_for, lm_loss
+
+
+def build(seed: int, size: str, corpus_bytes: int | None) -> tuple[GPT, Dataset]:
+    torch.manual_seed(seed)
+    model = GPT(config_for(size))
+    return model, Dataset(stdlib_corpus(corpus_bytes), model.config.seq_len)
+
+
+def shard_specs(job: Job, seed: int) -> list[list[ShardSpec]]:
+    """Every site's shards, in site order then data-parallel rank order."""
+    dps = tuple(s.layout.dp for s in job.sites)
+    return [
+        [ShardSpec(i, dps, r, iid=True, seed=seed) for r in range(dp)] for i, dp in enumerate(dps)
+    ]
+
+
+def reference_training(
+    job: Job, *, steps: int, batch: int, lr: float, seed: int, size: str, corpus_bytes: int | None
+) -> GPT:
+    """One process, one model, every rank's batch of each step in one mean loss."""
+    model, data = build(seed, size, corpus_bytes)
+    streams = [data.batches(spec, batch) for site in shard_specs(job, seed) for spec in site]
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for _ in range(steps):
+        pairs = [next(s) for s in streams]
+        x = torch.cat([p[0] for p in pairs])
+        y = torch.cat([p[1] for p in pairs])
+        optimizer.zero_grad()
+        lm_loss(model(x), y).backward()
+        optimizer.step()
+    return model
+
+
+def run(args: argparse.Namespace) -> dict[str, object]:
+    job = load_job(args.job)
+    state = load_state(args.state) if args.state else None
+    model, data = build(args.seed, args.size, args.corpus_bytes)
+    params = [p for p in model.parameters()]
+    named = [(n, p.shape) for n, p in model.named_parameters()]
+    site = start_site(job, args.site, parameters=named, state=state)
+    spec = shard_specs(job, args.seed)[site.site_index][site.dp_rank]
+    stream = data.batches(spec, args.batch)
+    tokens_per_rank = args.batch * model.config.seq_len
+    weights = {s.name: float(s.layout.dp * tokens_per_rank) for s in job.sites}
+    participants = [s.name for s in job.sites]
+    optimizer = torch.optim.SGD(params, lr=args.lr)
+    reports, losses = [], []
+    try:
+        for step in range(args.steps):
+            x, y = next(stream)
+            optimizer.zero_grad()
+            loss = lm_loss(model(x), y)
+            loss.backward()
+            reports.append(
+                site.step.average(
+                    [p.grad for p in params],  # type: ignore[misc]
+                    round=step,
+                    participants=participants,
+                    weights=weights,
+                    rank_weight=float(tokens_per_rank),
+                )
+            )
+            optimizer.step()
+            losses.append(loss.item())
+    finally:
+        site.close()
+    if site.rank == 0:
+        torch.save(model.state_dict(), Path(args.out) / f"{args.site}.pt")
+    return {
+        "site": args.site,
+        "rank": site.rank,
+        "dp_rank": site.dp_rank,
+        "lanes": list(site.step.my_lanes),
+        "wan_values": reports[-1].wan_values if reports else 0,
+        "wan_bytes_sent": sum(r.wan_bytes_sent for r in reports),
+        "in_site_s": statistics.median(r.in_site_s for r in reports) if reports else 0.0,
+        "wan_s": statistics.median(r.wan_s for r in reports) if reports else 0.0,
+        "losses": losses,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m isthmus.deploy.site_worker")
+    parser.add_argument("--job", required=True)
+    parser.add_argument("--site", required=True)
+    parser.add_argument("--out", required=True, help="folder for reports and parameters")
+    parser.add_argument("--state", help="the emulator's state file, when run through it")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--size", default="tiny")
+    parser.add_argument("--corpus-bytes", type=int, default=None)
+    args = parser.parse_args(argv)
+    report = run(args)
+    Path(args.out, f"{args.site}-{report['rank']}.json").write_text(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

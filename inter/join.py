@@ -1,0 +1,148 @@
+"""Joining a job: one rank's process group, WAN endpoint and hierarchical step.
+
+:func:`start_site` joins the in-site group, builds this rank's data-parallel
+group, works out which lanes it owns and who owns them in the other sites,
+starts its gRPC endpoint on a background event loop, and connects to its
+counterparts (they may start in any order: the handshake waits for them up
+to the deadline).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from isthmus.deploy.addressing import SiteAddresses, resolve
+from isthmus.deploy.jobfile import Job, SiteSpec
+from isthmus.inter.background import BackgroundLoop
+from isthmus.inter.codecs import Codec
+from isthmus.inter.hierarchical import HierarchicalStep
+from isthmus.inter.lanes import RankEndpoint, lane_count, lane_owner, owned_lanes
+from isthmus.inter.peer import Identity
+from isthmus.intra.layout import Layout
+from isthmus.intra.process_group import dp_group, init_site_group
+
+
+def layout_fingerprint(
+    layout: Layout, parameters: Sequence[tuple[str, torch.Size]]
+) -> tuple[str, str]:
+    """(SHA-256, words) of what every site must share: tp, pp and the shapes of
+    the parameters that cross the WAN."""
+    words = f"tp={layout.tp} pp={layout.pp}, {len(parameters)} tensors"
+    text = repr((layout.tp, layout.pp, [(n, tuple(s)) for n, s in parameters]))
+    return hashlib.sha256(text.encode()).hexdigest(), words
+
+
+@dataclass
+class SiteRuntime:
+    job: Job
+    site: SiteSpec
+    site_index: int
+    rank: int
+    layout: Layout
+    addresses: SiteAddresses
+    lanes: int
+    loop: BackgroundLoop
+    endpoint: RankEndpoint
+    step: HierarchicalStep
+    dp_group: dist.ProcessGroup | None
+
+    @property
+    def dp_rank(self) -> int:
+        return self.layout.dp_rank(self.rank)
+
+    def close(self) -> None:
+        try:
+            self.loop.run(self.endpoint.close(), timeout=30)
+        finally:
+            self.loop.close()
+
+
+def start_site(
+    job: Job,
+    site: str,
+    *,
+    parameters: Sequence[tuple[str, torch.Size]] = (),
+    state: dict | None = None,
+    codec: Codec | None = None,
+    deadline_s: float = 120.0,
+    backend: str | None = None,
+) -> SiteRuntime:
+    """Start this rank of ``site``. ``parameters``: (name, shape) of what will cross
+    the WAN, for the layout check at the handshake. ``state``: the emulator's
+    state file contents, when sites talk through ``isthmus wan``."""
+    spec = job.site(site)
+    rank = init_site_group(site, spec.ranks, backend)
+    layout = spec.layout
+    group = dp_group(layout, rank) if spec.ranks > 1 else None
+    addresses = resolve(job, site, state)
+    lanes = lane_count([s.layout.dp for s in job.sites])
+    coords = layout.coordinates(rank)
+    lane_peers = {
+        lane: {
+            other.name: "{}:{}".format(
+                *addresses.peers[other.name][
+                    other.layout.rank_of(
+                        pp=coords["pp"],
+                        dp=lane_owner(lane, other.layout.dp, lanes),
+                        tp=coords["tp"],
+                    )
+                ]
+            )
+            for other in job.sites
+            if other.name != site
+        }
+        for lane in owned_lanes(layout.dp_rank(rank), layout.dp, lanes)
+    }
+    fingerprint, words = layout_fingerprint(layout, parameters)
+    identity = Identity(
+        job=job.name, site=site, rank=rank, layout_fingerprint=fingerprint, layout=words
+    )
+    loop = BackgroundLoop(name=f"isthmus-wan-{site}-{rank}")
+    try:
+        endpoint = loop.run(
+            _endpoint(identity, lane_peers, [s.name for s in job.sites], codec, deadline_s)
+        )
+        host, port = addresses.listen[rank]
+        loop.run(endpoint.start(host, port))
+        loop.run(endpoint.connect())
+    except BaseException:
+        loop.close()
+        raise
+    step = HierarchicalStep(
+        endpoint=endpoint,
+        loop=loop,
+        lanes=lanes,
+        dp_rank=layout.dp_rank(rank),
+        dp_size=layout.dp,
+        dp_group=group,
+        timeout_s=deadline_s * 2,
+    )
+    return SiteRuntime(
+        job=job,
+        site=spec,
+        site_index=[s.name for s in job.sites].index(site),
+        rank=rank,
+        layout=layout,
+        addresses=addresses,
+        lanes=lanes,
+        loop=loop,
+        endpoint=endpoint,
+        step=step,
+        dp_group=group,
+    )
+
+
+async def _endpoint(
+    identity: Identity,
+    lane_peers: dict[int, dict[str, str]],
+    sites: list[str],
+    codec: Codec | None,
+    deadline_s: float,
+) -> RankEndpoint:
+    # Built on the loop that will run it: grpc.aio binds to the running loop.
+    return RankEndpoint(identity, lane_peers, sites, codec=codec, deadline_s=deadline_s)

@@ -1,0 +1,63 @@
+"""A site's torch.distributed process group and its data-parallel subgroups.
+
+A site is a torch.distributed job. Launched by torchrun (or by
+:mod:`isthmus.intra.launch`, which sets the same environment: ``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), its ranks form one process
+group: NCCL on GPUs, Gloo on CPUs. A one-rank site needs no launcher and no
+process group: it is a plain Python process.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from isthmus.intra.layout import Layout
+
+
+class SiteError(RuntimeError):
+    """The site cannot start; the message names the setting and the fix."""
+
+
+def launcher_rank() -> tuple[int, int]:
+    """(rank, world size) from the launcher's environment; (0, 1) without one."""
+    try:
+        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise SiteError(
+            f"RANK={os.environ.get('RANK')!r} / WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} "
+            "are not integers; launch with torchrun or isthmus's launcher"
+        ) from None
+
+
+def init_site_group(site: str, ranks: int, backend: str | None = None) -> int:
+    """Join the site's process group (when it has more than one rank); return this rank."""
+    rank, world = launcher_rank()
+    if world != ranks:
+        raise SiteError(
+            f"site {site!r} has ranks: {ranks} in the job file, but the launcher started "
+            f"{world} process(es); launch it with --nproc-per-node {ranks}"
+        )
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+    return rank
+
+
+def dp_group(layout: Layout, rank: int) -> dist.ProcessGroup | None:
+    """This rank's data-parallel group (None when it has no data-parallel peers).
+    Every rank creates every group, in the same order (torch.distributed requires
+    it), and keeps its own."""
+    if layout.dp == 1:
+        return None
+    if layout.dp == layout.size:
+        return dist.group.WORLD
+    mine = None
+    for pp in range(layout.pp):
+        for tp in range(layout.tp):
+            ranks = [layout.rank_of(pp=pp, dp=d, tp=tp) for d in range(layout.dp)]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine = group
+    return mine
