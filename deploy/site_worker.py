@@ -22,12 +22,14 @@ import statistics
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from isthmus.deploy.addressing import load_state
 from isthmus.deploy.jobfile import Job, load_job
 from isthmus.inter.join import start_site
 from isthmus.intra.data import Dataset, ShardSpec, stdlib_corpus
 from isthmus.intra.model import GPT, config_for, lm_loss
+from isthmus.intra.parallelize import apply_fsdp, needs_fsdp, site_mesh
 
 
 def build(seed: int, size: str, corpus_bytes: int | None) -> tuple[GPT, Dataset]:
@@ -68,6 +70,13 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     params = [p for p in model.parameters()]
     named = [(n, p.shape) for n, p in model.named_parameters()]
     site = start_site(job, args.site, parameters=named, state=state)
+    # With FSDP2 the site's gradients are averaged over its data-parallel ranks
+    # by FSDP itself (sharded DTensors); otherwise the step's in-site
+    # reduce-scatter averages each replica's own gradients.
+    sharded = needs_fsdp(site.layout)
+    if sharded:
+        apply_fsdp(model, site_mesh(site.layout), model.layers.values())
+        params = list(model.parameters())
     spec = shard_specs(job, args.seed)[site.site_index][site.dp_rank]
     stream = data.batches(spec, args.batch)
     tokens_per_rank = args.batch * model.config.seq_len
@@ -88,14 +97,19 @@ def run(args: argparse.Namespace) -> dict[str, object]:
                     participants=participants,
                     weights=weights,
                     rank_weight=float(tokens_per_rank),
+                    in_site_reduce=not sharded,
                 )
             )
             optimizer.step()
             losses.append(loss.item())
     finally:
         site.close()
+    # Sharded parameters are gathered on every rank (a collective), saved by rank 0.
+    final = {
+        k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()
+    }
     if site.rank == 0:
-        torch.save(model.state_dict(), Path(args.out) / f"{args.site}.pt")
+        torch.save(final, Path(args.out) / f"{args.site}.pt")
     return {
         "site": args.site,
         "rank": site.rank,

@@ -37,10 +37,13 @@ def test_lanes_deal_every_rank_an_equal_share():
     assert MAX_LANES >= 64
 
 
-def _run_sites(tmp_path, sites: dict[str, int]) -> dict[str, dict]:
+def _run_sites(tmp_path, sites: dict[str, int], parallel: dict[str, str] | None = None) -> dict:
     lines = ["name: hier", "sites:"]
     for name, ranks in sites.items():
-        lines.append(f"  - {{name: {name}, ranks: {ranks}, address: 127.0.0.1:{free_port()}}}")
+        extra = f", parallel: {parallel[name]}" if parallel and name in parallel else ""
+        lines.append(
+            f"  - {{name: {name}, ranks: {ranks}, address: 127.0.0.1:{free_port()}{extra}}}"
+        )
     job = tmp_path / "job.yaml"
     job.write_text("\n".join(lines) + "\n")
     args = ["--job", str(job), "--out", str(tmp_path), "--steps", str(STEPS)]
@@ -63,8 +66,15 @@ def _run_sites(tmp_path, sites: dict[str, int]) -> dict[str, dict]:
     return {"job": load_job(job), "reports": reports, "dir": tmp_path}
 
 
-def test_one_and_two_rank_sites_match_a_single_process(tmp_path):
-    run = _run_sites(tmp_path, {"a": 1, "b": 2})
+@pytest.mark.parametrize(
+    "parallel",
+    [None, {"b": "{dp_shard: 2}"}],
+    ids=["replicas", "fsdp2"],
+)
+def test_one_and_two_rank_sites_match_a_single_process(tmp_path, parallel):
+    """The 2-rank site as two replicas (in-site reduce-scatter of their own
+    gradients), or as one FSDP2-sharded model (sharded DTensor gradients)."""
+    run = _run_sites(tmp_path, {"a": 1, "b": 2}, parallel)
     reference = reference_training(
         run["job"], steps=STEPS, batch=BATCH, lr=LR, seed=SEED, size="tiny", corpus_bytes=CORPUS
     ).state_dict()
