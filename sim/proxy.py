@@ -262,8 +262,8 @@ class Pipe:
         With enough segments in flight for three duplicate ACKs, fast retransmit
         repairs it one round trip later and the congestion window halves (once
         per round trip, as with SACK). With fewer, the sender waits for a
-        retransmission timeout and starts again from one segment. The stream is held until the repair arrives:
-        TCP delivers in order. Calibrated against real TCP (cubic) by
+        retransmission timeout and starts again from one segment. The stream is
+        held until the repair arrives: TCP delivers in order. Calibrated against real TCP (cubic) by
         `isthmus bench wan --hosts`.
         """
         d = self.direction
