@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from isthmus.deploy.jobfile import free_ports, load_job
-from isthmus.deploy.site_worker import reference_training
+from isthmus.deploy.site_worker import load_site_parameters, reference_training
 from isthmus.intra.launch import launch_ranks
 
 SITES = {"a": 1, "b": 2}
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> dict:
             size=args.size,
             corpus_bytes=CORPUS,
         ).state_dict()
-        trained = {s: torch.load(tmpdir / f"{s}.pt", weights_only=True) for s in SITES}
+        trained = {s: load_site_parameters(tmpdir, s) for s in SITES}
     max_diff = max(
         float((trained[s][k] - v).abs().max()) for s in SITES for k, v in reference.items()
     )

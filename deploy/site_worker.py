@@ -27,9 +27,13 @@ from torch.distributed.tensor import DTensor
 from isthmus.deploy.addressing import load_state
 from isthmus.deploy.jobfile import Job, load_job
 from isthmus.inter.join import start_site
+from isthmus.intra.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from isthmus.intra.data import Dataset, ShardSpec, stdlib_corpus
 from isthmus.intra.model import GPT, config_for, lm_loss
-from isthmus.intra.parallelize import apply_fsdp, needs_fsdp, site_mesh
+from isthmus.intra.parallelize import SiteModel
+
+MOMENTUM = 0.9
+"""SGD with momentum: a checkpoint must carry optimizer state for resume to be exact."""
 
 
 def build(seed: int, size: str, corpus_bytes: int | None) -> tuple[GPT, Dataset]:
@@ -52,7 +56,7 @@ def reference_training(
     """One process, one model, every rank's batch of each step in one mean loss."""
     model, data = build(seed, size, corpus_bytes)
     streams = [data.batches(spec, batch) for site in shard_specs(job, seed) for spec in site]
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM)
     for _ in range(steps):
         pairs = [next(s) for s in streams]
         x = torch.cat([p[0] for p in pairs])
@@ -67,29 +71,33 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     job = load_job(args.job)
     state = load_state(args.state) if args.state else None
     model, data = build(args.seed, args.size, args.corpus_bytes)
-    params = [p for p in model.parameters()]
+    # The whole model's shapes: what every site must agree on, whatever its layout.
     named = [(n, p.shape) for n, p in model.named_parameters()]
     site = start_site(job, args.site, parameters=named, state=state)
-    # With FSDP2 the site's gradients are averaged over its data-parallel ranks
-    # by FSDP itself (sharded DTensors); otherwise the step's in-site
-    # reduce-scatter averages each replica's own gradients.
-    sharded = needs_fsdp(site.layout)
-    if sharded:
-        apply_fsdp(model, site_mesh(site.layout), model.layers.values())
-        params = list(model.parameters())
+    site.layout.check_model(model.config, where=f"sites[{site.site_index}]")
+    part = SiteModel(model, site.layout, site.rank, microbatches=args.microbatches, loss_fn=lm_loss)
+    params = part.parameters()
     spec = shard_specs(job, args.seed)[site.site_index][site.dp_rank]
     stream = data.batches(spec, args.batch)
     tokens_per_rank = args.batch * model.config.seq_len
     weights = {s.name: float(s.layout.dp * tokens_per_rank) for s in job.sites}
     participants = [s.name for s in job.sites]
-    optimizer = torch.optim.SGD(params, lr=args.lr)
+    optimizer = torch.optim.SGD(params, lr=args.lr, momentum=MOMENTUM)
+    checkpoints = Path(args.checkpoint_dir, args.site) if args.checkpoint_dir else None
+    start = 0
+    if checkpoints is not None and (latest := latest_checkpoint(checkpoints)) is not None:
+        start = load_checkpoint(latest, part.model, optimizer)["step"]
+        for _ in range(start):  # batches are a fixed sequence: skip those trained on
+            next(stream)
     reports, losses = [], []
     try:
-        for step in range(args.steps):
+        for step in range(start, args.steps):
             x, y = next(stream)
             optimizer.zero_grad()
-            loss = lm_loss(model(x), y)
-            loss.backward()
+            losses.append(part.step(x, y))
+            # With FSDP the site's gradients are already averaged over its
+            # data-parallel ranks (sharded DTensors); otherwise the step's
+            # in-site reduce-scatter averages each replica's own gradients.
             reports.append(
                 site.step.average(
                     [p.grad for p in params],  # type: ignore[misc]
@@ -97,19 +105,21 @@ def run(args: argparse.Namespace) -> dict[str, object]:
                     participants=participants,
                     weights=weights,
                     rank_weight=float(tokens_per_rank),
-                    in_site_reduce=not sharded,
+                    in_site_reduce=not part.sharded,
                 )
             )
             optimizer.step()
-            losses.append(loss.item())
+            if checkpoints is not None and (step + 1) % args.checkpoint_every == 0:
+                save_checkpoint(checkpoints, step + 1, part.model, optimizer)
+        # Sharded parameters are gathered (a collective on every rank); each rank
+        # saves what it holds: its pipeline stage's layers, whole.
+        final = {
+            k: v.full_tensor() if isinstance(v, DTensor) else v
+            for k, v in part.model.state_dict().items()
+        }
     finally:
         site.close()
-    # Sharded parameters are gathered on every rank (a collective), saved by rank 0.
-    final = {
-        k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()
-    }
-    if site.rank == 0:
-        torch.save(final, Path(args.out) / f"{args.site}.pt")
+    torch.save(final, Path(args.out) / f"{args.site}-r{site.rank}.pt")
     return {
         "site": args.site,
         "rank": site.rank,
@@ -121,6 +131,14 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "wan_s": statistics.median(r.wan_s for r in reports) if reports else 0.0,
         "losses": losses,
     }
+
+
+def load_site_parameters(folder: Path, site: str) -> dict[str, torch.Tensor]:
+    """A site's whole model, merged from what each of its ranks saved."""
+    merged: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob(f"{site}-r*.pt")):
+        merged.update(torch.load(path, weights_only=True))
+    return merged
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--size", default="tiny")
     parser.add_argument("--corpus-bytes", type=int, default=None)
+    parser.add_argument("--microbatches", type=int, default=2, help="per step, with pp > 1")
+    parser.add_argument("--checkpoint-dir", help="checkpoint each site under DIR/SITE; resume")
+    parser.add_argument("--checkpoint-every", type=int, default=1, metavar="STEPS")
     args = parser.parse_args(argv)
     report = run(args)
     Path(args.out, f"{args.site}-{report['rank']}.json").write_text(json.dumps(report))

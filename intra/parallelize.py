@@ -1,27 +1,54 @@
 """Applying a site's layout to a model with PyTorch's own parallelisms.
 
-Built so far: data-parallel sharding with FSDP2 (``fully_shard``) over the
-``dp_shard`` dimension, and HSDP (replicas of shard groups) when
-``dp_replicate`` is also above one. Every transformer block is its own FSDP
-unit (its parameters are gathered just before it runs and freed after), and
-the root holds the embeddings and the head.
+Composition order (as torchtitan does it, and for the same reasons):
 
-A user's own model takes the same path when its blocks are listed by
-``blocks``; see docs/ARCHITECTURE.md for the composition order the tensor and
-pipeline parallelisms will join (tensor parallel first, then FSDP over the
-data-parallel dimensions, pipeline stages outermost).
+1. **pipeline** (``pp``): the model is cut into consecutive stages of layers;
+   this rank keeps only its stage (:func:`pipeline_stage_module`), and a
+   ``torch.distributed.pipelining`` schedule runs the microbatches;
+2. **tensor parallel** (``tp``): inside the stage, attention projections and
+   MLP layers are split column-wise then row-wise (:data:`GPT_TP_PLAN`), so
+   each tensor-parallel rank runs ``n_head / tp`` heads and ``d_ff / tp`` MLP
+   columns, with one all-reduce per block half;
+3. **FSDP2** over the data-parallel dimensions (``dp_shard``, and HSDP with
+   ``dp_replicate``): every block its own unit, the root holding the rest;
+4. activation checkpointing, optional, per block.
+
+A user's own model takes the same path with its own plan: a tensor-parallel
+plan (``{"submodule.path": ColwiseParallel(), ...}`` per block), the blocks to
+shard, and a stage function; see docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
 
-from isthmus.intra.layout import DIMENSIONS, Layout
+from isthmus.intra.layout import DIMENSIONS, Layout, stage_layers
+from isthmus.intra.model import GPT
+
+GPT_TP_PLAN: dict[str, Callable[[], ParallelStyle]] = {
+    "attention.wq": ColwiseParallel,
+    "attention.wk": ColwiseParallel,
+    "attention.wv": ColwiseParallel,
+    "attention.wo": RowwiseParallel,
+    "mlp.w1": ColwiseParallel,
+    "mlp.w2": RowwiseParallel,
+}
+"""Per block of the built-in GPT: Q, K, V and the MLP's first layer split by
+output columns (heads), their partners by input rows, so each half-block needs
+one all-reduce."""
 
 
 def site_mesh(layout: Layout, device_type: str | None = None) -> DeviceMesh:
@@ -30,17 +57,123 @@ def site_mesh(layout: Layout, device_type: str | None = None) -> DeviceMesh:
     return init_device_mesh(device_type, layout.shape, mesh_dim_names=DIMENSIONS)
 
 
+def pipeline_stage_module(model: GPT, stage: int, stages: int) -> GPT:
+    """Keep only ``stage``'s layers (names unchanged), the embeddings on the first
+    stage and the final norm and head on the last."""
+    keep = {str(i) for i in stage_layers(model.config.n_layer, stages, stage)}
+    for name in list(model.layers):
+        if name not in keep:
+            del model.layers[name]
+    if stage > 0:
+        model.tok_embeddings = model.pos_embeddings = None
+    if stage < stages - 1:
+        model.norm = model.output = None
+    return model
+
+
+def apply_tensor_parallel(
+    blocks: Iterable[nn.Module],
+    tp_mesh: DeviceMesh,
+    plan: dict[str, Callable[[], ParallelStyle]] = GPT_TP_PLAN,
+) -> None:
+    if tp_mesh.size() == 1:
+        return
+    for block in blocks:
+        parallelize_module(block, tp_mesh, {path: style() for path, style in plan.items()})
+
+
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, blocks: Iterable[nn.Module]) -> nn.Module:
     """Shard ``model`` over the mesh's data-parallel dimensions (FSDP2, or HSDP
     when both ``dp_replicate`` and ``dp_shard`` are above one)."""
     dp_mesh = mesh["dp_replicate", "dp_shard"]
-    if dp_mesh.size() == 1:
-        return model
     for block in blocks:
         fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
     return model
 
 
-def needs_fsdp(layout: Layout) -> bool:
-    return layout.dp_shard > 1
+def apply_activation_checkpointing(model: GPT) -> None:
+    """Recompute each block's activations in the backward pass instead of storing them."""
+    for name, block in list(model.layers.items()):
+        model.layers[name] = checkpoint_wrapper(block)
+
+
+class SiteModel:
+    """This rank's part of the model and how one training step runs on it.
+
+    ``step(inputs, targets)`` runs forward and backward (through the pipeline
+    schedule when there are stages) and leaves the gradients in
+    :meth:`parameters`; it returns the mean loss where this rank computes it
+    (the last stage), else None.
+    """
+
+    def __init__(
+        self,
+        model: GPT,
+        layout: Layout,
+        rank: int,
+        *,
+        microbatches: int = 2,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        activation_checkpointing: bool = False,
+    ) -> None:
+        self.layout = layout
+        self.coords = layout.coordinates(rank)
+        self.mesh = site_mesh(layout) if layout.size > 1 else None
+        stage, stages = self.coords["pp"], layout.pp
+        if stages > 1:
+            pipeline_stage_module(model, stage, stages)
+        if activation_checkpointing:
+            apply_activation_checkpointing(model)
+        if self.mesh is not None:
+            apply_tensor_parallel(model.layers.values(), self.mesh["tp"])
+            if layout.dp_shard > 1:
+                apply_fsdp(model, self.mesh, model.layers.values())
+        self.model = model
+        self.sharded = layout.dp_shard > 1
+        """Whether FSDP averages gradients over the site's data-parallel ranks itself."""
+        self._schedule = None
+        if stages > 1:
+            assert self.mesh is not None
+            self.microbatches = microbatches
+
+            pipeline = PipelineStage(
+                model,
+                stage_index=stage,
+                num_stages=stages,
+                device=torch.device("cpu"),
+                group=self.mesh["pp"].get_group(),
+            )
+            # The schedule sums the microbatches' gradients and divides by their
+            # number (scale_grads), so the step's gradient is the batch mean's.
+            self._schedule = ScheduleGPipe(
+                pipeline, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True
+            )
+        self._loss_fn = loss_fn
+
+    @property
+    def first_stage(self) -> bool:
+        return self.coords["pp"] == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.coords["pp"] == self.layout.pp - 1
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self.model.parameters())
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+        if self._schedule is None:
+            loss = self._loss_fn(self.model(inputs), targets)
+            loss.backward()
+            return loss.item()
+        losses: list[torch.Tensor] = []
+        if self.first_stage:
+            self._schedule.step(inputs)
+        elif self.last_stage:
+            self._schedule.step(target=targets, losses=losses)
+        else:
+            self._schedule.step()
+        if self.last_stage:
+            return sum(loss.item() for loss in losses) / len(losses)
+        return None
