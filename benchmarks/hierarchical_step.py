@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from isthmus.deploy.jobfile import free_ports, load_job
-from isthmus.deploy.site_worker import load_site_parameters, reference_training
+from isthmus.deploy.site_worker import Recipe, load_site_parameters, reference_training
 from isthmus.intra.launch import launch_ranks
 
 SITES = {"a": 1, "b": 2}
@@ -85,15 +85,8 @@ def run(args: argparse.Namespace) -> dict:
             wan.communicate(timeout=30)
         reports = [json.loads(p.read_text()) for p in sorted(tmpdir.glob("*-*.json"))]
         job = load_job(job_path)
-        reference = reference_training(
-            job,
-            steps=args.steps,
-            batch=BATCH,
-            lr=LR,
-            seed=SEED,
-            size=args.size,
-            corpus_bytes=CORPUS,
-        ).state_dict()
+        recipe = Recipe(seed=SEED, size=args.size, corpus_bytes=CORPUS, batch=BATCH)
+        reference = reference_training(job, recipe, steps=args.steps, lr=LR).state_dict()
         trained = {s: load_site_parameters(tmpdir, s) for s in SITES}
     max_diff = max(
         float((trained[s][k] - v).abs().max()) for s in SITES for k, v in reference.items()

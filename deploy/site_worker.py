@@ -19,9 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from isthmus.deploy.addressing import load_state
@@ -30,39 +33,72 @@ from isthmus.inter.join import start_site
 from isthmus.intra.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from isthmus.intra.data import Dataset, ShardSpec, stdlib_corpus
 from isthmus.intra.model import GPT, config_for, lm_loss
-from isthmus.intra.parallelize import SiteModel
+from isthmus.intra.parallelize import GPT_PLAN, ModelPlan, SiteModel
+from isthmus.intra.plugins import DataContext, load_callable, load_model
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+LossFunction = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 MOMENTUM = 0.9
 """SGD with momentum: a checkpoint must carry optimizer state for resume to be exact."""
 
 
-def build(seed: int, size: str, corpus_bytes: int | None) -> tuple[GPT, Dataset]:
-    torch.manual_seed(seed)
-    model = GPT(config_for(size))
-    return model, Dataset(stdlib_corpus(corpus_bytes), model.config.seq_len)
+@dataclass(frozen=True)
+class Recipe:
+    """What to train on what: the built-in GPT and corpus, or a user's own by
+    import path (see :mod:`isthmus.intra.plugins`)."""
+
+    seed: int = 0
+    size: str = "tiny"
+    corpus_bytes: int | None = None
+    batch: int = 4
+    model_import: str | None = None
+    data_import: str | None = None
+
+    def model(self) -> tuple[nn.Module, ModelPlan | None, LossFunction]:
+        if self.model_import:
+            model = load_model(self.model_import)
+            return (
+                model,
+                getattr(model, "isthmus_plan", None),
+                getattr(model, "isthmus_loss", lm_loss),
+            )
+        torch.manual_seed(self.seed)
+        return GPT(config_for(self.size)), GPT_PLAN, lm_loss
+
+    def batches(self, job: Job, site_index: int, dp_rank: int) -> Iterator[Batch]:
+        """The batches of one data-parallel rank of one site."""
+        dps = tuple(s.layout.dp for s in job.sites)
+        if self.data_import:
+            context = DataContext(
+                site=job.sites[site_index].name,
+                site_index=site_index,
+                site_count=len(dps),
+                dp_rank=dp_rank,
+                dp_size=dps[site_index],
+                ranks_per_site=dps,
+                batch_size=self.batch,
+                seed=self.seed,
+            )
+            return iter(load_callable(self.data_import, "data")(context))
+        data = Dataset(stdlib_corpus(self.corpus_bytes), config_for(self.size).seq_len)
+        spec = ShardSpec(site_index, dps, dp_rank, iid=True, seed=self.seed)
+        return data.batches(spec, self.batch)
 
 
-def shard_specs(job: Job, seed: int) -> list[list[ShardSpec]]:
-    """Every site's shards, in site order then data-parallel rank order."""
-    dps = tuple(s.layout.dp for s in job.sites)
-    return [
-        [ShardSpec(i, dps, r, iid=True, seed=seed) for r in range(dp)] for i, dp in enumerate(dps)
-    ]
-
-
-def reference_training(
-    job: Job, *, steps: int, batch: int, lr: float, seed: int, size: str, corpus_bytes: int | None
-) -> GPT:
+def reference_training(job: Job, recipe: Recipe, *, steps: int, lr: float) -> nn.Module:
     """One process, one model, every rank's batch of each step in one mean loss."""
-    model, data = build(seed, size, corpus_bytes)
-    streams = [data.batches(spec, batch) for site in shard_specs(job, seed) for spec in site]
+    model, _, loss_fn = recipe.model()
+    streams = [
+        recipe.batches(job, i, r) for i, site in enumerate(job.sites) for r in range(site.layout.dp)
+    ]
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM)
     for _ in range(steps):
         pairs = [next(s) for s in streams]
         x = torch.cat([p[0] for p in pairs])
         y = torch.cat([p[1] for p in pairs])
         optimizer.zero_grad()
-        lm_loss(model(x), y).backward()
+        loss_fn(model(x), y).backward()
         optimizer.step()
     return model
 
@@ -70,17 +106,30 @@ def reference_training(
 def run(args: argparse.Namespace) -> dict[str, object]:
     job = load_job(args.job)
     state = load_state(args.state) if args.state else None
-    model, data = build(args.seed, args.size, args.corpus_bytes)
+    recipe = Recipe(
+        seed=args.seed,
+        size=args.size,
+        corpus_bytes=args.corpus_bytes,
+        batch=args.batch,
+        model_import=args.model,
+        data_import=args.data,
+    )
+    model, plan, loss_fn = recipe.model()
     # The whole model's shapes: what every site must agree on, whatever its layout.
     named = [(n, p.shape) for n, p in model.named_parameters()]
     site = start_site(job, args.site, parameters=named, state=state)
-    site.layout.check_model(model.config, where=f"sites[{site.site_index}]")
-    part = SiteModel(model, site.layout, site.rank, microbatches=args.microbatches, loss_fn=lm_loss)
+    if isinstance(model, GPT):
+        site.layout.check_model(model.config, where=f"sites[{site.site_index}]")
+    part = SiteModel(
+        model,
+        site.layout,
+        site.rank,
+        loss_fn=loss_fn,
+        plan=plan,
+        microbatches=args.microbatches,
+    )
     params = part.parameters()
-    spec = shard_specs(job, args.seed)[site.site_index][site.dp_rank]
-    stream = data.batches(spec, args.batch)
-    tokens_per_rank = args.batch * model.config.seq_len
-    weights = {s.name: float(s.layout.dp * tokens_per_rank) for s in job.sites}
+    stream = recipe.batches(job, site.site_index, site.dp_rank)
     participants = [s.name for s in job.sites]
     optimizer = torch.optim.SGD(params, lr=args.lr, momentum=MOMENTUM)
     checkpoints = Path(args.checkpoint_dir, args.site) if args.checkpoint_dir else None
@@ -93,6 +142,10 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     try:
         for step in range(start, args.steps):
             x, y = next(stream)
+            # Weights: the targets each rank averaged over (tokens, for text);
+            # every rank of every site takes batches of the same shape.
+            tokens_per_rank = y.numel()
+            weights = {s.name: float(s.layout.dp * tokens_per_rank) for s in job.sites}
             optimizer.zero_grad()
             losses.append(part.step(x, y))
             # With FSDP the site's gradients are already averaged over its
@@ -153,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--size", default="tiny")
     parser.add_argument("--corpus-bytes", type=int, default=None)
+    parser.add_argument("--model", help="your own model: package.module:function")
+    parser.add_argument("--data", help="your own data: package.module:function")
     parser.add_argument("--microbatches", type=int, default=2, help="per step, with pp > 1")
     parser.add_argument("--checkpoint-dir", help="checkpoint each site under DIR/SITE; resume")
     parser.add_argument("--checkpoint-every", type=int, default=1, metavar="STEPS")

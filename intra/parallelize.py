@@ -13,14 +13,15 @@ Composition order (as torchtitan does it, and for the same reasons):
    ``dp_replicate``): every block its own unit, the root holding the rest;
 4. activation checkpointing, optional, per block.
 
-A user's own model takes the same path with its own plan: a tensor-parallel
-plan (``{"submodule.path": ColwiseParallel(), ...}`` per block), the blocks to
-shard, and a stage function; see docs/ARCHITECTURE.md.
+A user's own model takes the same path with its own :class:`ModelPlan`: its
+blocks, a tensor-parallel plan (``{"submodule.path": ColwiseParallel, ...}``
+per block) and a pipeline stage function; see docs/sites.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -92,10 +93,35 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, blocks: Iterable[nn.Module]) 
     return model
 
 
-def apply_activation_checkpointing(model: GPT) -> None:
+def apply_activation_checkpointing(blocks: nn.ModuleDict) -> None:
     """Recompute each block's activations in the backward pass instead of storing them."""
-    for name, block in list(model.layers.items()):
-        model.layers[name] = checkpoint_wrapper(block)
+    for name, block in list(blocks.items()):
+        blocks[name] = checkpoint_wrapper(block)
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """How the parallelisms apply to a model: what a user supplies for their own.
+
+    ``blocks(model)``: the ``ModuleDict`` of repeated blocks (FSDP units,
+    tensor-parallel targets, activation-checkpointing units); ``tp_plan``: per
+    block, submodule path -> ParallelStyle factory; ``stage(model, s, n)``: cut
+    the model down to pipeline stage ``s`` of ``n`` in place (keeping parameter
+    names) and return it. A model without a stage function cannot be
+    pipelined; one without a plan cannot be tensor-parallel.
+    """
+
+    blocks: Callable[[nn.Module], nn.ModuleDict]
+    tp_plan: dict[str, Callable[[], ParallelStyle]] | None = None
+    stage: Callable[[nn.Module, int, int], nn.Module] | None = None
+
+
+GPT_PLAN = ModelPlan(
+    blocks=lambda model: model.layers,  # type: ignore[return-value]
+    tp_plan=GPT_TP_PLAN,
+    stage=pipeline_stage_module,  # type: ignore[arg-type]
+)
+"""The built-in model's plan."""
 
 
 class SiteModel:
@@ -109,26 +135,41 @@ class SiteModel:
 
     def __init__(
         self,
-        model: GPT,
+        model: nn.Module,
         layout: Layout,
         rank: int,
         *,
-        microbatches: int = 2,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        plan: ModelPlan | None = GPT_PLAN,
+        microbatches: int = 2,
         activation_checkpointing: bool = False,
     ) -> None:
         self.layout = layout
         self.coords = layout.coordinates(rank)
         self.mesh = site_mesh(layout) if layout.size > 1 else None
         stage, stages = self.coords["pp"], layout.pp
+        # No plan: no blocks to know of; the model is replicated or sharded whole.
+        plan = plan or ModelPlan(blocks=lambda _: nn.ModuleDict())
         if stages > 1:
-            pipeline_stage_module(model, stage, stages)
+            if plan.stage is None:
+                raise ValueError(
+                    f"parallel.pp = {stages}, but the model's plan has no stage function; "
+                    "give ModelPlan(stage=...) or use pp: 1"
+                )
+            model = plan.stage(model, stage, stages)
+        blocks = plan.blocks(model)
         if activation_checkpointing:
-            apply_activation_checkpointing(model)
+            apply_activation_checkpointing(blocks)
         if self.mesh is not None:
-            apply_tensor_parallel(model.layers.values(), self.mesh["tp"])
+            if layout.tp > 1:
+                if plan.tp_plan is None:
+                    raise ValueError(
+                        f"parallel.tp = {layout.tp}, but the model's plan has no tensor-parallel "
+                        "plan; give ModelPlan(tp_plan=...) or use tp: 1"
+                    )
+                apply_tensor_parallel(blocks.values(), self.mesh["tp"], plan.tp_plan)
             if layout.dp_shard > 1:
-                apply_fsdp(model, self.mesh, model.layers.values())
+                apply_fsdp(model, self.mesh, blocks.values())
         self.model = model
         self.sharded = layout.dp_shard > 1
         """Whether FSDP averages gradients over the site's data-parallel ranks itself."""

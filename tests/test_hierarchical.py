@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from isthmus.deploy.jobfile import load_job
-from isthmus.deploy.site_worker import load_site_parameters, reference_training
+from isthmus.deploy.site_worker import Recipe, load_site_parameters, reference_training
 from isthmus.inter.lanes import MAX_LANES, lane_count, lane_owner, owned_lanes
 from isthmus.intra.launch import free_port, launch_ranks
 
 STEPS, BATCH, LR, SEED, CORPUS = 4, 4, 0.05, 3, 300_000
+RECIPE = Recipe(seed=SEED, size="tiny", corpus_bytes=CORPUS, batch=BATCH)
 
 
 def test_lanes_deal_every_rank_an_equal_share():
@@ -86,13 +87,19 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# Tensor parallel composed with FSDP2 in a 4-rank site, next to a 2-rank
+# tensor-parallel site: 6 processes, so with the slow tests.
+CASES["tp+fsdp2"] = ({"a": 2, "b": 4}, {"a": "{tp: 2}", "b": "{dp_shard: 2, tp: 2}"})
+
+
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=pytest.mark.slow) if c == "tp+fsdp2" else c for c in CASES],
+)
 def test_sites_of_any_shape_match_a_single_process(tmp_path, case):
     sites, parallel = CASES[case]
     run = _run_sites(tmp_path, sites, parallel)
-    reference = reference_training(
-        run["job"], steps=STEPS, batch=BATCH, lr=LR, seed=SEED, size="tiny", corpus_bytes=CORPUS
-    ).state_dict()
+    reference = reference_training(run["job"], RECIPE, steps=STEPS, lr=LR).state_dict()
     trained = {site: load_site_parameters(tmp_path, site) for site in sites}
     for site, got in trained.items():
         assert set(got) == set(reference), site
@@ -135,3 +142,22 @@ def test_checkpoint_and_resume_continue_bit_for_bit(tmp_path):
     for site in sites:
         a, b = load_site_parameters(straight, site), load_site_parameters(stopped, site)
         assert all(torch.equal(a[k], b[k]) for k in a), site
+
+
+@pytest.mark.parametrize(
+    ("case", "parallel"),
+    [("fsdp2", {"b": "{dp_shard: 2}"}), ("tp", {"a": "{tp: 2}", "b": "{tp: 2}"})],
+)
+def test_a_users_own_model_and_data_by_import_path(tmp_path, case, parallel):
+    module = "isthmus.deploy.examples.custom_model"
+    sites = {"a": 1, "b": 2} if case == "fsdp2" else {"a": 2, "b": 2}
+    extra = ("--model", f"{module}:model", "--data", f"{module}:data")
+    run = _run_sites(tmp_path, sites, parallel, extra=extra)
+    recipe = Recipe(
+        seed=SEED, batch=BATCH, model_import=f"{module}:model", data_import=f"{module}:data"
+    )
+    reference = reference_training(run["job"], recipe, steps=STEPS, lr=LR).state_dict()
+    for site in sites:
+        got = load_site_parameters(tmp_path, site)
+        for name, value in reference.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=2e-6, msg=name)

@@ -71,6 +71,13 @@ def test_a_session_is_accepted_between_sites_of_one_job():
             None,
             "tensor/pipeline degrees or parameter shapes differ",
         ),
+        (
+            Identity(
+                job="demo", site="eu-west", rank=0, layout_fingerprint="xyz", layout="tp=2 pp=1"
+            ),
+            None,
+            "site 'eu-west' has layout 'tp=2 pp=1', this site 'abc'",
+        ),
         (WEST, PROTOCOL_VERSION + 1, f"peer speaks protocol {PROTOCOL_VERSION + 1}"),
     ],
 )
