@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from isthmus.deploy.jobfile import free_ports, load_job
+from isthmus.deploy.bench_wan import wan_up
+from isthmus.deploy.jobfile import free_port_blocks, load_job
 from isthmus.deploy.site_worker import Recipe, load_site_parameters, reference_training
 from isthmus.intra.launch import launch_ranks
 
@@ -39,9 +40,9 @@ SEED, BATCH, LR, CORPUS = 0, 8, 0.05, 2_000_000
 def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="isthmus-hier-") as tmp:
         tmpdir = Path(tmp)
-        ports = free_ports("127.0.0.1", len(SITES))
+        bases = free_port_blocks("127.0.0.1", list(SITES.values()))
         lines = ["name: bench-hierarchical", "sites:"]
-        for (name, ranks), (_, port) in zip(SITES.items(), ports, strict=True):
+        for (name, ranks), port in zip(SITES.items(), bases, strict=True):
             lines.append(f"  - {{name: {name}, ranks: {ranks}, address: '127.0.0.1:{port}'}}")
         lines += [
             "wan:",
@@ -50,19 +51,7 @@ def run(args: argparse.Namespace) -> dict:
         job_path = tmpdir / "job.yaml"
         job_path.write_text("\n".join(lines) + "\n")
         state = tmpdir / "state.json"
-        wan = subprocess.Popen(
-            [sys.executable, "-m", "isthmus", "wan", "up", str(job_path), "--state", str(state)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            assert wan.stdout is not None
-            while line := wan.stdout.readline():
-                if line.startswith("ready"):
-                    break
-            else:
-                raise SystemExit(f"'wan up' did not start: {wan.stderr.read()}")  # type: ignore[union-attr]
+        with wan_up(job_path, state):
             common = ["--job", str(job_path), "--state", str(state), "--out", str(tmpdir)]
             common += ["--steps", str(args.steps), "--batch", str(BATCH), "--lr", str(LR)]
             common += ["--seed", str(SEED), "--size", args.size, "--corpus-bytes", str(CORPUS)]
@@ -80,9 +69,6 @@ def run(args: argparse.Namespace) -> dict:
                 _, err = p.communicate(timeout=1800)
                 if p.returncode != 0:
                     raise SystemExit(f"a site rank failed:\n{err.decode()[-3000:]}")
-        finally:
-            wan.terminate()
-            wan.communicate(timeout=30)
         reports = [json.loads(p.read_text()) for p in sorted(tmpdir.glob("*-*.json"))]
         job = load_job(job_path)
         recipe = Recipe(seed=SEED, size=args.size, corpus_bytes=CORPUS, batch=BATCH)

@@ -11,7 +11,6 @@ the emulator's wire bytes, and the largest error against a float64 reference.
 from __future__ import annotations
 
 import json
-import signal
 import statistics
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from isthmus.deploy.bench_wan import wan_up
 from isthmus.deploy.gloo_baseline import time_on_hosts
 from isthmus.deploy.jobfile import free_ports
 from isthmus.sim.control import ControlClient
@@ -68,21 +68,7 @@ def run_allreduce_bench(
         job.write_text("\n".join(lines) + "\n")
         state = tmpdir / "state.json"
         backend = ["--hosts"] if hosts else ["--stats-every", "0"]
-        wan = subprocess.Popen(
-            [*ISTHMUS, "wan", "up", str(job), "--state", str(state), *backend],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            assert wan.stdout is not None
-            while line := wan.stdout.readline():
-                if line.startswith("ready"):
-                    break
-            else:
-                raise RuntimeError(
-                    f"'wan up' did not start: {wan.stderr.read() if wan.stderr else ''}"
-                )
+        with wan_up(job, state, *backend):
             control = json.loads(state.read_text())["control"]
             host, port = control.rsplit(":", 1)
             if verbose:
@@ -137,9 +123,6 @@ def run_allreduce_bench(
                     job, json.loads(state.read_text()), names, size_mib=size_mib, repeats=repeats
                 )
                 gloo = {"median_s": statistics.median(data["seconds"]), "correct": data["ok"]}
-        finally:
-            wan.send_signal(signal.SIGTERM)
-            wan.communicate(timeout=30)
         results = [json.loads((tmpdir / f"{n}.json").read_text()) for n in names]
     nbytes = size_mib * 2**20
     per_round = [max(r["seconds"][i] for r in results) for i in range(repeats)]

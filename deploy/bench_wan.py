@@ -45,6 +45,32 @@ JITTER_SAMPLES = 1000
 
 
 @contextmanager
+def wan_up(
+    job: str | os.PathLike[str], state: str | os.PathLike[str], *flags: str
+) -> Iterator[None]:
+    """Run ``isthmus wan up JOB --state STATE FLAGS`` until the block ends: it has
+    written the state file when the block starts, and is stopped with SIGTERM."""
+    wan = subprocess.Popen(
+        [sys.executable, "-m", "isthmus", "wan", "up", str(job), "--state", str(state), *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert wan.stdout is not None
+        while line := wan.stdout.readline():
+            if line.startswith("ready"):
+                break
+        else:
+            raise RuntimeError(f"'wan up' did not start: {wan.stderr.read() if wan.stderr else ''}")
+        yield
+    finally:
+        if wan.poll() is None:
+            wan.send_signal(signal.SIGTERM)
+        wan.communicate(timeout=30)
+
+
+@contextmanager
 def proxy_process(upstream: tuple[str, int], *flags: str) -> Iterator[tuple[tuple[str, int], int]]:
     """Run ``isthmus wan proxy`` until the block ends; yield (listen address, pid)."""
     ((host, port),) = free_ports("127.0.0.1", 1)

@@ -164,6 +164,34 @@ def free_ports(host: str, count: int) -> list[tuple[str, int]]:
             sock.close()
 
 
+def free_port_blocks(host: str, sizes: list[int]) -> list[int]:
+    """A base port per entry of ``sizes`` such that ``base .. base + size - 1`` are
+    all free now and no two blocks overlap: a site's rank r listens on base + r."""
+    bases: list[int] = []
+    taken: set[int] = set()
+    for size in sizes:
+        for _ in range(100):
+            ((_, base),) = free_ports(host, 1)
+            block = set(range(base, base + size))
+            if base + size <= 65536 and not block & taken and _all_free(host, block):
+                bases.append(base)
+                taken |= block
+                break
+        else:
+            raise RuntimeError(f"no block of {size} free ports found on {host}")
+    return bases
+
+
+def _all_free(host: str, ports: set[int]) -> bool:
+    for port in ports:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                return False
+    return True
+
+
 def load_job(path: str | Path) -> Job:
     """Read and validate a job file; raise :class:`JobFileError` listing every problem."""
     path = Path(path)

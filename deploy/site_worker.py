@@ -54,6 +54,8 @@ class Recipe:
     batch: int = 4
     model_import: str | None = None
     data_import: str | None = None
+    iid: bool = True
+    """Built-in data: every shard a uniform sample, or each site its own part of the corpus."""
 
     def model(self) -> tuple[nn.Module, ModelPlan | None, LossFunction]:
         if self.model_import:
@@ -82,7 +84,7 @@ class Recipe:
             )
             return iter(load_callable(self.data_import, "data")(context))
         data = Dataset(stdlib_corpus(self.corpus_bytes), config_for(self.size).seq_len)
-        spec = ShardSpec(site_index, dps, dp_rank, iid=True, seed=self.seed)
+        spec = ShardSpec(site_index, dps, dp_rank, iid=self.iid, seed=self.seed)
         return data.batches(spec, self.batch)
 
 
@@ -113,6 +115,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         batch=args.batch,
         model_import=args.model,
         data_import=args.data,
+        iid=not args.non_iid,
     )
     model, plan, loss_fn = recipe.model()
     # The whole model's shapes: what every site must agree on, whatever its layout.
@@ -208,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--corpus-bytes", type=int, default=None)
     parser.add_argument("--model", help="your own model: package.module:function")
     parser.add_argument("--data", help="your own data: package.module:function")
+    parser.add_argument(
+        "--non-iid", action="store_true", help="built-in data: each site its own part of it"
+    )
     parser.add_argument("--microbatches", type=int, default=2, help="per step, with pp > 1")
     parser.add_argument("--checkpoint-dir", help="checkpoint each site under DIR/SITE; resume")
     parser.add_argument("--checkpoint-every", type=int, default=1, metavar="STEPS")

@@ -14,10 +14,10 @@ import sys
 import pytest
 import torch
 
-from isthmus.deploy.jobfile import load_job
+from isthmus.deploy.jobfile import free_port_blocks, load_job
 from isthmus.deploy.site_worker import Recipe, load_site_parameters, reference_training
 from isthmus.inter.lanes import MAX_LANES, lane_count, lane_owner, owned_lanes
-from isthmus.intra.launch import free_port, launch_ranks
+from isthmus.intra.launch import launch_ranks
 
 STEPS, BATCH, LR, SEED, CORPUS = 4, 4, 0.05, 3, 300_000
 RECIPE = Recipe(seed=SEED, size="tiny", corpus_bytes=CORPUS, batch=BATCH)
@@ -47,11 +47,10 @@ def _run_sites(
     extra: tuple[str, ...] = (),
 ) -> dict:
     lines = ["name: hier", "sites:"]
-    for name, ranks in sites.items():
+    bases = free_port_blocks("127.0.0.1", list(sites.values()))
+    for (name, ranks), base in zip(sites.items(), bases, strict=True):
         layout = f", parallel: {parallel[name]}" if parallel and name in parallel else ""
-        lines.append(
-            f"  - {{name: {name}, ranks: {ranks}, address: 127.0.0.1:{free_port()}{layout}}}"
-        )
+        lines.append(f"  - {{name: {name}, ranks: {ranks}, address: 127.0.0.1:{base}{layout}}}")
     job = tmp_path / "job.yaml"
     job.write_text("\n".join(lines) + "\n")
     args = ["--job", str(job), "--out", str(tmp_path), "--steps", str(steps), *extra]
@@ -64,9 +63,16 @@ def _run_sites(
             procs.append(subprocess.Popen(command, stderr=subprocess.PIPE))
         else:
             procs += launch_ranks(command, ranks, stderr=subprocess.PIPE)
+    failures = []
     for p in procs:
         _, err = p.communicate(timeout=240)
-        assert p.returncode == 0, err.decode()[-2000:]
+        if p.returncode != 0:
+            failures.append(
+                f"{' '.join(p.args[3:6])} exited {p.returncode}:\n{err.decode()[-1500:]}"
+            )
+    # Every failing rank, not just the first: a site that crashes makes its
+    # peers fail later with a mere "connection closed".
+    assert not failures, "\n\n".join(failures)
     reports = {}
     for path in tmp_path.glob("*-*.json"):
         report = json.loads(path.read_text())

@@ -84,6 +84,21 @@ def test_model_learns_the_corpus():
     assert losses[0] > 5.0 and sum(losses[-5:]) / 5 < 3.5
 
 
+def test_activation_checkpointing_gives_the_same_gradients():
+    from isthmus.intra.parallelize import apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    plain = GPT(config_for("tiny"))
+    torch.manual_seed(0)
+    recomputed = GPT(config_for("tiny"))
+    apply_activation_checkpointing(recomputed.layers)
+    tokens = torch.randint(0, 256, (2, 17))
+    for model in (plain, recomputed):
+        lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    for a, b in zip(plain.parameters(), recomputed.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
 def test_a_pipeline_stage_without_embeddings_passes_hidden_states_through():
     model = GPT(config_for("tiny"))
     model.tok_embeddings = model.pos_embeddings = None
