@@ -50,16 +50,45 @@ class SiteRuntime:
     endpoint: RankEndpoint
     step: HierarchicalStep
     dp_group: dist.ProcessGroup | None
+    _round: int = -1
+
+    @property
+    def name(self) -> str:
+        return self.site.name
+
+    @property
+    def names(self) -> list[str]:
+        """Every site of the job, in the job file's order."""
+        return [s.name for s in self.job.sites]
 
     @property
     def dp_rank(self) -> int:
         return self.layout.dp_rank(self.rank)
 
+    def next_round(self) -> int:
+        """The next round number: every site advances it identically."""
+        self._round += 1
+        return self._round
+
+    def set_codec(self, codec: Codec) -> None:
+        """What this rank encodes from the next round on (receivers decode whatever
+        codec a chunk names, so sites may switch at different rounds)."""
+        for engine in self.endpoint.engines.values():
+            engine.codec = codec
+
     def close(self) -> None:
+        if self.loop.loop.is_closed():
+            return
         try:
             self.loop.run(self.endpoint.close(), timeout=30)
         finally:
             self.loop.close()
+
+    def __enter__(self) -> SiteRuntime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def start_site(
