@@ -24,6 +24,7 @@ would avoid that; see docs/ARCHITECTURE.md.
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -102,6 +103,31 @@ class HierarchicalStep:
         Every rank of the data-parallel group must call this with the same arguments
         but ``rank_weight``.
         """
+        return self.start(
+            tensors,
+            round=round,
+            participants=participants,
+            weights=weights,
+            rank_weight=rank_weight,
+            in_site_reduce=in_site_reduce,
+            algorithm=algorithm,
+        ).wait()
+
+    def start(
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        round: int,
+        participants: Sequence[str],
+        weights: Mapping[str, float],
+        rank_weight: float = 1.0,
+        in_site_reduce: bool = True,
+        algorithm: str = "direct",
+    ) -> PendingAverage:
+        """:meth:`average` in two halves, for exchanges that overlap training: the
+        in-site reduce-scatter runs now and the WAN part in the background; the
+        returned :meth:`PendingAverage.wait` finishes it (every rank of the group
+        calls it at the same point). ``tensors`` must not change until then."""
         local = [_dp_replicated(t) if isinstance(t, DTensor) else t for t in tensors]
         flat = (
             torch.cat([t.detach().reshape(-1).float() for t in local]) if local else torch.empty(0)
@@ -122,39 +148,71 @@ class HierarchicalStep:
         else:
             first = self.dp_rank * block_len
             block = padded[first : first + block_len].clone()
-        reduced_at = time.perf_counter()
+        reduced_s = time.perf_counter() - started
 
         values = {}
         for position, lane in enumerate(self.my_lanes):
             real = max(0, min(lane_len, numel - lane * lane_len))  # the last lanes may be short
             values[lane] = block[position * lane_len : position * lane_len + real]
-        results = self.loop.run(
+        future = self.loop.submit(
             self.endpoint.allreduce(
                 values,
                 round=round,
                 participants=participants,
                 weights=weights,
                 algorithm=algorithm,
-            ),
-            self.timeout_s,
+            )
         )
-        for lane, result in results.items():
-            values[lane].copy_(result)
-        wan_at = time.perf_counter()
+        return PendingAverage(self, tensors, values, block, numel, lane_len, future, reduced_s)
 
-        if self.dp_size > 1:
-            gathered = torch.empty(lane_len * self.lanes)
-            dist.all_gather_single(gathered, block, group=self.dp_group)
+
+class PendingAverage:
+    """An average whose WAN part is under way; :meth:`wait` completes it."""
+
+    def __init__(
+        self,
+        step: HierarchicalStep,
+        tensors: Sequence[torch.Tensor],
+        values: dict[int, torch.Tensor],
+        block: torch.Tensor,
+        numel: int,
+        lane_len: int,
+        future: concurrent.futures.Future[dict[int, torch.Tensor]],
+        reduced_s: float,
+    ) -> None:
+        self._step = step
+        self._tensors = tensors
+        self._values = values
+        self._block = block
+        self._numel = numel
+        self._lane_len = lane_len
+        self._future = future
+        self._reduced_s = reduced_s
+        self._started = time.perf_counter()
+
+    def done(self) -> bool:
+        """Whether the WAN part has finished (waiting would not block on it)."""
+        return self._future.done()
+
+    def wait(self) -> StepReport:
+        step = self._step
+        results = self._future.result(step.timeout_s)
+        for lane, result in results.items():
+            self._values[lane].copy_(result)
+        wan_s = time.perf_counter() - self._started
+        gather_started = time.perf_counter()
+        if step.dp_size > 1:
+            gathered = torch.empty(self._lane_len * step.lanes)
+            dist.all_gather_single(gathered, self._block, group=step.dp_group)
         else:
-            gathered = block
-        _write_back(tensors, gathered[:numel])
-        done = time.perf_counter()
-        stats = self.endpoint.last_stats()
+            gathered = self._block
+        _write_back(self._tensors, gathered[: self._numel])
+        stats = step.endpoint.last_stats()
         return StepReport(
-            in_site_reduce_s=reduced_at - started,
-            wan_s=wan_at - reduced_at,
-            in_site_gather_s=done - wan_at,
-            wan_values=sum(v.numel() for v in values.values()),
+            in_site_reduce_s=self._reduced_s,
+            wan_s=wan_s,
+            in_site_gather_s=time.perf_counter() - gather_started,
+            wan_values=sum(v.numel() for v in self._values.values()),
             wan_bytes_sent=stats.bytes_sent,
             wan_bytes_received=stats.bytes_received,
         )

@@ -51,22 +51,41 @@ class OuterOptimizer:
         for group in self.optimizer.param_groups:
             group["lr"] = value
 
-    def pseudo_gradients(self) -> list[torch.Tensor]:
-        """``global - local`` for every parameter, float32, on the outer device."""
+    def pseudo_gradients(self, indices: Sequence[int] | None = None) -> list[torch.Tensor]:
+        """``global - local`` for the parameters at ``indices`` (all by default),
+        float32, on the outer device."""
+        indices = range(len(self.params)) if indices is None else indices
         return [
-            g - p.detach().to(self.device, dtype=torch.float32)
-            for g, p in zip(self.global_params, self.params, strict=True)
+            self.global_params[i] - self.params[i].detach().to(self.device, dtype=torch.float32)
+            for i in indices
         ]
 
     @torch.no_grad()
-    def step(self, averaged: Sequence[torch.Tensor]) -> None:
-        """Apply the averaged pseudo-gradient; reset the model to the new global parameters."""
-        for g, delta in zip(self.global_params, averaged, strict=True):
-            g.grad = delta
+    def step(
+        self,
+        averaged: Sequence[torch.Tensor],
+        indices: Sequence[int] | None = None,
+        *,
+        mix: float = 0.0,
+        reset: bool = True,
+    ) -> None:
+        """Apply the averaged pseudo-gradient of the parameters at ``indices`` (all by
+        default) to the global parameters. With ``reset``, those model parameters
+        become ``mix * local + (1 - mix) * global`` (``mix`` 0: DiLoCo's reset)."""
+        indices = range(len(self.global_params)) if indices is None else indices
+        for i, delta in zip(indices, averaged, strict=True):
+            self.global_params[i].grad = delta
+        # SGD skips parameters without a gradient: their momentum stays as it was.
         self.optimizer.step()
-        for g in self.global_params:
-            g.grad = None
-        self.reset_model()
+        for i in indices:
+            self.global_params[i].grad = None
+        if reset:
+            for i in indices:
+                p, g = self.params[i], self.global_params[i].to(self.params[i].device)
+                if mix:
+                    p.mul_(mix).add_(g.to(p.dtype), alpha=1 - mix)
+                else:
+                    p.copy_(g.to(p.dtype))
 
     @torch.no_grad()
     def reset_model(self) -> None:

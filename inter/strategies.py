@@ -25,7 +25,8 @@ from torch.distributed.tensor import DTensor
 
 from isthmus.inter.codecs import Codec, parse_codec
 from isthmus.inter.commit import Seal, seal_round
-from isthmus.inter.hierarchical import StepReport
+from isthmus.inter.fragments import assign_fragments, count_blocks, sync_offsets
+from isthmus.inter.hierarchical import PendingAverage, StepReport
 from isthmus.inter.join import SiteRuntime
 from isthmus.inter.outer import OuterOptimizer
 from isthmus.inter.settings import SettingError
@@ -156,10 +157,7 @@ class DiLoCo(Strategy):
         outer_device: str = "cpu",
     ) -> None:
         self.sync_every = _positive_int("sync_every", sync_every)
-        if not (isinstance(outer_lr, int | float) and math.isfinite(outer_lr) and outer_lr > 0):
-            raise SettingError("outer_lr", f"must be a number > 0, got {outer_lr!r}")
-        if not (isinstance(outer_momentum, int | float) and 0 <= outer_momentum < 1):
-            raise SettingError("outer_momentum", f"must be in [0, 1), got {outer_momentum!r}")
+        _check_outer(outer_lr, outer_momentum)
         super().__init__(site, model, inner_optimizer, codec=codec, tokens_per_step=tokens_per_step)
         self.outer = OuterOptimizer(
             self.params, lr=outer_lr, momentum=outer_momentum, device=outer_device
@@ -218,3 +216,228 @@ class DiLoCo(Strategy):
     @property
     def global_parameters(self) -> Sequence[torch.Tensor]:
         return self.outer.global_params
+
+
+def _static_weights(site: SiteRuntime, tokens_per_step: int) -> dict[str, float]:
+    """Weights known to every site from the layout: sites step in lock-step here."""
+    return {s.name: float(tokens_per_step * s.layout.dp) for s in site.job.sites}
+
+
+class StreamingDiLoCo(Strategy):
+    """Streaming DiLoCo (Douillard et al., 2025): DiLoCo in ``fragments`` parts that
+    sync at staggered steps, each exchange overlapping ``overlap_steps`` inner steps,
+    the result merged into the local parameters with mixing factor ``alpha``
+    (``local = alpha * local + (1 - alpha) * global``).
+
+    Lower-precision codecs (e.g. ``int4``) suit it: values are decoded and
+    accumulated in float32. All sites take the same number of inner steps between
+    exchanges, so the weights come from the layout (tokens per step times ranks).
+    """
+
+    def __init__(
+        self,
+        site: SiteRuntime,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        *,
+        sync_every: int = 50,
+        fragments: int = 2,
+        overlap_steps: int = 0,
+        alpha: float = 0.5,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        codec: str | Codec = "none",
+        tokens_per_step: int = 1,
+        outer_device: str = "cpu",
+    ) -> None:
+        self.sync_every = _positive_int("sync_every", sync_every)
+        self.fragments = _positive_int("fragments", fragments)
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        blocks = count_blocks(names)
+        if fragments > max(1, blocks):
+            raise SettingError(
+                "fragments",
+                f"{fragments} fragments, but the model has {blocks} layers (numbered blocks); "
+                f"use fragments <= {max(1, blocks)}",
+            )
+        if fragments > sync_every:
+            raise SettingError(
+                "fragments", f"{fragments} fragments cannot sync within sync_every={sync_every}"
+            )
+        if not (isinstance(overlap_steps, int) and 0 <= overlap_steps < sync_every / fragments):
+            raise SettingError(
+                "overlap_steps",
+                f"must be an integer in [0, sync_every / fragments) = [0, "
+                f"{sync_every / fragments:g}) so one fragment's exchange ends before the next "
+                f"starts, got {overlap_steps!r}",
+            )
+        if not (isinstance(alpha, int | float) and 0 <= alpha <= 1):
+            raise SettingError("alpha", f"must be in [0, 1], got {alpha!r}")
+        _check_outer(outer_lr, outer_momentum)
+        super().__init__(site, model, inner_optimizer, codec=codec, tokens_per_step=tokens_per_step)
+        self.overlap_steps = overlap_steps
+        self.alpha = float(alpha)
+        self.outer = OuterOptimizer(
+            self.params, lr=outer_lr, momentum=outer_momentum, device=outer_device
+        )
+        assignment = assign_fragments(names, fragments)
+        self.members = [[i for i, f in enumerate(assignment) if f == p] for p in range(fragments)]
+        self.offsets = sync_offsets(sync_every, fragments)
+        self.weights = _static_weights(site, tokens_per_step)
+        self._in_flight: list[tuple[int, int, list[torch.Tensor], PendingAverage]] = []
+        self._started_at = [0] * fragments
+        """The inner step at which each fragment's last exchange started."""
+        self._hooks.append(inner_optimizer.register_step_post_hook(self._after_step))
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.inner_steps += 1
+        for due, fragment, deltas, pending in list(self._in_flight):
+            if due <= self.inner_steps:
+                self._complete(fragment, deltas, pending)
+        position = (self.inner_steps - 1) % self.sync_every + 1
+        for fragment, offset in enumerate(self.offsets):
+            if offset == position:
+                self._start(fragment)
+
+    def _start(self, fragment: int) -> None:
+        self._started_at[fragment] = self.inner_steps
+        deltas = self.outer.pseudo_gradients(self.members[fragment])
+        pending = self.site.step.start(
+            deltas,
+            round=self.site.next_round(),
+            participants=self.site.names,
+            weights=self.weights,
+            in_site_reduce=False,
+        )
+        if self.overlap_steps == 0:
+            self._complete(fragment, deltas, pending)
+        else:
+            self._in_flight.append(
+                (self.inner_steps + self.overlap_steps, fragment, deltas, pending)
+            )
+
+    def _complete(self, fragment: int, deltas: list[torch.Tensor], pending: PendingAverage) -> None:
+        self._account(pending.wait())
+        self._in_flight = [entry for entry in self._in_flight if entry[3] is not pending]
+        self.outer.step(deltas, self.members[fragment], mix=self.alpha)
+        self.outer_steps += 1
+
+    def finish(self) -> None:
+        """Complete what is in flight, then one exchange of every parameter (no
+        mixing), so every site ends with the same, global, parameters."""
+        for _, fragment, deltas, pending in list(self._in_flight):
+            self._complete(fragment, deltas, pending)
+        # A fragment exchanged at the last step with no mixing already holds the
+        # global parameters exactly: leave it (an outer step on its zero
+        # pseudo-gradient would still move it, by momentum). Every other one is
+        # exchanged once more and reset to the global parameters.
+        done = {
+            f
+            for f, step in enumerate(self._started_at)
+            if step == self.inner_steps and self.alpha == 0
+        }
+        everything = [i for f, members in enumerate(self.members) if f not in done for i in members]
+        if not everything:
+            return
+        deltas = self.outer.pseudo_gradients(everything)
+        self._account(
+            self.site.step.average(
+                deltas,
+                round=self.site.next_round(),
+                participants=self.site.names,
+                weights=self.weights,
+                in_site_reduce=False,
+            )
+        )
+        self.outer.step(deltas, everything)
+
+
+class AsyncDiLoCo(Strategy):
+    """DiLoCo whose exchange hides behind the next round's compute.
+
+    At the end of round k the pseudo-gradient leaves in the background and the
+    site keeps training; at the end of round k + 1 the averaged pseudo-gradient
+    of round k is applied to the global parameters (one round late: delayed
+    Nesterov), and the local progress made meanwhile is kept on top of them
+    (``local = global + (local - local at the send)``), so no compute is lost.
+    The global parameters stay bitwise identical on every site.
+    """
+
+    def __init__(
+        self,
+        site: SiteRuntime,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        *,
+        sync_every: int = 50,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        codec: str | Codec = "none",
+        tokens_per_step: int = 1,
+        outer_device: str = "cpu",
+    ) -> None:
+        self.sync_every = _positive_int("sync_every", sync_every)
+        _check_outer(outer_lr, outer_momentum)
+        super().__init__(site, model, inner_optimizer, codec=codec, tokens_per_step=tokens_per_step)
+        self.outer = OuterOptimizer(
+            self.params, lr=outer_lr, momentum=outer_momentum, device=outer_device
+        )
+        self.weights = _static_weights(site, tokens_per_step)
+        self._pending: tuple[PendingAverage, list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._hooks.append(inner_optimizer.register_step_post_hook(self._after_step))
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.inner_steps += 1
+        if self.inner_steps % self.sync_every == 0:
+            self._complete()
+            deltas = self.outer.pseudo_gradients()
+            anchor = [p.detach().clone() for p in self.params]
+            pending = self.site.step.start(
+                deltas,
+                round=self.site.next_round(),
+                participants=self.site.names,
+                weights=self.weights,
+                in_site_reduce=False,
+            )
+            self._pending = (pending, deltas, anchor)
+
+    @torch.no_grad()
+    def _complete(self) -> None:
+        if self._pending is None:
+            return
+        pending, deltas, anchor = self._pending
+        self._pending = None
+        self._account(pending.wait())
+        self.outer.step(deltas, reset=False)
+        for p, g, a in zip(self.params, self.outer.global_params, anchor, strict=True):
+            p.add_(g.to(p.device, p.dtype) - a)  # local = global + progress since the send
+        self.outer_steps += 1
+
+    def finish(self) -> None:
+        """Apply what is in flight, then one synchronous round for the steps taken
+        since the last send, so every site ends with the same, global, parameters."""
+        self._complete()
+        if self.inner_steps % self.sync_every == 0:
+            # No steps since the last send: the model is the global one, up to
+            # the rounding of global + (local - anchor); make it exact.
+            self.outer.reset_model()
+            return
+        deltas = self.outer.pseudo_gradients()
+        self._account(
+            self.site.step.average(
+                deltas,
+                round=self.site.next_round(),
+                participants=self.site.names,
+                weights=self.weights,
+                in_site_reduce=False,
+            )
+        )
+        self.outer.step(deltas)
+        self.outer_steps += 1
+
+
+def _check_outer(outer_lr: Any, outer_momentum: Any) -> None:
+    if not (isinstance(outer_lr, int | float) and math.isfinite(outer_lr) and outer_lr > 0):
+        raise SettingError("outer_lr", f"must be a number > 0, got {outer_lr!r}")
+    if not (isinstance(outer_momentum, int | float) and 0 <= outer_momentum < 1):
+        raise SettingError("outer_momentum", f"must be in [0, 1), got {outer_momentum!r}")

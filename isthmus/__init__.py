@@ -25,9 +25,11 @@ _LAZY = {
     "join": "isthmus.inter.api",
     "Sync": "isthmus.inter.strategies",
     "DiLoCo": "isthmus.inter.strategies",
+    "StreamingDiLoCo": "isthmus.inter.strategies",
+    "AsyncDiLoCo": "isthmus.inter.strategies",
 }
 
-__all__ = ["DiLoCo", "Sync", "__version__", "join"]
+__all__ = ["AsyncDiLoCo", "DiLoCo", "StreamingDiLoCo", "Sync", "__version__", "join"]
 
 
 def __getattr__(name: str) -> Any:

@@ -129,3 +129,67 @@ def test_bad_settings_are_refused_at_construction(kwargs, field):
     with pytest.raises(SettingError) as info:
         DiLoCo(None, model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)  # type: ignore[arg-type]
     assert info.value.field == field
+
+
+def test_streaming_with_one_fragment_no_overlap_no_mixing_is_diloco(tmp_path):
+    diloco, streaming = tmp_path / "diloco", tmp_path / "streaming"
+    diloco.mkdir()
+    streaming.mkdir()
+    a = _run(diloco, ["a", "b"])
+    flags = ("--strategy", "streaming", "--fragments", "1", "--overlap-steps", "0")
+    b = _run(streaming, ["a", "b"], (*flags, "--alpha", "0"))
+    assert a["a"]["param_sha256"] == b["a"]["param_sha256"] == b["b"]["param_sha256"]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--strategy", "streaming", "--fragments", "2", "--overlap-steps", "1", "--codec", "int4"),
+        (
+            "--strategy",
+            "async",
+        ),
+        (
+            "--strategy",
+            "sync",
+        ),
+    ],
+    ids=["streaming-int4-overlap", "async", "sync"],
+)
+def test_every_strategy_ends_identical_on_every_site(tmp_path, flags):
+    reports = _run(tmp_path, ["a", "b"], flags)
+    assert len({r["param_sha256"] for r in reports.values()}) == 1
+    assert all(r["wan_bytes_sent"] > 0 and r["outer_steps"] > 0 for r in reports.values())
+
+
+def test_fragments_are_strided_over_blocks_and_staggered():
+    from isthmus.inter.fragments import assign_fragments, count_blocks, sync_offsets
+
+    names = [n for n, _ in GPT(config_for("small")).named_parameters()]
+    assert count_blocks(names) == 4
+    fragments = assign_fragments(names, 2)
+    by_block = {
+        n.split(".")[1]: f for n, f in zip(names, fragments, strict=True) if ".layers." in f".{n}"
+    }
+    assert by_block == {"0": 0, "1": 1, "2": 0, "3": 1}
+    assert fragments[0] == 0  # the embeddings, before any block
+    assert fragments[-1] == 1  # the head joins the last block's fragment
+    assert sync_offsets(100, 4) == [25, 50, 75, 100]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"fragments": 3}, "fragments"),  # the tiny model has 2 layers
+        ({"fragments": 2, "overlap_steps": 5, "sync_every": 10}, "overlap_steps"),
+        ({"alpha": 1.5}, "alpha"),
+    ],
+)
+def test_bad_streaming_settings_are_refused(kwargs, field):
+    from isthmus.inter.settings import SettingError
+    from isthmus.inter.strategies import StreamingDiLoCo
+
+    model = GPT(config_for("tiny"))
+    with pytest.raises(SettingError) as info:
+        StreamingDiLoCo(None, model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)  # type: ignore[arg-type]
+    assert info.value.field == field

@@ -1,6 +1,7 @@
 """Train the built-in model across the sites of a job with DiLoCo: run it once per site.
 
     python -m isthmus.deploy.examples.diloco_train JOB.yaml SITE [--steps 60] [--sync-every 20]
+        [--strategy diloco|streaming|async|sync] [--fragments 2 --overlap-steps 1 --alpha 0.5]
 
 Every site trains the same initial model on its own shard of the built-in
 data; every ``--sync-every`` steps the sites average their pseudo-gradients
@@ -37,6 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("site")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--sync-every", type=int, default=20)
+    parser.add_argument(
+        "--strategy", choices=("diloco", "streaming", "async", "sync"), default="diloco"
+    )
+    parser.add_argument("--fragments", type=int, default=2, help="streaming")
+    parser.add_argument("--overlap-steps", type=int, default=0, help="streaming")
+    parser.add_argument("--alpha", type=float, default=0.5, help="streaming")
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--codec", default="none")
@@ -59,19 +66,22 @@ def main(argv: list[str] | None = None) -> int:
     else:
         inner = torch.optim.SGD(model.parameters(), lr=args.lr)
     tokens = args.batch * model.config.seq_len
-    with (
-        site,
-        isthmus.DiLoCo(
-            site,
-            model,
-            inner,
-            sync_every=args.sync_every,
-            outer_lr=args.outer_lr,
-            outer_momentum=args.outer_momentum,
-            codec=args.codec,
-            tokens_per_step=tokens,
-        ) as diloco,
-    ):
+    outer = {"sync_every": args.sync_every, "outer_lr": args.outer_lr}
+    outer["outer_momentum"] = args.outer_momentum
+    common = {"codec": args.codec, "tokens_per_step": tokens}
+    strategy: isthmus.DiLoCo | isthmus.StreamingDiLoCo | isthmus.AsyncDiLoCo | isthmus.Sync
+    if args.strategy == "diloco":
+        strategy = isthmus.DiLoCo(site, model, inner, **outer, **common)
+    elif args.strategy == "streaming":
+        streaming = {"fragments": args.fragments, "overlap_steps": args.overlap_steps}
+        strategy = isthmus.StreamingDiLoCo(
+            site, model, inner, **outer, **streaming, alpha=args.alpha, **common
+        )
+    elif args.strategy == "async":
+        strategy = isthmus.AsyncDiLoCo(site, model, inner, **outer, **common)
+    else:
+        strategy = isthmus.Sync(site, model, inner, **common)
+    with site, strategy:
         for _ in range(args.steps):
             x, y = next(batches)
             lm_loss(model(x), y).backward()
@@ -82,9 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         digest.update(p.detach().numpy().tobytes())
     report = {
         "site": args.site,
-        "outer_steps": diloco.outer_steps,
-        "wan_bytes_sent": diloco.wan_bytes_sent,
-        "wan_bytes_received": diloco.wan_bytes_received,
+        "strategy": args.strategy,
+        "outer_steps": strategy.outer_steps,
+        "wan_bytes_sent": strategy.wan_bytes_sent,
+        "wan_bytes_received": strategy.wan_bytes_received,
         "eval_loss": evaluate(model, data),
         "param_sha256": digest.hexdigest(),
     }
