@@ -52,14 +52,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--corpus-bytes", type=int, default=None)
+    parser.add_argument("--threads", type=int, help="torch threads (several sites on one machine)")
+    parser.add_argument("--eval-batches", type=int, default=8, help="of 16 held-out windows")
     parser.add_argument("--out", help="write the report as JSON, and the parameters beside it")
     args = parser.parse_args(argv)
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     site = isthmus.join(args.job, site=args.site)
     torch.manual_seed(args.seed)  # the same initial model on every site
     model = GPT(config_for("tiny"))
     data = Dataset(stdlib_corpus(args.corpus_bytes), model.config.seq_len)
-    shard = ShardSpec(site.site_index, tuple(s.layout.dp for s in site.job.sites), site.dp_rank)
+    dps = tuple(s.layout.dp for s in site.job.sites)
+    shard = ShardSpec(site.site_index, dps, site.dp_rank, seed=args.seed)
     batches = data.batches(shard, args.batch)
     if args.inner == "adamw":
         inner: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -96,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         "outer_steps": strategy.outer_steps,
         "wan_bytes_sent": strategy.wan_bytes_sent,
         "wan_bytes_received": strategy.wan_bytes_received,
-        "eval_loss": evaluate(model, data),
+        "eval_loss": evaluate(model, data, args.eval_batches),
         "param_sha256": digest.hexdigest(),
     }
     print(json.dumps(report))

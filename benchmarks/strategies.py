@@ -1,0 +1,165 @@
+"""Convergence of the sync strategies side by side, at equal tokens, with their WAN bytes.
+
+The strategies issue's protocol: the built-in tiny model (2 layers, d128,
+byte-level) on the standard library's source, 4 sites of one rank each,
+batch 16 x 64 per site, 600 inner steps from scratch, inner AdamW; every
+strategy with the same seeds, each site a separate process talking real gRPC
+over loopback (convergence does not depend on link speed). Reported per
+configuration: held-out loss (mean and spread over seeds), its gap to
+``sync``, and the WAN bytes all sites sent, every byte counted (seals, final
+synchronisation), with the ratio to ``sync``'s.
+
+    python benchmarks/strategies.py [--seeds 0 1 2] [--steps 600] [--only diloco-h50 ...]
+        [--json FILE] [--plot FILE.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from isthmus.deploy.jobfile import free_port_blocks
+
+SITES = ["s0", "s1", "s2", "s3"]
+CONFIGS: dict[str, list[str]] = {
+    "sync": ["--strategy", "sync"],
+    "diloco-h50": ["--strategy", "diloco", "--sync-every", "50"],
+    "diloco-h100": ["--strategy", "diloco", "--sync-every", "100"],
+    "diloco-h50-int8": ["--strategy", "diloco", "--sync-every", "50", "--codec", "int8"],
+    "streaming-h50-p2-int4": [
+        *("--strategy", "streaming", "--sync-every", "50", "--fragments", "2"),
+        *("--overlap-steps", "5", "--codec", "int4"),
+    ],
+    "async-h50": ["--strategy", "async", "--sync-every", "50"],
+}
+
+
+def run_one(config: str, seed: int, steps: int, corpus_bytes: int | None) -> dict:
+    with tempfile.TemporaryDirectory(prefix="isthmus-strategies-") as tmp:
+        tmpdir = Path(tmp)
+        bases = free_port_blocks("127.0.0.1", [1] * len(SITES))
+        job = tmpdir / "job.yaml"
+        job.write_text(
+            "name: strategies\nsites:\n"
+            + "".join(
+                f"  - {{name: {s}, address: 127.0.0.1:{b}}}\n"
+                for s, b in zip(SITES, bases, strict=True)
+            )
+        )
+        args = ["--steps", str(steps), "--batch", "16", "--seed", str(seed), "--lr", "3e-3"]
+        # Four sites share this machine's cores: one thread each.
+        args += ["--eval-batches", "32", "--threads", "1", *CONFIGS[config]]
+        if corpus_bytes:
+            args += ["--corpus-bytes", str(corpus_bytes)]
+        started = time.monotonic()
+        procs = [
+            subprocess.Popen(
+                [
+                    *(sys.executable, "-m", "isthmus.deploy.examples.diloco_train"),
+                    *(str(job), site, *args, "--out", str(tmpdir / f"{site}.json")),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+            for site in SITES
+        ]
+        for p in procs:
+            _, err = p.communicate(timeout=3600)
+            if p.returncode:
+                raise SystemExit(f"{config} seed {seed}: a site failed:\n{err.decode()[-2000:]}")
+        reports = [json.loads((tmpdir / f"{s}.json").read_text()) for s in SITES]
+    if len({r["param_sha256"] for r in reports}) != 1:
+        raise SystemExit(f"{config} seed {seed}: sites ended with different parameters")
+    return {
+        "eval_loss": reports[0]["eval_loss"],
+        "wan_bytes": sum(r["wan_bytes_sent"] for r in reports),
+        "outer_steps": reports[0]["outer_steps"],
+        "seconds": time.monotonic() - started,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--only", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--corpus-bytes", type=int, default=None)
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--plot", help="bar plot of loss gap and WAN bytes (PNG)")
+    args = parser.parse_args()
+    results: dict[str, dict] = {}
+    total = len(args.only) * len(args.seeds)
+    done = 0
+    for config in args.only:
+        runs = []
+        for seed in args.seeds:
+            runs.append(run_one(config, seed, args.steps, args.corpus_bytes))
+            done += 1
+            print(
+                f"[{done}/{total}] {config} seed {seed}: eval loss {runs[-1]['eval_loss']:.4f}, "
+                f"WAN {runs[-1]['wan_bytes'] / 1e6:.1f} MB, {runs[-1]['seconds']:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+        losses = [r["eval_loss"] for r in runs]
+        results[config] = {
+            "eval_loss_mean": statistics.mean(losses),
+            "eval_loss_spread": max(losses) - min(losses),
+            "eval_losses": losses,
+            "wan_bytes": statistics.mean(r["wan_bytes"] for r in runs),
+            "outer_steps": runs[0]["outer_steps"],
+        }
+        if args.json:  # after every configuration: a long run keeps what it measured
+            Path(args.json).write_text(json.dumps(results, indent=2))
+    base = results.get("sync")
+    print(
+        f"{'config':24} {'eval loss':>18} {'gap vs sync':>12} {'WAN MB':>10} {'bytes / sync':>13}"
+    )
+    for config, r in results.items():
+        gap = r["eval_loss_mean"] / base["eval_loss_mean"] - 1 if base else float("nan")
+        ratio = r["wan_bytes"] / base["wan_bytes"] if base else float("nan")
+        r["gap_vs_sync"] = gap
+        r["bytes_vs_sync"] = ratio
+        print(
+            f"{config:24} {r['eval_loss_mean']:>9.4f} ± {r['eval_loss_spread'] / 2:.4f} "
+            f"{gap:>+11.1%} {r['wan_bytes'] / 1e6:>10.1f} {ratio:>12.4f}x"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    if args.plot and base:
+        _plot(results, args.plot)
+    return 0
+
+
+def _plot(results: dict[str, dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.bar(
+        names,
+        [results[n]["eval_loss_mean"] for n in names],
+        yerr=[results[n]["eval_loss_spread"] / 2 for n in names],
+    )
+    left.set_ylabel("held-out loss (nats/byte)")
+    right.bar(names, [results[n]["wan_bytes"] / 1e6 for n in names])
+    right.set_yscale("log")
+    right.set_ylabel("WAN MB, all sites")
+    for axis in (left, right):
+        axis.tick_params(axis="x", rotation=35)
+    fig.suptitle("Strategies at equal tokens: 4 sites, tiny GPT, 600 inner steps")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
