@@ -62,7 +62,7 @@ class Strategy:
         self.site = site
         self.model = model
         self.optimizer = optimizer
-        self.codec = _codec(codec)
+        self._codec = _codec(codec)
         self.tokens_per_step = _positive_int("tokens_per_step", tokens_per_step)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.inner_steps = 0
@@ -71,7 +71,18 @@ class Strategy:
         self.wan_bytes_received = 0
         self.last_report: StepReport | None = None
         self._hooks: list[Any] = []
-        site.set_codec(self.codec)
+        site.set_codec(self._codec)
+
+    @property
+    def codec(self) -> Codec:
+        return self._codec
+
+    @codec.setter
+    def codec(self, value: str | Codec) -> None:
+        """Change the codec from the next exchange on (a plain setting, like
+        ``sync_every``; every site should change it at the same round)."""
+        self._codec = _codec(value)
+        self.site.set_codec(self._codec)
 
     def _account(self, report: StepReport) -> None:
         self.wan_bytes_sent += report.wan_bytes_sent
