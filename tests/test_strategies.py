@@ -193,3 +193,39 @@ def test_bad_streaming_settings_are_refused(kwargs, field):
     with pytest.raises(SettingError) as info:
         StreamingDiLoCo(None, model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)  # type: ignore[arg-type]
     assert info.value.field == field
+
+
+def test_diloco_through_the_emulated_wan(tmp_path):
+    """`isthmus.join` finds the emulator's state file of the job and the sites'
+    traffic crosses its links (counted there)."""
+    from isthmus.deploy.bench_wan import wan_up
+    from isthmus.sim.control import ControlClient
+
+    bases = free_port_blocks("127.0.0.1", [1, 1])
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "name: emulated\nsites:\n"
+        f"  - {{name: a, address: 127.0.0.1:{bases[0]}}}\n"
+        f"  - {{name: b, address: 127.0.0.1:{bases[1]}}}\n"
+        "wan:\n  default: {rtt_ms: 20, bandwidth_mbit: 500}\n"
+    )
+    state = tmp_path / "emulated.wan.json"  # the default name join() looks for
+    with wan_up(job, state, "--stats-every", "0"):
+        args = ["--steps", "6", "--sync-every", "3", "--corpus-bytes", str(CORPUS)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "isthmus.deploy.examples.diloco_train", str(job), s, *args],
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+            for s in ("a", "b")
+        ]
+        outputs = [p.communicate(timeout=240) for p in procs]
+        assert all(p.returncode == 0 for p in procs), outputs[0][1].decode()[-1500:]
+        control = json.loads(state.read_text())["control"].rsplit(":", 1)
+        stats = ControlClient((control[0], int(control[1]))).stats()
+    reports = [json.loads(out.decode().strip().splitlines()[-1]) for out, _ in outputs]
+    assert reports[0]["param_sha256"] == reports[1]["param_sha256"]
+    wire = sum(d["bytes"] for link in stats["links"] for k, d in link.items() if "->" in k)
+    assert wire >= reports[0]["wan_bytes_sent"] + reports[1]["wan_bytes_sent"]
