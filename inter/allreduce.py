@@ -189,7 +189,10 @@ class CrossSiteAllReduce:
         self.server = server
         self.clients: dict[str, PeerClient] = {}
         self._incoming: dict[tuple[int, int, str], _Incoming] = {}
-        self._oldest_round = 0
+        self._active: list[int] = []
+        """Rounds this engine is running now (a list: a round may run twice at once
+        only by mistake, and then both must finish before it is forgotten)."""
+        self._next_floor = 0
         # Encoding runs on a thread (torch releases the GIL), so the event loop
         # keeps the streams moving meanwhile: chunk k+1 is encoded while k is sent.
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="encode")
@@ -220,7 +223,7 @@ class CrossSiteAllReduce:
 
     def receive(self, chunk: ReceivedChunk) -> None:
         """Take a verified chunk of this engine's lane from the server."""
-        if chunk.round < self._oldest_round:
+        if chunk.round < self._floor():
             return  # a straggler of a round that is over: nobody waits for it
         key = (chunk.round, chunk.shard, chunk.site)
         self._incoming.setdefault(key, _Incoming()).add(chunk)
@@ -468,6 +471,38 @@ class CrossSiteAllReduce:
         encoded twice), ``ring`` (each site talks to its successor only; partial
         sums are re-encoded at every hop, so a value is encoded up to S times), or
         ``auto`` (the one :mod:`isthmus.sim.cost` predicts fastest on ``link_costs``)."""
+        # Several rounds may be in flight at once (gradient buckets, overlapped
+        # fragments). Chunks of rounds below the oldest one running are
+        # stragglers of rounds that are over: nobody waits for them.
+        self._active.append(round)
+        self._next_floor = max(self._next_floor, round + 1)
+        floor = self._floor()
+        for key in [k for k in self._incoming if k[0] < floor]:
+            del self._incoming[key]
+        try:
+            return await self._allreduce_round(
+                tensor,
+                round=round,
+                participants=participants,
+                weights=weights,
+                algorithm=algorithm,
+            )
+        finally:
+            self._active.remove(round)
+
+    def _floor(self) -> int:
+        return min(self._active) if self._active else self._next_floor
+
+    async def _allreduce_round(
+        self,
+        tensor: torch.Tensor,
+        *,
+        round: int,
+        participants: Sequence[str],
+        weights: Mapping[str, float],
+        algorithm: str = "direct",
+    ) -> torch.Tensor:
+        """One round of :meth:`allreduce`."""
         if algorithm not in ("direct", "ring", "auto"):
             raise ValueError(f"unknown algorithm {algorithm!r}; use direct, ring or auto")
         if algorithm == "auto":
@@ -501,10 +536,6 @@ class CrossSiteAllReduce:
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline = started + self.deadline_s
-        # Rounds only move forward: what is left of older ones can go.
-        self._oldest_round = max(self._oldest_round, round)
-        for key in [k for k in self._incoming if k[0] < round]:
-            del self._incoming[key]
         n = len(sites)
         bounds = slice_bounds(flat.numel(), n)
         if algorithm == "ring" and n > 1:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
+from isthmus.inter.allreduce import RoundStats
 from isthmus.inter.background import BackgroundLoop
 from isthmus.inter.lanes import RankEndpoint, owned_lanes
 
@@ -155,7 +156,7 @@ class HierarchicalStep:
             real = max(0, min(lane_len, numel - lane * lane_len))  # the last lanes may be short
             values[lane] = block[position * lane_len : position * lane_len + real]
         future = self.loop.submit(
-            self.endpoint.allreduce(
+            self.endpoint.allreduce_with_stats(
                 values,
                 round=round,
                 participants=participants,
@@ -177,7 +178,7 @@ class PendingAverage:
         block: torch.Tensor,
         numel: int,
         lane_len: int,
-        future: concurrent.futures.Future[dict[int, torch.Tensor]],
+        future: concurrent.futures.Future[tuple[dict[int, torch.Tensor], RoundStats]],
         reduced_s: float,
     ) -> None:
         self._step = step
@@ -196,7 +197,7 @@ class PendingAverage:
 
     def wait(self) -> StepReport:
         step = self._step
-        results = self._future.result(step.timeout_s)
+        results, stats = self._future.result(step.timeout_s)
         for lane, result in results.items():
             self._values[lane].copy_(result)
         wan_s = time.perf_counter() - self._started
@@ -207,7 +208,6 @@ class PendingAverage:
         else:
             gathered = self._block
         _write_back(self._tensors, gathered[: self._numel])
-        stats = step.endpoint.last_stats()
         return StepReport(
             in_site_reduce_s=self._reduced_s,
             wan_s=wan_s,

@@ -137,6 +137,22 @@ class RankEndpoint:
         algorithm: str = "direct",
     ) -> dict[int, torch.Tensor]:
         """Every lane's weighted average, the lanes running at once."""
+        results, _ = await self.allreduce_with_stats(
+            values, round=round, participants=participants, weights=weights, algorithm=algorithm
+        )
+        return results
+
+    async def allreduce_with_stats(
+        self,
+        values: Mapping[int, torch.Tensor],
+        *,
+        round: int,
+        participants: Sequence[str],
+        weights: Mapping[str, float],
+        algorithm: str = "direct",
+    ) -> tuple[dict[int, torch.Tensor], RoundStats]:
+        """:meth:`allreduce` and this round's WAN traffic, all lanes together (right
+        even when several rounds are in flight at once)."""
         missing = sorted(set(self.engines) - set(values))
         extra = sorted(set(values) - set(self.engines))
         if missing or extra:
@@ -144,26 +160,27 @@ class RankEndpoint:
                 f"values must cover exactly this rank's lanes {sorted(self.engines)}; "
                 f"missing {missing}, not owned {extra}"
             )
-        lanes = sorted(self.engines)
-        results = await asyncio.gather(
-            *(
-                self.engines[lane].allreduce(
-                    values[lane],
-                    round=round,
-                    participants=participants,
-                    weights=weights,
-                    algorithm=algorithm,
-                )
-                for lane in lanes
-            )
-        )
-        return dict(zip(lanes, results, strict=True))
 
-    def last_stats(self) -> RoundStats:
-        """The last round's WAN traffic of this rank, all lanes together."""
-        stats = [e.last for e in self.engines.values() if e.last is not None]
-        return RoundStats(
+        async def one(lane: int) -> tuple[torch.Tensor, RoundStats]:
+            engine = self.engines[lane]
+            out = await engine.allreduce(
+                values[lane],
+                round=round,
+                participants=participants,
+                weights=weights,
+                algorithm=algorithm,
+            )
+            # Read at once: no other task runs between the engine setting it
+            # and this line, so it is this round's.
+            assert engine.last is not None
+            return out, engine.last
+
+        lanes = sorted(self.engines)
+        done = await asyncio.gather(*(one(lane) for lane in lanes))
+        stats = [s for _, s in done]
+        total = RoundStats(
             bytes_sent=sum(s.bytes_sent for s in stats),
             bytes_received=sum(s.bytes_received for s in stats),
             seconds=max((s.seconds for s in stats), default=0.0),
         )
+        return {lane: out for lane, (out, _) in zip(lanes, done, strict=True)}, total

@@ -117,6 +117,13 @@ class Sync(Strategy):
     step. Gradients of FSDP or tensor-parallel models (DTensors) are already
     averaged inside the site; plain gradients of several ranks are averaged
     in the site first (see :mod:`isthmus.inter.hierarchical`).
+
+    With ``overlap`` (plain parameters), gradients go in buckets of about
+    ``bucket_mb`` as the backward pass produces them, in the order it produces
+    them (the same on every site): the exchange of the last layers' gradients
+    runs while the first layers' are still being computed. Overlap assumes one
+    backward pass per optimizer step; with gradient accumulation, use
+    ``overlap=False``. The averages are the same, bit for bit, either way.
     """
 
     def __init__(
@@ -127,27 +134,73 @@ class Sync(Strategy):
         *,
         codec: str | Codec = "none",
         tokens_per_step: int = 1,
+        bucket_mb: float = 25.0,
+        overlap: bool = True,
     ) -> None:
+        if not (isinstance(bucket_mb, int | float) and bucket_mb > 0):
+            raise SettingError("bucket_mb", f"must be a number > 0, got {bucket_mb!r}")
         super().__init__(site, model, optimizer, codec=codec, tokens_per_step=tokens_per_step)
-        self.weights = {s.name: float(tokens_per_step * s.layout.dp) for s in site.job.sites}
+        self.weights = _static_weights(site, tokens_per_step)
+        # FSDP sets its sharded gradients itself, after its own reduce-scatter:
+        # per-parameter hooks would not see them, so DTensor models do not overlap.
+        self.overlap = overlap and not any(isinstance(p, DTensor) for p in self.params)
+        self.buckets = _buckets(self.params, int(bucket_mb * 2**20))
+        self._bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
+        self._ready = [0] * len(self.buckets)
+        self._pending: list[tuple[int, PendingAverage]] = []
+        if self.overlap:
+            for p in self.params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
         self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
 
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        bucket = self._bucket_of[id(param)]
+        self._ready[bucket] += 1
+        if self._ready[bucket] == len(self.buckets[bucket]):
+            self._start(bucket)
+
+    def _start(self, bucket: int) -> None:
         grads = []
-        for p in self.params:
+        for p in self.buckets[bucket]:
             if p.grad is None:  # every site must send the same vector
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-        report = self.site.step.average(
+        pending = self.site.step.start(
             grads,
             round=self.site.next_round(),
             participants=self.site.names,
             weights=self.weights,
             in_site_reduce=not any(isinstance(g, DTensor) for g in grads),
         )
-        self._account(report)
+        self._pending.append((bucket, pending))
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        started = {b for b, _ in self._pending}
+        # Buckets the backward pass did not complete (parameters without a
+        # gradient this step), in bucket order: the same on every site.
+        for bucket in range(len(self.buckets)):
+            if bucket not in started:
+                self._start(bucket)
+        for _, pending in self._pending:
+            self._account(pending.wait())
+        self._pending.clear()
+        self._ready = [0] * len(self.buckets)
         self.inner_steps += 1
         self.outer_steps += 1
+
+
+def _buckets(params: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """Parameters in reverse order (roughly the order backward produces their
+    gradients), cut into buckets of about ``bucket_bytes``."""
+    buckets: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for p in reversed(params):
+        if buckets[-1] and size + p.numel() * 4 > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += p.numel() * 4
+    return [b for b in buckets if b]
 
 
 class DiLoCo(Strategy):

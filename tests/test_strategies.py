@@ -229,3 +229,14 @@ def test_diloco_through_the_emulated_wan(tmp_path):
     assert reports[0]["param_sha256"] == reports[1]["param_sha256"]
     wire = sum(d["bytes"] for link in stats["links"] for k, d in link.items() if "->" in k)
     assert wire >= reports[0]["wan_bytes_sent"] + reports[1]["wan_bytes_sent"]
+
+
+def test_sync_overlapped_in_buckets_equals_sync_after_backward(tmp_path):
+    overlapped, after = tmp_path / "overlapped", tmp_path / "after"
+    overlapped.mkdir()
+    after.mkdir()
+    a = _run(overlapped, ["a", "b"], ("--strategy", "sync", "--bucket-mb", "0.3"))
+    b = _run(after, ["a", "b"], ("--strategy", "sync", "--no-overlap"))
+    assert a["a"]["param_sha256"] == a["b"]["param_sha256"] == b["a"]["param_sha256"]
+    # Every bucket's bytes counted, not the last one's several times.
+    assert a["a"]["wan_bytes_sent"] == b["a"]["wan_bytes_sent"]

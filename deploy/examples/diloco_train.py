@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fragments", type=int, default=2, help="streaming")
     parser.add_argument("--overlap-steps", type=int, default=0, help="streaming")
     parser.add_argument("--alpha", type=float, default=0.5, help="streaming")
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help="sync")
+    parser.add_argument("--no-overlap", action="store_true", help="sync: average after backward")
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--codec", default="none")
@@ -85,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.strategy == "async":
         strategy = isthmus.AsyncDiLoCo(site, model, inner, **outer, **common)
     else:
-        strategy = isthmus.Sync(site, model, inner, **common)
+        overlap = {"bucket_mb": args.bucket_mb, "overlap": not args.no_overlap}
+        strategy = isthmus.Sync(site, model, inner, **overlap, **common)
     with site, strategy:
         for _ in range(args.steps):
             x, y = next(batches)
