@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from isthmus.deploy.addressing import load_state
 from isthmus.deploy.jobfile import Job, load_job
+from isthmus.deploy.site_errors import run_site_main
 from isthmus.inter.join import start_site
 from isthmus.intra.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from isthmus.intra.data import Dataset, ShardSpec, stdlib_corpus
@@ -224,4 +225,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_site_main(main, "site_worker"))

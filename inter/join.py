@@ -24,7 +24,7 @@ from isthmus.inter.hierarchical import HierarchicalStep
 from isthmus.inter.lanes import RankEndpoint, lane_count, lane_owner, owned_lanes
 from isthmus.inter.peer import Identity
 from isthmus.intra.layout import Layout
-from isthmus.intra.process_group import dp_group, init_site_group
+from isthmus.intra.process_group import SiteError, dp_group, init_site_group
 
 
 def layout_fingerprint(
@@ -39,6 +39,8 @@ def layout_fingerprint(
 
 @dataclass
 class SiteRuntime:
+    """This rank's membership of the job: what strategies and the step need."""
+
     job: Job
     site: SiteSpec
     site_index: int
@@ -104,7 +106,10 @@ def start_site(
     """Start this rank of ``site``. ``parameters``: (name, shape) of what will cross
     the WAN, for the layout check at the handshake. ``state``: the emulator's
     state file contents, when sites talk through ``isthmus wan``."""
-    spec = job.site(site)
+    try:
+        spec = job.site(site)
+    except KeyError as exc:
+        raise SiteError(exc.args[0]) from None
     rank = init_site_group(site, spec.ranks, backend)
     layout = spec.layout
     group = dp_group(layout, rank) if spec.ranks > 1 else None

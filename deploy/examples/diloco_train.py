@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 import isthmus
+from isthmus.deploy.site_errors import run_site_main
 from isthmus.intra.data import Dataset, ShardSpec, stdlib_corpus
 from isthmus.intra.model import GPT, config_for, lm_loss
 
@@ -115,4 +116,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_site_main(main, "diloco_train"))
