@@ -33,6 +33,11 @@ class SiteAddresses:
     """Other site -> the address to dial for each of its ranks (index = its rank)."""
 
 
+def default_state_path(job: Job) -> Path:
+    """Where ``isthmus wan up`` writes the job's state file when not told: ./<job>.wan.json."""
+    return Path(f"{job.name}.wan.json")
+
+
 def load_state(path: str | Path) -> dict[str, Any]:
     """Read an emulator state file, checking the fields this module relies on."""
     path = Path(path)

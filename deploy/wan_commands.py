@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from isthmus.deploy.addressing import AddressError, load_state
+from isthmus.deploy.addressing import AddressError, default_state_path, load_state
 from isthmus.deploy.cli import UsageError, add_command
 from isthmus.deploy.job_commands import describe_link
 from isthmus.deploy.jobfile import Job, load_job, parse_address
@@ -248,10 +248,6 @@ def _stop_on_signals() -> asyncio.Event:
 
 
 # -- wan up -----------------------------------------------------------------------------
-def default_state_path(job: Job) -> Path:
-    return Path(f"{job.name}.wan.json")
-
-
 def _up(args: argparse.Namespace) -> int:
     job = load_job(args.job)
     if job.wan is None:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from isthmus.deploy.addressing import load_state
+from isthmus.deploy.addressing import default_state_path, load_state
 from isthmus.deploy.jobfile import Job, load_job
-from isthmus.deploy.wan_commands import default_state_path
 from isthmus.inter.codecs import parse_codec
 from isthmus.inter.join import SiteRuntime, start_site
 
