@@ -2,13 +2,14 @@
 
 The sites issue's minimal training loop (the strategies come later): every
 rank builds the built-in model from the same seed (or the user's, by import
-path), in the site's layout, reads its own shard of the data, and after every backward pass averages its gradients with the
-hierarchical step (in-site reduce-scatter, cross-site all-reduce per lane,
-in-site all-gather), weighted by tokens, then takes an SGD step (with momentum, so checkpoints carry optimizer state). The
-result must equal one process training on the union of every rank's batches
-(:func:`reference_training`). Each rank writes a JSON report (its WAN share,
-in-site and WAN seconds) and the parameters it holds, whole
-(:func:`load_site_parameters` merges a site's).
+path) in the site's layout, reads its own shard of the data, and after every
+backward pass averages its gradients with the hierarchical step (in-site
+reduce-scatter, cross-site all-reduce per lane, in-site all-gather), weighted
+by tokens, then takes an SGD step (with momentum, so checkpoints carry
+optimizer state). The result must equal one process training on the union of
+every rank's batches (:func:`reference_training`). Each rank writes a JSON
+report (its WAN share, in-site and WAN seconds) and the parameters it holds,
+whole (:func:`load_site_parameters` merges a site's).
 
 Run under torchrun or :mod:`isthmus.intra.launch` (one-rank sites need neither)::
 
