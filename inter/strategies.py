@@ -7,7 +7,11 @@ The user keeps their own training loop; a strategy hooks the optimizer:
 * :class:`DiLoCo` lets every site take ``sync_every`` inner steps, then seals
   the round (participants and weights), averages the pseudo-gradients
   (global minus local parameters) and applies the outer optimizer; the model
-  is reset to the new global parameters, bitwise identical on every site.
+  is reset to the new global parameters, bitwise identical on every site;
+* :class:`StreamingDiLoCo` does that in fragments at staggered steps, each
+  exchange overlapping inner steps and merged with a mixing factor;
+* :class:`AsyncDiLoCo` hides each exchange behind the next round's compute
+  and applies it one round late.
 
 Round numbers come from the site (one counter per site, advanced identically
 everywhere), so strategies can be switched between rounds.
