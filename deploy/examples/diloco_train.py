@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,6 +35,18 @@ def evaluate(model: torch.nn.Module, data: Dataset, batches: int = 8) -> float:
     return sum(losses) / len(losses)
 
 
+class _NoSync:
+    """No synchronisation: what a strategy's throughput is compared with."""
+
+    outer_steps = wan_bytes_sent = wan_bytes_received = 0
+
+    def __enter__(self) -> _NoSync:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m isthmus.deploy.examples.diloco_train")
     parser.add_argument("job")
@@ -40,7 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--sync-every", type=int, default=20)
     parser.add_argument(
-        "--strategy", choices=("diloco", "streaming", "async", "sync"), default="diloco"
+        "--strategy",
+        choices=("diloco", "streaming", "async", "sync", "none"),
+        default="diloco",
+        help="none: every site trains alone (the baseline of throughput comparisons)",
     )
     parser.add_argument("--fragments", type=int, default=2, help="streaming")
     parser.add_argument("--overlap-steps", type=int, default=0, help="streaming")
@@ -77,8 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     outer = {"sync_every": args.sync_every, "outer_lr": args.outer_lr}
     outer["outer_momentum"] = args.outer_momentum
     common = {"codec": args.codec, "tokens_per_step": tokens}
-    strategy: isthmus.DiLoCo | isthmus.StreamingDiLoCo | isthmus.AsyncDiLoCo | isthmus.Sync
-    if args.strategy == "diloco":
+    strategy: Any
+    if args.strategy == "none":
+        strategy = _NoSync()
+    elif args.strategy == "diloco":
         strategy = isthmus.DiLoCo(site, model, inner, **outer, **common)
     elif args.strategy == "streaming":
         streaming = {"fragments": args.fragments, "overlap_steps": args.overlap_steps}
@@ -91,11 +110,13 @@ def main(argv: list[str] | None = None) -> int:
         overlap = {"bucket_mb": args.bucket_mb, "overlap": not args.no_overlap}
         strategy = isthmus.Sync(site, model, inner, **overlap, **common)
     with site, strategy:
+        started = time.perf_counter()
         for _ in range(args.steps):
             x, y = next(batches)
             lm_loss(model(x), y).backward()
             inner.step()  # every sync_every steps the round runs here
             inner.zero_grad()
+        train_s = time.perf_counter() - started
     digest = hashlib.sha256()
     for p in model.parameters():
         digest.update(p.detach().numpy().tobytes())
@@ -106,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         "wan_bytes_sent": strategy.wan_bytes_sent,
         "wan_bytes_received": strategy.wan_bytes_received,
         "eval_loss": evaluate(model, data, args.eval_batches),
+        "train_seconds": train_s,
+        "tokens_per_s": args.steps * tokens / train_s,
         "param_sha256": digest.hexdigest(),
     }
     print(json.dumps(report))
