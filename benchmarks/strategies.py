@@ -18,13 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from isthmus.deploy.jobfile import free_port_blocks
+from isthmus.deploy.examples.diloco_train import loopback_job, run_sites
 
 SITES = ["s0", "s1", "s2", "s3"]
 CONFIGS: dict[str, list[str]] = {
@@ -43,37 +42,17 @@ CONFIGS: dict[str, list[str]] = {
 def run_one(config: str, seed: int, steps: int, corpus_bytes: int | None) -> dict:
     with tempfile.TemporaryDirectory(prefix="isthmus-strategies-") as tmp:
         tmpdir = Path(tmp)
-        bases = free_port_blocks("127.0.0.1", [1] * len(SITES))
-        job = tmpdir / "job.yaml"
-        job.write_text(
-            "name: strategies\nsites:\n"
-            + "".join(
-                f"  - {{name: {s}, address: 127.0.0.1:{b}}}\n"
-                for s, b in zip(SITES, bases, strict=True)
-            )
-        )
+        job = loopback_job(tmpdir / "job.yaml", "strategies", SITES)
         args = ["--steps", str(steps), "--batch", "16", "--seed", str(seed), "--lr", "3e-3"]
         # Four sites share this machine's cores: one thread each.
         args += ["--eval-batches", "32", "--threads", "1", *CONFIGS[config]]
         if corpus_bytes:
             args += ["--corpus-bytes", str(corpus_bytes)]
         started = time.monotonic()
-        procs = [
-            subprocess.Popen(
-                [
-                    *(sys.executable, "-m", "isthmus.deploy.examples.diloco_train"),
-                    *(str(job), site, *args, "--out", str(tmpdir / f"{site}.json")),
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-            )
-            for site in SITES
-        ]
-        for p in procs:
-            _, err = p.communicate(timeout=3600)
-            if p.returncode:
-                raise SystemExit(f"{config} seed {seed}: a site failed:\n{err.decode()[-2000:]}")
-        reports = [json.loads((tmpdir / f"{s}.json").read_text()) for s in SITES]
+        try:
+            reports = list(run_sites(job, SITES, args, tmpdir).values())
+        except RuntimeError as exc:
+            raise SystemExit(f"{config} seed {seed}: {exc}") from None
     if len({r["param_sha256"] for r in reports}) != 1:
         raise SystemExit(f"{config} seed {seed}: sites ended with different parameters")
     return {

@@ -14,15 +14,14 @@ processes, the same concurrency). Target (strategies issue): ``async`` or
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from isthmus.deploy.bench_wan import wan_up
+from isthmus.deploy.examples.diloco_train import run_sites
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "deploy" / "examples" / "three-continents.yaml"
 SITES = ["us-east", "eu-west", "asia-east"]
@@ -38,23 +37,10 @@ def run(strategy: list[str], steps: int, sync_every: int) -> float:
         args = ["--steps", str(steps), "--sync-every", str(sync_every), "--batch", "16"]
         args += ["--threads", "1", "--eval-batches", "1", "--corpus-bytes", "2000000", *strategy]
         with wan_up(job, state, "--stats-every", "0"):
-            procs = [
-                subprocess.Popen(
-                    [
-                        *(sys.executable, "-m", "isthmus.deploy.examples.diloco_train"),
-                        *(str(job), site, *args, "--out", str(tmpdir / f"{site}.json")),
-                    ],
-                    cwd=tmpdir,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.PIPE,
-                )
-                for site in SITES
-            ]
-            for p in procs:
-                _, err = p.communicate(timeout=3600)
-                if p.returncode:
-                    raise SystemExit(f"{strategy}: a site failed:\n{err.decode()[-2000:]}")
-        reports = [json.loads((tmpdir / f"{s}.json").read_text()) for s in SITES]
+            try:
+                reports = run_sites(job, SITES, args, tmpdir, cwd=tmpdir).values()
+            except RuntimeError as exc:
+                raise SystemExit(f"{strategy}: {exc}") from None
     return statistics.mean(r["tokens_per_s"] for r in reports)
 
 

@@ -19,6 +19,7 @@ Run under torchrun or :mod:`isthmus.intra.launch` (one-rank sites need neither):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 from collections.abc import Callable, Iterator
@@ -86,9 +87,15 @@ class Recipe:
                 seed=self.seed,
             )
             return iter(load_callable(self.data_import, "data")(context))
-        data = Dataset(stdlib_corpus(self.corpus_bytes), config_for(self.size).seq_len)
+        data = _dataset(self.corpus_bytes, config_for(self.size).seq_len)
         spec = ShardSpec(site_index, dps, dp_rank, iid=self.iid, seed=self.seed)
         return data.batches(spec, self.batch)
+
+
+@functools.cache
+def _dataset(corpus_bytes: int | None, seq_len: int) -> Dataset:
+    """Read once per process: the reference opens a stream for every rank of every site."""
+    return Dataset(stdlib_corpus(corpus_bytes), seq_len)
 
 
 def reference_training(job: Job, recipe: Recipe, *, steps: int, lr: float) -> nn.Module:

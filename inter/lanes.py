@@ -59,17 +59,6 @@ def lane_owner(lane: int, dp_size: int, lanes: int) -> int:
     return lane // (lanes // dp_size)
 
 
-def lane_bounds(numel: int, lanes: int) -> list[tuple[int, int]]:
-    """[start, stop) of every lane of a ``numel`` vector; sizes differ by at most one."""
-    base, extra = divmod(numel, lanes)
-    bounds, start = [], 0
-    for lane in range(lanes):
-        stop = start + base + (1 if lane < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
-
-
 class RankEndpoint:
     """One local rank's end of the WAN: one server, one engine per lane it owns."""
 

@@ -88,6 +88,24 @@ class Strategy:
         self._codec = _codec(value)
         self.site.set_codec(self._codec)
 
+    def _exchange(
+        self,
+        tensors: Sequence[torch.Tensor],
+        weights: dict[str, float],
+        *,
+        in_site_reduce: bool = False,
+    ) -> PendingAverage:
+        """Start averaging ``tensors`` over every site, in the site's next round.
+        The DiLoCo family's ranks hold one model per site (FSDP, or one rank), so
+        by default nothing is averaged inside the site first."""
+        return self.site.step.start(
+            tensors,
+            round=self.site.next_round(),
+            participants=self.site.names,
+            weights=weights,
+            in_site_reduce=in_site_reduce,
+        )
+
     def _account(self, report: StepReport) -> None:
         self.wan_bytes_sent += report.wan_bytes_sent
         self.wan_bytes_received += report.wan_bytes_received
@@ -169,14 +187,8 @@ class Sync(Strategy):
             if p.grad is None:  # every site must send the same vector
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-        pending = self.site.step.start(
-            grads,
-            round=self.site.next_round(),
-            participants=self.site.names,
-            weights=self.weights,
-            in_site_reduce=not any(isinstance(g, DTensor) for g in grads),
-        )
-        self._pending.append((bucket, pending))
+        in_site = not any(isinstance(g, DTensor) for g in grads)
+        self._pending.append((bucket, self._exchange(grads, self.weights, in_site_reduce=in_site)))
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         started = {b for b, _ in self._pending}
@@ -207,7 +219,40 @@ def _buckets(params: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[tor
     return [b for b in buckets if b]
 
 
-class DiLoCo(Strategy):
+class _LocalSteps(Strategy):
+    """What the DiLoCo family shares: ``sync_every`` inner steps between exchanges,
+    the outer optimizer, and a hook after every inner step (``_after_step``)."""
+
+    def __init__(
+        self,
+        site: SiteRuntime,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        *,
+        sync_every: int,
+        outer_lr: float,
+        outer_momentum: float,
+        codec: str | Codec,
+        tokens_per_step: int,
+        outer_device: str,
+    ) -> None:
+        self.sync_every = _positive_int("sync_every", sync_every)
+        _check_outer(outer_lr, outer_momentum)
+        super().__init__(site, model, inner_optimizer, codec=codec, tokens_per_step=tokens_per_step)
+        self.outer = OuterOptimizer(
+            self.params, lr=outer_lr, momentum=outer_momentum, device=outer_device
+        )
+        self._hooks.append(inner_optimizer.register_step_post_hook(self._after_step))
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        raise NotImplementedError
+
+    @property
+    def global_parameters(self) -> Sequence[torch.Tensor]:
+        return self.outer.global_params
+
+
+class DiLoCo(_LocalSteps):
     """Local SGD across sites (Douillard et al., 2023): ``sync_every`` inner steps,
     then an outer step on the averaged pseudo-gradient."""
 
@@ -224,15 +269,19 @@ class DiLoCo(Strategy):
         tokens_per_step: int = 1,
         outer_device: str = "cpu",
     ) -> None:
-        self.sync_every = _positive_int("sync_every", sync_every)
-        _check_outer(outer_lr, outer_momentum)
-        super().__init__(site, model, inner_optimizer, codec=codec, tokens_per_step=tokens_per_step)
-        self.outer = OuterOptimizer(
-            self.params, lr=outer_lr, momentum=outer_momentum, device=outer_device
-        )
         self.last_seal: Seal | None = None
         self._tokens = 0
-        self._hooks.append(inner_optimizer.register_step_post_hook(self._after_step))
+        super().__init__(
+            site,
+            model,
+            inner_optimizer,
+            sync_every=sync_every,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            codec=codec,
+            tokens_per_step=tokens_per_step,
+            outer_device=outer_device,
+        )
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.inner_steps += 1
@@ -262,14 +311,7 @@ class DiLoCo(Strategy):
                 "every site must take inner steps between rounds"
             )
         deltas = self.outer.pseudo_gradients()
-        report = site.step.average(
-            deltas,
-            round=site.next_round(),
-            participants=seal.participants,
-            weights=seal.weights,
-            # The site's ranks hold one model (FSDP, or one rank): no in-site average.
-            in_site_reduce=False,
-        )
+        report = self._exchange(deltas, seal.weights).wait()
         self.outer.step(deltas)
         self._account(seal.report)
         self._account(report)
@@ -281,17 +323,13 @@ class DiLoCo(Strategy):
         if self._tokens:
             self.sync()
 
-    @property
-    def global_parameters(self) -> Sequence[torch.Tensor]:
-        return self.outer.global_params
-
 
 def _static_weights(site: SiteRuntime, tokens_per_step: int) -> dict[str, float]:
     """Weights known to every site from the layout: sites step in lock-step here."""
     return {s.name: float(tokens_per_step * s.layout.dp) for s in site.job.sites}
 
 
-class StreamingDiLoCo(Strategy):
+class StreamingDiLoCo(_LocalSteps):
     """Streaming DiLoCo (Douillard et al., 2025): DiLoCo in ``fragments`` parts that
     sync at staggered steps, each exchange overlapping ``overlap_steps`` inner steps,
     the result merged into the local parameters with mixing factor ``alpha``
@@ -318,7 +356,7 @@ class StreamingDiLoCo(Strategy):
         tokens_per_step: int = 1,
         outer_device: str = "cpu",
     ) -> None:
-        self.sync_every = _positive_int("sync_every", sync_every)
+        _positive_int("sync_every", sync_every)  # checked here: the checks below use it
         self.fragments = _positive_int("fragments", fragments)
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         blocks = count_blocks(names)
@@ -341,13 +379,19 @@ class StreamingDiLoCo(Strategy):
             )
         if not (isinstance(alpha, int | float) and 0 <= alpha <= 1):
             raise SettingError("alpha", f"must be in [0, 1], got {alpha!r}")
-        _check_outer(outer_lr, outer_momentum)
-        super().__init__(site, model, inner_optimizer, codec=codec, tokens_per_step=tokens_per_step)
+        super().__init__(
+            site,
+            model,
+            inner_optimizer,
+            sync_every=sync_every,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            codec=codec,
+            tokens_per_step=tokens_per_step,
+            outer_device=outer_device,
+        )
         self.overlap_steps = overlap_steps
         self.alpha = float(alpha)
-        self.outer = OuterOptimizer(
-            self.params, lr=outer_lr, momentum=outer_momentum, device=outer_device
-        )
         assignment = assign_fragments(names, fragments)
         self.members = [[i for i, f in enumerate(assignment) if f == p] for p in range(fragments)]
         self.offsets = sync_offsets(sync_every, fragments)
@@ -355,7 +399,6 @@ class StreamingDiLoCo(Strategy):
         self._in_flight: list[tuple[int, int, list[torch.Tensor], PendingAverage]] = []
         self._started_at = [0] * fragments
         """The inner step at which each fragment's last exchange started."""
-        self._hooks.append(inner_optimizer.register_step_post_hook(self._after_step))
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.inner_steps += 1
@@ -370,13 +413,7 @@ class StreamingDiLoCo(Strategy):
     def _start(self, fragment: int) -> None:
         self._started_at[fragment] = self.inner_steps
         deltas = self.outer.pseudo_gradients(self.members[fragment])
-        pending = self.site.step.start(
-            deltas,
-            round=self.site.next_round(),
-            participants=self.site.names,
-            weights=self.weights,
-            in_site_reduce=False,
-        )
+        pending = self._exchange(deltas, self.weights)
         if self.overlap_steps == 0:
             self._complete(fragment, deltas, pending)
         else:
@@ -408,19 +445,11 @@ class StreamingDiLoCo(Strategy):
         if not everything:
             return
         deltas = self.outer.pseudo_gradients(everything)
-        self._account(
-            self.site.step.average(
-                deltas,
-                round=self.site.next_round(),
-                participants=self.site.names,
-                weights=self.weights,
-                in_site_reduce=False,
-            )
-        )
+        self._account(self._exchange(deltas, self.weights).wait())
         self.outer.step(deltas, everything)
 
 
-class AsyncDiLoCo(Strategy):
+class AsyncDiLoCo(_LocalSteps):
     """DiLoCo whose exchange hides behind the next round's compute.
 
     At the end of round k the pseudo-gradient leaves in the background and the
@@ -444,15 +473,19 @@ class AsyncDiLoCo(Strategy):
         tokens_per_step: int = 1,
         outer_device: str = "cpu",
     ) -> None:
-        self.sync_every = _positive_int("sync_every", sync_every)
-        _check_outer(outer_lr, outer_momentum)
-        super().__init__(site, model, inner_optimizer, codec=codec, tokens_per_step=tokens_per_step)
-        self.outer = OuterOptimizer(
-            self.params, lr=outer_lr, momentum=outer_momentum, device=outer_device
+        self._pending: tuple[PendingAverage, list[torch.Tensor], list[torch.Tensor]] | None = None
+        super().__init__(
+            site,
+            model,
+            inner_optimizer,
+            sync_every=sync_every,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            codec=codec,
+            tokens_per_step=tokens_per_step,
+            outer_device=outer_device,
         )
         self.weights = _static_weights(site, tokens_per_step)
-        self._pending: tuple[PendingAverage, list[torch.Tensor], list[torch.Tensor]] | None = None
-        self._hooks.append(inner_optimizer.register_step_post_hook(self._after_step))
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.inner_steps += 1
@@ -460,14 +493,7 @@ class AsyncDiLoCo(Strategy):
             self._complete()
             deltas = self.outer.pseudo_gradients()
             anchor = [p.detach().clone() for p in self.params]
-            pending = self.site.step.start(
-                deltas,
-                round=self.site.next_round(),
-                participants=self.site.names,
-                weights=self.weights,
-                in_site_reduce=False,
-            )
-            self._pending = (pending, deltas, anchor)
+            self._pending = (self._exchange(deltas, self.weights), deltas, anchor)
 
     @torch.no_grad()
     def _complete(self) -> None:
@@ -491,15 +517,7 @@ class AsyncDiLoCo(Strategy):
             self.outer.reset_model()
             return
         deltas = self.outer.pseudo_gradients()
-        self._account(
-            self.site.step.average(
-                deltas,
-                round=self.site.next_round(),
-                participants=self.site.names,
-                weights=self.weights,
-                in_site_reduce=False,
-            )
-        )
+        self._account(self._exchange(deltas, self.weights).wait())
         self.outer.step(deltas)
         self.outer_steps += 1
 

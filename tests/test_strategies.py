@@ -7,13 +7,11 @@ of the paper's algorithm, and leave both sites with bitwise-identical parameters
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from isthmus.deploy.jobfile import free_port_blocks
+from isthmus.deploy.examples.diloco_train import loopback_job, run_sites
 from isthmus.intra.data import Dataset, ShardSpec, stdlib_corpus
 from isthmus.intra.model import GPT, config_for, lm_loss
 
@@ -61,36 +59,11 @@ def reference_diloco(workers: int) -> dict[str, torch.Tensor]:
 
 
 def _run(tmp_path, sites: list[str], extra: tuple[str, ...] = ()) -> dict[str, dict]:
-    bases = free_port_blocks("127.0.0.1", [1] * len(sites))
-    job = tmp_path / "job.yaml"
-    job.write_text(
-        "name: strategies\nsites:\n"
-        + "".join(
-            f"  - {{name: {s}, address: 127.0.0.1:{b}}}\n"
-            for s, b in zip(sites, bases, strict=True)
-        )
-    )
+    job = loopback_job(tmp_path / "job.yaml", "strategies", sites)
     args = ["--steps", str(STEPS), "--sync-every", str(H), "--batch", str(BATCH)]
     args += ["--corpus-bytes", str(CORPUS), "--seed", str(SEED), "--lr", str(INNER_LR)]
     args += ["--inner", "sgd", *extra]
-    procs = {
-        s: subprocess.Popen(
-            [
-                *(sys.executable, "-m", "isthmus.deploy.examples.diloco_train", str(job), s),
-                *(*args, "--out", str(tmp_path / f"{s}.json")),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        for s in sites
-    }
-    failures = []
-    for s, p in procs.items():
-        _, err = p.communicate(timeout=240)
-        if p.returncode:
-            failures.append(f"site {s} exited {p.returncode}:\n{err.decode()[-1500:]}")
-    assert not failures, "\n\n".join(failures)
-    return {s: json.loads((tmp_path / f"{s}.json").read_text()) for s in sites}
+    return run_sites(job, sites, args, tmp_path, timeout_s=240)
 
 
 def test_diloco_equals_the_papers_algorithm_in_one_process(tmp_path):
@@ -145,14 +118,8 @@ def test_streaming_with_one_fragment_no_overlap_no_mixing_is_diloco(tmp_path):
     "flags",
     [
         ("--strategy", "streaming", "--fragments", "2", "--overlap-steps", "1", "--codec", "int4"),
-        (
-            "--strategy",
-            "async",
-        ),
-        (
-            "--strategy",
-            "sync",
-        ),
+        ("--strategy", "async"),
+        ("--strategy", "sync"),
     ],
     ids=["streaming-int4-overlap", "async", "sync"],
 )
@@ -201,31 +168,20 @@ def test_diloco_through_the_emulated_wan(tmp_path):
     from isthmus.deploy.bench_wan import wan_up
     from isthmus.sim.control import ControlClient
 
-    bases = free_port_blocks("127.0.0.1", [1, 1])
-    job = tmp_path / "job.yaml"
-    job.write_text(
-        "name: emulated\nsites:\n"
-        f"  - {{name: a, address: 127.0.0.1:{bases[0]}}}\n"
-        f"  - {{name: b, address: 127.0.0.1:{bases[1]}}}\n"
-        "wan:\n  default: {rtt_ms: 20, bandwidth_mbit: 500}\n"
+    job = loopback_job(
+        tmp_path / "job.yaml",
+        "emulated",
+        ["a", "b"],
+        wan="wan:\n  default: {rtt_ms: 20, bandwidth_mbit: 500}\n",
     )
     state = tmp_path / "emulated.wan.json"  # the default name join() looks for
     with wan_up(job, state, "--stats-every", "0"):
         args = ["--steps", "6", "--sync-every", "3", "--corpus-bytes", str(CORPUS)]
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "-m", "isthmus.deploy.examples.diloco_train", str(job), s, *args],
-                cwd=tmp_path,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            )
-            for s in ("a", "b")
-        ]
-        outputs = [p.communicate(timeout=240) for p in procs]
-        assert all(p.returncode == 0 for p in procs), outputs[0][1].decode()[-1500:]
+        reports = list(
+            run_sites(job, ["a", "b"], args, tmp_path, cwd=tmp_path, timeout_s=240).values()
+        )
         control = json.loads(state.read_text())["control"].rsplit(":", 1)
         stats = ControlClient((control[0], int(control[1]))).stats()
-    reports = [json.loads(out.decode().strip().splitlines()[-1]) for out, _ in outputs]
     assert reports[0]["param_sha256"] == reports[1]["param_sha256"]
     wire = sum(d["bytes"] for link in stats["links"] for k, d in link.items() if "->" in k)
     assert wire >= reports[0]["wan_bytes_sent"] + reports[1]["wan_bytes_sent"]
