@@ -18,6 +18,8 @@ Shape (every section but ``name`` and ``sites`` is optional)::
       faults:
         - {at_s: 30, link: [us-east, eu-west], action: partition, for_s: 10}
     train: {strategy: diloco, steps: 600, sync_every: 50, codec: int8}
+    model: tiny            # a built-in size, or package.module:function
+    data: stdlib           # the built-in corpus, a text or .pt file, or package.module:function
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import yaml
 
 from isthmus.inter.settings import SETTING_NAMES, SettingError, TrainSettings
 from isthmus.intra.layout import Layout, LayoutError, check_sites
+from isthmus.intra.model import SIZES
 from isthmus.sim.link import (
     DIRECTION_FIELDS,
     LINK_FIELDS,
@@ -45,7 +48,7 @@ from isthmus.sim.presets import PRESETS
 from isthmus.sim.topology import Fault, Site, Topology, validate_fault
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-TOP_LEVEL_KEYS = ("name", "seed", "sites", "wan", "train")
+TOP_LEVEL_KEYS = ("name", "seed", "sites", "wan", "train", "model", "data")
 SITE_KEYS = ("name", "ranks", "address", "advertise", "uplink_mbit", "parallel")
 WAN_KEYS = ("default", "links", "faults")
 FAULT_KEYS = ("at_s", "link", "action", "for_s", "mode", "period_s", "down_s", "rate", "changes")
@@ -122,6 +125,11 @@ class Job:
     train: TrainSettings
     wan: WanSpec | None = None
     seed: int = 0
+    model: str = "tiny"
+    """A built-in model size (:data:`isthmus.intra.model.SIZES`) or ``package.module:function``."""
+    data: str = "stdlib"
+    """``stdlib`` (the built-in corpus), an absolute path to a text or ``.pt`` token file,
+    or ``package.module:function``."""
     source: str = "<job>"
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -281,6 +289,8 @@ class _Validator:
         names = self.named_sites
         wan = self.wan(data["wan"], names) if data.get("wan") is not None else None
         train = self.train(data.get("train") or {})
+        model = self.model(data.get("model", "tiny"), sites)
+        data_source = self.data(data.get("data", "stdlib"))
         if self.problems:
             raise JobFileError(self.source, self.problems)
         assert train is not None
@@ -290,6 +300,8 @@ class _Validator:
             train=train,
             wan=wan,
             seed=seed,
+            model=model,
+            data=data_source,
             source=self.source,
             raw=data,
         )
@@ -587,6 +599,54 @@ class _Validator:
                 continue
             out.append(fault)
         return out
+
+    # -- model and data --------------------------------------------------------------
+    def model(self, value: Any, sites: list[SiteSpec]) -> str:
+        if not isinstance(value, str) or not value:
+            self.fail(
+                "model",
+                f"must be a built-in size ({', '.join(SIZES)}) or package.module:function, "
+                f"got {value!r}",
+            )
+            return "tiny"
+        if ":" in value:
+            module, _, function = value.partition(":")
+            if not (module and function):
+                self.fail("model", f"{value!r} is not package.module:function")
+            return value  # imported when the run starts, where its own packages are
+        if value not in SIZES:
+            self.fail(
+                "model",
+                f"unknown size {value!r}; {_suggest(value, tuple(SIZES))}use one of "
+                f"{', '.join(SIZES)}, or package.module:function for your own model",
+            )
+            return value
+        for index, site in enumerate(sites):
+            try:
+                site.layout.check_model(SIZES[value], where=f"sites[{index}]")
+            except LayoutError as exc:
+                self.fail(f"sites[{index}].parallel", str(exc).split(": ", 1)[-1])
+        return value
+
+    def data(self, value: Any) -> str:
+        if not isinstance(value, str) or not value:
+            self.fail(
+                "data",
+                f"must be 'stdlib', a file, or package.module:function, got {value!r}",
+            )
+            return "stdlib"
+        if value == "stdlib" or (":" in value and not Path(value).exists()):
+            return value
+        # Relative to the job file, so a job runs the same from any directory.
+        base = Path(self.source).parent if self.source != "<job>" else Path.cwd()
+        path = (base / value).resolve()
+        if not path.is_file():
+            self.fail(
+                "data",
+                f"no file {str(path)!r} (relative paths start at the job file's folder); "
+                "give 'stdlib', a text file, a .pt token file, or package.module:function",
+            )
+        return str(path)
 
     # -- train ---------------------------------------------------------------------------
     def train(self, raw: Any) -> TrainSettings | None:

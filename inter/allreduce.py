@@ -197,6 +197,8 @@ class CrossSiteAllReduce:
         # keeps the streams moving meanwhile: chunk k+1 is encoded while k is sent.
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="encode")
         self.last: RoundStats | None = None
+        self.bytes_sent_to: dict[str, int] = {}
+        """Payload bytes sent to each site over this engine's life (per link, for telemetry)."""
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         return await self.server.start(host, port)
@@ -314,7 +316,7 @@ class CrossSiteAllReduce:
         round: int,
     ) -> None:
         try:
-            acks = await self.clients[site].exchange(chunks)
+            acks = await self.clients[site].exchange(self._counted(site, chunks))
         except PeerError as exc:
             raise RoundError(
                 site, f"round {round}: sending to site {site!r} failed: {exc}"
@@ -322,6 +324,20 @@ class CrossSiteAllReduce:
         refused = [a for a in acks if not a.ok]
         if refused:
             raise RoundError(site, f"site {site!r} refused chunks: {refused[0].error.message}")
+
+    async def _counted(
+        self,
+        site: str,
+        chunks: Iterable[wire_pb2.Chunk] | AsyncIterator[wire_pb2.Chunk],
+    ) -> AsyncIterator[wire_pb2.Chunk]:
+        if isinstance(chunks, AsyncIterator):
+            async for chunk in chunks:
+                self.bytes_sent_to[site] = self.bytes_sent_to.get(site, 0) + _payload_size(chunk)
+                yield chunk
+        else:
+            for chunk in chunks:
+                self.bytes_sent_to[site] = self.bytes_sent_to.get(site, 0) + _payload_size(chunk)
+                yield chunk
 
     async def _ring(
         self,

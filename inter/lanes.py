@@ -108,6 +108,14 @@ class RankEndpoint:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         return await self.server.start(host, port)
 
+    def bytes_sent_to(self) -> dict[str, int]:
+        """Payload bytes this rank has sent to each site, over every lane."""
+        total: dict[str, int] = {}
+        for engine in self.engines.values():
+            for site, count in list(engine.bytes_sent_to.items()):  # atomic under the GIL
+                total[site] = total.get(site, 0) + count
+        return total
+
     async def connect(self) -> None:
         await asyncio.gather(*(engine.connect() for engine in self.engines.values()))
 

@@ -1,7 +1,8 @@
 """The training settings of a job: one set of names everywhere.
 
 The keys of a job file's ``train:`` section are exactly these names; so are
-the keyword arguments of the strategy classes, the keys ``isthmus config set``
+the keyword arguments of the strategy classes (the ``isthmus run``-only ones
+say so), the keys ``isthmus config set``
 and ``isthmus tune --apply`` use, and the names in ``summary.json``. Units are
 in the names. Each field is validated here, once, with the fix in the message.
 """
@@ -52,6 +53,25 @@ class TrainSettings:
     """How values cross the WAN: ``none`` (exact float32), ``fp16``, ``bf16``, ``int8`` or
     ``int4``."""
 
+    fragments: int = 2
+    """``streaming``: parts of the model that sync at staggered steps."""
+
+    overlap_steps: int = 1
+    """``streaming``: inner steps each fragment's exchange overlaps."""
+
+    alpha: float = 0.5
+    """``streaming``: mixing factor, ``local = alpha * local + (1 - alpha) * global``."""
+
+    inner_lr: float = 3e-3
+    """``isthmus run``: peak learning rate of the inner optimizer (AdamW)."""
+
+    warmup_steps: int = 20
+    """``isthmus run``: inner steps of linear learning-rate warm-up; cosine decay to 10%
+    of ``inner_lr`` after it."""
+
+    batch_size: int = 8
+    """``isthmus run``: sequences per step, per data-parallel rank."""
+
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise SettingError(
@@ -68,6 +88,20 @@ class TrainSettings:
             raise SettingError(
                 "codec", f"unknown codec {self.codec!r}; use one of {', '.join(CODECS)}"
             )
+        _positive_int("fragments", self.fragments)
+        if not (isinstance(self.overlap_steps, int) and self.overlap_steps >= 0):
+            raise SettingError(
+                "overlap_steps", f"must be an integer >= 0, got {self.overlap_steps!r}"
+            )
+        if not (_is_number(self.alpha) and 0 <= self.alpha <= 1):
+            raise SettingError("alpha", f"must be in [0, 1], got {self.alpha!r}")
+        if not (_is_number(self.inner_lr) and self.inner_lr > 0):
+            raise SettingError("inner_lr", f"must be a number > 0, got {self.inner_lr!r}")
+        if not (isinstance(self.warmup_steps, int) and self.warmup_steps >= 0):
+            raise SettingError(
+                "warmup_steps", f"must be an integer >= 0, got {self.warmup_steps!r}"
+            )
+        _positive_int("batch_size", self.batch_size)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

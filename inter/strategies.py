@@ -20,7 +20,10 @@ everywhere), so strategies can be switched between rounds.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,6 +54,18 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
+@dataclass(frozen=True)
+class Blocked:
+    """A span during which the training loop waited on the strategy."""
+
+    kind: str
+    """``waiting`` (for the other sites to reach the round) or ``syncing`` (moving and
+    averaging values)."""
+    started: float
+    """Wall-clock time (``time.time()``) it began."""
+    seconds: float
+
+
 class Strategy:
     """What every strategy shares: the site, the hooks, and the counters."""
 
@@ -74,8 +89,26 @@ class Strategy:
         self.wan_bytes_sent = 0
         self.wan_bytes_received = 0
         self.last_report: StepReport | None = None
+        self.blocked: list[Blocked] = []
+        """Every span the training loop spent blocked in the strategy, in order; a
+        caller that reports them may clear the list."""
+        self.observer: Callable[[str, bool], None] | None = None
+        """Called with (kind, True) when a blocked span starts and (kind, False) when it
+        ends: live status for a progress display."""
         self._hooks: list[Any] = []
         site.set_codec(self._codec)
+
+    @contextmanager
+    def _blocking(self, kind: str) -> Iterator[None]:
+        if self.observer is not None:
+            self.observer(kind, True)
+        started, clock = time.time(), time.perf_counter()
+        try:
+            yield
+        finally:
+            self.blocked.append(Blocked(kind, started, time.perf_counter() - clock))
+            if self.observer is not None:
+                self.observer(kind, False)
 
     @property
     def codec(self) -> Codec:
@@ -197,8 +230,9 @@ class Sync(Strategy):
         for bucket in range(len(self.buckets)):
             if bucket not in started:
                 self._start(bucket)
-        for _, pending in self._pending:
-            self._account(pending.wait())
+        with self._blocking("syncing"):
+            for _, pending in self._pending:
+                self._account(pending.wait())
         self._pending.clear()
         self._ready = [0] * len(self.buckets)
         self.inner_steps += 1
@@ -296,23 +330,25 @@ class DiLoCo(_LocalSteps):
     def sync(self) -> None:
         """Run one round now: seal, average the pseudo-gradients, outer step."""
         site = self.site
-        seal = seal_round(
-            site.step,
-            round=site.next_round(),
-            sites=site.names,
-            me=site.name,
-            tokens=self._tokens,
-            dp_size=site.layout.dp,
-        )
+        with self._blocking("waiting"):
+            seal = seal_round(
+                site.step,
+                round=site.next_round(),
+                sites=site.names,
+                me=site.name,
+                tokens=self._tokens,
+                dp_size=site.layout.dp,
+            )
         if seal.participants != site.names:
             idle = sorted(set(site.names) - set(seal.participants))
             raise RuntimeError(
                 f"round {seal.round}: sites {idle} trained on no tokens since the last round; "
                 "every site must take inner steps between rounds"
             )
-        deltas = self.outer.pseudo_gradients()
-        report = self._exchange(deltas, seal.weights).wait()
-        self.outer.step(deltas)
+        with self._blocking("syncing"):
+            deltas = self.outer.pseudo_gradients()
+            report = self._exchange(deltas, seal.weights).wait()
+            self.outer.step(deltas)
         self._account(seal.report)
         self._account(report)
         self.last_seal = seal
@@ -422,7 +458,8 @@ class StreamingDiLoCo(_LocalSteps):
             )
 
     def _complete(self, fragment: int, deltas: list[torch.Tensor], pending: PendingAverage) -> None:
-        self._account(pending.wait())
+        with self._blocking("syncing"):
+            self._account(pending.wait())
         self._in_flight = [entry for entry in self._in_flight if entry[3] is not pending]
         self.outer.step(deltas, self.members[fragment], mix=self.alpha)
         self.outer_steps += 1
@@ -444,9 +481,10 @@ class StreamingDiLoCo(_LocalSteps):
         everything = [i for f, members in enumerate(self.members) if f not in done for i in members]
         if not everything:
             return
-        deltas = self.outer.pseudo_gradients(everything)
-        self._account(self._exchange(deltas, self.weights).wait())
-        self.outer.step(deltas, everything)
+        with self._blocking("syncing"):
+            deltas = self.outer.pseudo_gradients(everything)
+            self._account(self._exchange(deltas, self.weights).wait())
+            self.outer.step(deltas, everything)
 
 
 class AsyncDiLoCo(_LocalSteps):
@@ -501,7 +539,8 @@ class AsyncDiLoCo(_LocalSteps):
             return
         pending, deltas, anchor = self._pending
         self._pending = None
-        self._account(pending.wait())
+        with self._blocking("syncing"):
+            self._account(pending.wait())
         self.outer.step(deltas, reset=False)
         for p, g, a in zip(self.params, self.outer.global_params, anchor, strict=True):
             p.add_(g.to(p.device, p.dtype) - a)  # local = global + progress since the send
@@ -516,9 +555,10 @@ class AsyncDiLoCo(_LocalSteps):
             # the rounding of global + (local - anchor); make it exact.
             self.outer.reset_model()
             return
-        deltas = self.outer.pseudo_gradients()
-        self._account(self._exchange(deltas, self.weights).wait())
-        self.outer.step(deltas)
+        with self._blocking("syncing"):
+            deltas = self.outer.pseudo_gradients()
+            self._account(self._exchange(deltas, self.weights).wait())
+            self.outer.step(deltas)
         self.outer_steps += 1
 
 

@@ -1,0 +1,217 @@
+"""``isthmus run``, ``isthmus eval`` and ``isthmus report``: the main job and what follows it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from isthmus.deploy.cli import UsageError, add_command
+from isthmus.deploy.run_launcher import (
+    Launcher,
+    RunError,
+    default_run_dir,
+    prepare_run_dir,
+    resolve_job,
+)
+from isthmus.deploy.run_records import write_json_atomic
+from isthmus.inter.settings import STRATEGIES
+
+EXIT_CODES = {"finished": 0, "failed": 1, "interrupted": 130}
+
+
+def register(commands: Any) -> None:
+    run = add_command(
+        commands,
+        "run",
+        _run,
+        help="train a job's sites on this machine through the emulated WAN, with live "
+        "progress, summary.json and a report",
+    )
+    run.add_argument("job", metavar="JOB.yaml", help="the job file")
+    run.add_argument(
+        "--out",
+        metavar="DIR",
+        type=Path,
+        help="the run directory (default: runs/JOB-STRATEGY-TIME); must not exist or be empty. "
+        "With --compare, one sub-directory per strategy",
+    )
+    run.add_argument(
+        "--strategy", choices=STRATEGIES, help="overrides the job file's train.strategy"
+    )
+    run.add_argument(
+        "--steps", type=int, metavar="N", help="inner steps per site; overrides train.steps"
+    )
+    run.add_argument(
+        "--compare",
+        metavar="S1,S2,...",
+        help=f"run the job once per strategy ({','.join(STRATEGIES)}) with the same data and "
+        "tokens, and write one comparison report",
+    )
+    evaluate = add_command(
+        commands,
+        "eval",
+        _eval,
+        help="evaluate a run's final model (model.safetensors) on the held-out split",
+    )
+    evaluate.add_argument("run_dir", metavar="RUN_DIR", type=Path)
+    report = add_command(
+        commands, "report", _report, help="write a run's report.md and plots again from its files"
+    )
+    report.add_argument("run_dir", metavar="RUN_DIR", type=Path)
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.steps is not None and args.steps < 1:
+        raise UsageError(f"--steps: must be an integer >= 1, got {args.steps}")
+    if args.compare:
+        if args.strategy:
+            raise UsageError("--compare runs every strategy it lists; drop --strategy")
+        return _compare(args)
+    try:
+        job, raw = resolve_job(Path(args.job), strategy=args.strategy, steps=args.steps)
+        run_dir = args.out or default_run_dir(job, job.train.strategy)
+        summary = run_job(job, raw, run_dir)
+    except RunError as exc:
+        raise UsageError(str(exc)) from None
+    return EXIT_CODES[summary["status"]]
+
+
+def run_job(job: Any, raw: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """One run, start to report; prints progress and where the report is."""
+    from isthmus.deploy.run_progress import progress_for
+    from isthmus.deploy.run_report import write_report
+    from isthmus.deploy.run_summary import build_summary
+    from isthmus.deploy.run_tensorboard import TensorBoardWriter
+
+    prepare_run_dir(run_dir)
+    print(
+        f"run {job.name}: {len(job.sites)} sites, {job.train.strategy}, {job.train.steps} steps "
+        f"-> {run_dir}",
+        flush=True,
+    )
+    progress = progress_for(sys.stdout)
+    launcher = Launcher(job, raw, run_dir, on_update=progress.update)
+    launcher.tensorboard = TensorBoardWriter(run_dir / "tensorboard", [s.name for s in job.sites])
+    try:
+        with progress:
+            launcher.start()
+            launcher.follow()
+    except KeyboardInterrupt:
+        launcher.state.status = "interrupted"
+    finally:
+        launcher.stop()
+        launcher.tensorboard.close()
+    if launcher.state.status == "running":  # start() failed
+        launcher.state.status = "failed"
+    summary = build_summary(launcher.state)
+    write_json_atomic(run_dir / "summary.json", summary)
+    report = write_report(run_dir)
+    _print_outcome(summary, report)
+    return summary
+
+
+def _print_outcome(summary: dict[str, Any], report: Path) -> None:
+    for name, site in summary["sites"].items():
+        if site.get("reason"):
+            print(f"site {name} {site['status']}: {site['reason']}", file=sys.stderr)
+    digests = {s["param_sha256"] for s in summary["sites"].values()}
+    same = len(digests) == 1 and None not in digests
+    losses = [s["eval_loss"] for s in summary["sites"].values() if s["eval_loss"] is not None]
+    held_out = f"held-out loss {losses[0]:.3f}, " if losses else ""
+    print(
+        f"{summary['status']} in {summary['wall_seconds']:.0f} s: {held_out}"
+        f"{summary['wan_bytes'] / 1e6:.1f} MB over the WAN, compute utilisation "
+        f"{summary['compute_utilization']:.0%}"
+        + (", every site holds the same model" if same else ""),
+        flush=True,
+    )
+    print(f"report: {report}", flush=True)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from isthmus.deploy.run_compare import write_comparison
+
+    strategies = [s.strip() for s in args.compare.split(",") if s.strip()]
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown or not strategies:
+        raise UsageError(
+            f"--compare: unknown strategy {unknown[0]!r}; use some of {','.join(STRATEGIES)}"
+            if unknown
+            else f"--compare: list strategies, e.g. --compare {','.join(STRATEGIES)}"
+        )
+    if len(set(strategies)) != len(strategies):
+        raise UsageError("--compare: a strategy is listed twice")
+    try:
+        first, _ = resolve_job(Path(args.job), steps=args.steps)
+        out = args.out or default_run_dir(first, "compare")
+        prepare_run_dir(out)
+        summaries = {}
+        for strategy in strategies:
+            job, raw = resolve_job(Path(args.job), strategy=strategy, steps=args.steps)
+            summaries[strategy] = run_job(job, raw, out / strategy)
+            if summaries[strategy]["status"] == "interrupted":
+                break
+    except RunError as exc:
+        raise UsageError(str(exc)) from None
+    report = write_comparison(out, summaries)
+    print(report.read_text().split("\n\n")[1], flush=True)  # the table
+    print(f"comparison: {report}", flush=True)
+    worst = max(EXIT_CODES[s["status"]] for s in summaries.values())
+    return worst
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from isthmus.deploy.jobfile import load_job
+    from isthmus.deploy.run_records import parameter_digest
+    from isthmus.deploy.run_worker import build_model, builtin_dataset, evaluate
+
+    run_dir: Path = args.run_dir
+    weights = run_dir / "model.safetensors"
+    if not (run_dir / "job.yaml").is_file():
+        raise UsageError(f"{run_dir}: no job.yaml here; give a directory 'isthmus run' wrote")
+    if not weights.is_file():
+        raise UsageError(
+            f"{run_dir}: no model.safetensors; the run did not finish (see its summary.json)"
+        )
+    from safetensors.torch import load_file
+
+    job = load_job(run_dir / "job.yaml")
+    model, _, loss_fn = build_model(job)
+    try:
+        model.load_state_dict(load_file(str(weights)))
+    except RuntimeError as exc:
+        raise UsageError(f"{weights} does not fit the job's model: {exc}") from None
+    dataset = builtin_dataset(job, model)
+    if dataset is None:
+        raise UsageError(
+            f"data: {job.data} is a function, which has no held-out split; evaluate the model "
+            "with your own code (safetensors.torch.load_file)"
+        )
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    result = {
+        "run": str(run_dir),
+        "eval_loss": evaluate(model, dataset, loss_fn),
+        "param_sha256": parameter_digest(model),
+    }
+    summary_path = run_dir / "summary.json"
+    if summary_path.is_file():
+        digests = {
+            s["param_sha256"] for s in json.loads(summary_path.read_text())["sites"].values()
+        }
+        result["matches_summary"] = result["param_sha256"] in digests
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from isthmus.deploy.run_report import write_report
+
+    if not (args.run_dir / "summary.json").is_file():
+        raise UsageError(f"{args.run_dir}: no summary.json; give a directory 'isthmus run' wrote")
+    print(f"report: {write_report(args.run_dir)}")
+    return 0

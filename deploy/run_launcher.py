@@ -1,0 +1,417 @@
+"""``isthmus run``: every site of a job on this machine, through the emulated WAN.
+
+The launcher prepares the run directory, starts the emulator (``isthmus wan
+up``, its own process) when the job has a ``wan:`` section, starts each
+site's ranks as torchrun would (each rank its own process group, so a Ctrl-C
+reaches the launcher alone and the launcher stops them in order), follows
+what the sites write, and ends with ``summary.json`` and the report. It is the
+only writer of the run's ``metrics.jsonl``; sites write their own files.
+
+Ending: when every site has finished; at the first site that fails (the
+others are stopped: none of the strategies here tolerates a lost site yet);
+or at SIGINT/SIGTERM. Either way every child process is stopped (SIGTERM, then
+SIGKILL after a grace period) before the launcher returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO, Any
+
+import yaml
+
+from isthmus.deploy.addressing import load_state
+from isthmus.deploy.jobfile import Job, free_port_blocks, load_job, parse_job
+from isthmus.deploy.run_records import RecordTail, write_json_atomic
+from isthmus.inter.settings import SettingError
+from isthmus.intra.launch import free_port, rank_environment
+from isthmus.intra.plugins import load_callable
+
+STOP_GRACE_S = 10.0
+"""How long a stopped process gets to exit on SIGTERM before SIGKILL."""
+EMULATOR_START_S = 60.0
+POLL_S = 0.25
+
+
+class RunError(Exception):
+    """The run could not start (bad input): one line naming the field or flag and the fix."""
+
+
+@dataclass
+class SiteState:
+    """What the launcher knows of one site, from its processes and records."""
+
+    name: str
+    ranks: int
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    logs: list[Path] = field(default_factory=list)
+    status: str = "starting"
+    """starting, computing, waiting, syncing, finished, failed or lost."""
+    reason: str = ""
+    step: int = 0
+    loss: float | None = None
+    eval_loss: float | None = None
+    tokens: int = 0
+    compute_s: float = 0.0
+    outer_steps: int = 0
+    wan_bytes_sent: int = 0
+    wan_bytes_sent_to: dict[str, int] = field(default_factory=dict)
+    started: float | None = None
+    last_step_t: float | None = None
+    tokens_per_s: float = 0.0
+
+
+@dataclass
+class RunState:
+    """Everything the progress display and the summary read."""
+
+    job: Job
+    run_dir: Path
+    started: float
+    sites: dict[str, SiteState]
+    links: dict[str, dict[str, float]] = field(default_factory=dict)
+    """``a<->b`` -> {bytes: emulator wire bytes both ways, mbit_s: current throughput}."""
+    status: str = "running"
+
+    @property
+    def steps(self) -> int:
+        return self.job.train.steps
+
+
+def resolve_job(
+    path: Path, *, strategy: str | None = None, steps: int | None = None
+) -> tuple[Job, dict[str, Any]]:
+    """The job file with the command line's overrides and every default filled in:
+    what ``job.yaml`` in the run directory holds and every site reads."""
+    job = load_job(path)
+    changes: dict[str, Any] = {}
+    if strategy is not None:
+        changes["strategy"] = strategy
+    if steps is not None:
+        changes["steps"] = steps
+    try:
+        train = dataclasses.replace(job.train, **changes)
+    except SettingError as exc:
+        raise RunError(f"--{exc.field}: {exc.reason}") from None
+    if ":" in job.model:
+        try:
+            load_callable(job.model, "model")
+        except ValueError as exc:
+            raise RunError(f"{path}: {exc}") from None
+    if ":" in job.data and not Path(job.data).exists():
+        try:
+            load_callable(job.data, "data")
+        except ValueError as exc:
+            raise RunError(f"{path}: {exc}") from None
+    raw = dict(job.raw)
+    raw["train"] = train.to_dict()
+    raw["model"] = job.model
+    raw["data"] = job.data
+    raw["seed"] = job.seed
+    if job.wan is None and any(s.address is None for s in job.sites):
+        # No emulator to hand out addresses: give every site free loopback ports.
+        bases = iter(free_port_blocks("127.0.0.1", [s.ranks for s in job.sites]))
+        raw["sites"] = [
+            {**site, "address": f"127.0.0.1:{next(bases)}"} if "address" not in site else site
+            for site in raw["sites"]
+        ]
+    resolved = parse_job(yaml.safe_dump(raw, sort_keys=False), source=str(path))
+    return resolved, raw
+
+
+def default_run_dir(job: Job, strategy: str) -> Path:
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{job.name}-{strategy}-{stamp}"
+
+
+def prepare_run_dir(run_dir: Path) -> None:
+    """Create the run directory; one that exists and holds anything is refused."""
+    if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+        raise RunError(
+            f"--out: {run_dir} already exists and is not empty; runs never overwrite each "
+            "other: pass another --out, or remove it"
+        )
+    try:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        (run_dir / "sites").mkdir(exist_ok=True)
+    except OSError as exc:
+        raise RunError(f"--out: cannot create {run_dir}: {exc.strerror}") from None
+
+
+class Launcher:
+    """Starts, follows and stops the processes of one run."""
+
+    def __init__(
+        self,
+        job: Job,
+        raw: dict[str, Any],
+        run_dir: Path,
+        *,
+        on_update: Callable[[RunState], None] | None = None,
+    ) -> None:
+        self.job = job
+        self.raw = raw
+        self.run_dir = run_dir
+        self.on_update = on_update
+        self.state = RunState(
+            job=job,
+            run_dir=run_dir,
+            started=time.time(),
+            sites={s.name: SiteState(s.name, s.ranks) for s in job.sites},
+        )
+        self.emulator: subprocess.Popen | None = None
+        self.control: Any = None
+        self._tails = {
+            s.name: RecordTail(run_dir / "sites" / s.name / "metrics.jsonl") for s in job.sites
+        }
+        self._metrics: IO[str] | None = None
+        self._files: list[IO[Any]] = []
+        self._stop_signal: int | None = None
+        self._last_link_poll = 0.0
+        self._link_bytes: dict[str, tuple[float, float]] = {}
+        self.tensorboard: Any = None
+
+    # -- start ---------------------------------------------------------------------
+    def start(self) -> None:
+        run_dir = self.run_dir
+        (run_dir / "job.yaml").write_text(
+            "# As resolved by isthmus run: every default filled in, overrides applied.\n"
+            + yaml.safe_dump(self.raw, sort_keys=False)
+        )
+        self._metrics = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+        if self.job.wan is not None:
+            self._start_emulator()
+        total_ranks = sum(s.ranks for s in self.job.sites)
+        threads = max(1, (os.cpu_count() or 1) // total_ranks)
+        env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+        pids: dict[str, list[int]] = {}
+        for site in self.job.sites:
+            state = self.state.sites[site.name]
+            logs = [run_dir / "logs" / f"{site.name}-r{r}.log" for r in range(site.ranks)]
+            files = [log.open("ab") for log in logs]
+            self._files += files
+            command = [sys.executable, "-m", "isthmus.deploy.run_worker", str(run_dir), site.name]
+            state.procs = _launch(command, site.ranks, env, files)
+            state.logs = logs
+            state.started = time.time()
+            pids[site.name] = [p.pid for p in state.procs]
+            write_json_atomic(run_dir / "pids.json", pids)
+
+    def _start_emulator(self) -> None:
+        log = (self.run_dir / "logs" / "wan.log").open("ab")
+        self._files.append(log)
+        state_path = self.run_dir / "wan.json"
+        command = [sys.executable, "-m", "isthmus", "wan", "up", str(self.run_dir / "job.yaml")]
+        self.emulator = subprocess.Popen(
+            [*command, "--state", str(state_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + EMULATOR_START_S
+        while not state_path.exists():
+            if self.emulator.poll() is not None:
+                raise RunError(
+                    f"the WAN emulator did not start: {_tail(self.run_dir / 'logs' / 'wan.log')}"
+                )
+            if time.monotonic() > deadline:
+                raise RunError(f"the WAN emulator did not start in {EMULATOR_START_S:.0f} s")
+            time.sleep(0.05)
+        from isthmus.sim.control import ControlClient
+
+        host, port = str(load_state(state_path)["control"]).rsplit(":", 1)
+        self.control = ControlClient((host, int(port)), timeout_s=5)
+
+    # -- follow --------------------------------------------------------------------
+    def follow(self) -> str:
+        """Follow the run until it ends; returns ``finished``, ``failed`` or
+        ``interrupted``."""
+        previous = {
+            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
+        try:
+            while True:
+                self._read_records()
+                self._poll_links()
+                if self._stop_signal is not None:
+                    outcome = "interrupted"
+                    break
+                outcome = self._check_processes()
+                if self.on_update is not None:
+                    self.on_update(self.state)
+                if outcome:
+                    break
+                time.sleep(POLL_S)
+        finally:
+            self.stop()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        self.state.status = outcome
+        if self.on_update is not None:
+            self.on_update(self.state)
+        return outcome
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._stop_signal = signum
+
+    def _check_processes(self) -> str:
+        running = False
+        for site in self.state.sites.values():
+            if site.status in ("failed", "lost", "finished"):
+                continue
+            codes = [p.poll() for p in site.procs]
+            if any(c is not None and c != 0 for c in codes):
+                code = next(c for c in codes if c is not None and c != 0)
+                rank = codes.index(code)
+                site.status = "lost" if code < 0 else "failed"
+                how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+                site.reason = (
+                    f"rank {rank} {how}: {_tail(site.logs[rank])} (log: {site.logs[rank]})"
+                )
+                return "failed"
+            if all(c == 0 for c in codes):
+                site.status = "finished"
+            else:
+                running = True
+        return "" if running else "finished"
+
+    def _read_records(self) -> None:
+        assert self._metrics is not None
+        for name, tail in self._tails.items():
+            site = self.state.sites[name]
+            for record in tail.read():
+                self._metrics.write(json.dumps(record) + "\n")
+                _apply(site, record)
+                if self.tensorboard is not None:
+                    self.tensorboard.add(record)
+        self._metrics.flush()
+
+    def _poll_links(self) -> None:
+        if self.control is None or time.monotonic() - self._last_link_poll < 1.0:
+            return
+        self._last_link_poll = now = time.monotonic()
+        try:
+            stats = self.control.stats()
+        except Exception:  # the emulator is gone; the process check reports it
+            return
+        record = {"t": time.time(), "site": None, "kind": "link", "links": {}}
+        for link in stats.get("links", []):
+            a, b = link["between"]
+            wire = int(link[f"{a}->{b}"]["bytes"] + link[f"{b}->{a}"]["bytes"])
+            key = f"{a}<->{b}"
+            before_t, before = self._link_bytes.get(key, (now, wire))
+            rate = (wire - before) * 8 / 1e6 / (now - before_t) if now > before_t else 0.0
+            self._link_bytes[key] = (now, wire)
+            self.state.links[key] = {"bytes": wire, "mbit_s": rate}
+            record["links"][key] = wire
+        assert self._metrics is not None
+        self._metrics.write(json.dumps(record) + "\n")
+
+    # -- stop ----------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop every child still running: SIGTERM to each process group, SIGKILL
+        after the grace period. Safe to call twice."""
+        children = [p for s in self.state.sites.values() for p in s.procs]
+        for site in self.state.sites.values():
+            if site.status not in ("finished", "failed", "lost") and any(
+                p.poll() is None for p in site.procs
+            ):
+                site.status = "lost"
+                site.reason = site.reason or "stopped by the launcher before it finished"
+        if self.emulator is not None:
+            self._final_link_stats()
+        _terminate([*children, *([self.emulator] if self.emulator else [])])
+        for f in self._files:
+            f.close()
+        self._files.clear()
+        if self._metrics is not None and not self._metrics.closed:
+            self._read_records()
+            self._metrics.close()
+
+    def _final_link_stats(self) -> None:
+        self._last_link_poll = 0.0
+        self._poll_links()
+
+
+def _launch(
+    command: list[str], ranks: int, env: dict[str, str], logs: list[IO[bytes]]
+) -> list[subprocess.Popen]:
+    """One process per rank with torchrun's environment, each logging to its own
+    file and in its own session (a terminal's Ctrl-C reaches the launcher only)."""
+    master_port = free_port()
+    base = {**os.environ, **env}
+    return [
+        subprocess.Popen(
+            command,
+            env={**base, **rank_environment(rank, ranks, master_port)},
+            stdout=logs[rank],
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for rank in range(ranks)
+    ]
+
+
+def _terminate(procs: list[subprocess.Popen]) -> None:
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in live:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(p, signal.SIGKILL)
+            p.wait()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+
+
+def _apply(site: SiteState, record: dict[str, Any]) -> None:
+    kind = record["kind"]
+    if kind == "step":
+        now = record["t"]
+        if site.last_step_t is not None and now > site.last_step_t:
+            rate = (record["tokens"] - site.tokens) / (now - site.last_step_t)
+            site.tokens_per_s = (
+                rate if not site.tokens_per_s else 0.8 * site.tokens_per_s + 0.2 * rate
+            )
+        site.last_step_t = now
+        site.step = record["step"]
+        site.loss = record["loss"]
+        site.tokens = record["tokens"]
+        site.compute_s = record["compute_s"]
+    elif kind == "state" and site.status not in ("failed", "lost"):
+        site.status = record["state"]
+    elif kind == "round":
+        site.outer_steps = record["outer_steps"]
+        site.wan_bytes_sent = record["wan_bytes_sent"]
+        site.wan_bytes_sent_to = record["wan_bytes_sent_to"]
+    elif kind == "eval":
+        site.eval_loss = record["eval_loss"]
+
+
+def _tail(log: Path, lines: int = 40) -> str:
+    """The most telling line of a log's end: its last error line, else its last line."""
+    try:
+        text = log.read_text(errors="replace").strip().splitlines()[-lines:]
+    except OSError:
+        return "(no log)"
+    for line in reversed(text):
+        if "error" in line.lower():
+            return line.strip()
+    return text[-1].strip() if text else "(empty log)"

@@ -1,0 +1,142 @@
+"""Live progress of ``isthmus run``: a table in a terminal, log lines elsewhere."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import IO, Any
+
+from isthmus.deploy.run_launcher import RunState
+
+PLAIN_EVERY_S = 5.0
+
+
+def _eta(state: RunState) -> str:
+    """Seconds left at the slowest site's recent pace."""
+    remaining = []
+    for site in state.sites.values():
+        if site.step and site.started and site.last_step_t:
+            pace = (site.last_step_t - site.started) / site.step
+            remaining.append((state.steps - site.step) * pace)
+    if not remaining:
+        return "--"
+    left = max(remaining)
+    return f"{int(left // 60)}m{int(left % 60):02d}s"
+
+
+def _mb(value: float) -> str:
+    return f"{value / 1e6:.1f} MB"
+
+
+class PlainProgress:
+    """A line per site every few seconds, and one when a site's status settles."""
+
+    def __init__(self, out: IO[str] | None = None, every_s: float = PLAIN_EVERY_S) -> None:
+        self.out = out or sys.stdout
+        self.every_s = every_s
+        self._last = 0.0
+        self._settled: set[str] = set()
+
+    def __enter__(self) -> PlainProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def update(self, state: RunState) -> None:
+        now = time.monotonic()
+        for site in state.sites.values():
+            if site.status in ("finished", "failed", "lost") and site.name not in self._settled:
+                self._settled.add(site.name)
+                why = f": {site.reason}" if site.reason else ""
+                print(f"site {site.name} {site.status}{why}", file=self.out, flush=True)
+        if now - self._last < self.every_s and state.status == "running":
+            return
+        self._last = now
+        elapsed = time.time() - state.started
+        for site in state.sites.values():
+            loss = f"{site.loss:.3f}" if site.loss is not None else "-"
+            print(
+                f"[{elapsed:6.1f}s] {site.name}: step {site.step}/{state.steps} loss {loss} "
+                f"{site.tokens_per_s:,.0f} tok/s outer {site.outer_steps} {site.status}",
+                file=self.out,
+                flush=True,
+            )
+        for key, link in state.links.items():
+            print(
+                f"[{elapsed:6.1f}s] link {key}: {_mb(link['bytes'])} {link['mbit_s']:.1f} Mbit/s",
+                file=self.out,
+                flush=True,
+            )
+
+
+class LiveProgress:
+    """A table redrawn in place (rich): sites, links, ETA."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+        from rich.live import Live
+
+        self.console = Console()
+        self._live = Live(console=self.console, refresh_per_second=4, transient=False)
+
+    def __enter__(self) -> LiveProgress:
+        self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._live.__exit__(*exc)
+
+    def update(self, state: RunState) -> None:
+        self._live.update(self.render(state))
+
+    def render(self, state: RunState) -> Any:
+        from rich.console import Group
+        from rich.progress_bar import ProgressBar
+        from rich.table import Table
+
+        sites = Table(
+            title=f"{state.job.name}: {state.job.train.strategy}, "
+            f"{time.time() - state.started:.0f} s, ETA {_eta(state)}",
+            title_justify="left",
+        )
+        for column in (
+            "site",
+            "progress",
+            "step",
+            "loss",
+            "eval",
+            "tok/s",
+            "outer",
+            "WAN sent",
+            "state",
+        ):
+            sites.add_column(column, justify="left" if column in ("site", "state") else "right")
+        colours = {"computing": "green", "syncing": "cyan", "waiting": "yellow", "finished": "bold"}
+        for site in state.sites.values():
+            colour = colours.get(site.status, "red" if site.status in ("failed", "lost") else "")
+            sites.add_row(
+                site.name,
+                ProgressBar(total=state.steps, completed=site.step, width=20),
+                f"{site.step}/{state.steps}",
+                f"{site.loss:.3f}" if site.loss is not None else "-",
+                f"{site.eval_loss:.3f}" if site.eval_loss is not None else "-",
+                f"{site.tokens_per_s:,.0f}",
+                str(site.outer_steps),
+                _mb(site.wan_bytes_sent),
+                f"[{colour}]{site.status}[/]" if colour else site.status,
+            )
+        parts: list[Any] = [sites]
+        if state.links:
+            links = Table(title="emulated links", title_justify="left")
+            for column in ("link", "wire bytes", "now"):
+                links.add_column(column, justify="left" if column == "link" else "right")
+            for key, link in state.links.items():
+                links.add_row(key, _mb(link["bytes"]), f"{link['mbit_s']:.1f} Mbit/s")
+            parts.append(links)
+        return Group(*parts)
+
+
+def progress_for(out: IO[str]) -> PlainProgress | LiveProgress:
+    """The live table when ``out`` is a terminal, plain lines otherwise."""
+    return LiveProgress() if out.isatty() else PlainProgress(out)

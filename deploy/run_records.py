@@ -1,0 +1,109 @@
+"""The records a run's sites write and its launcher reads: JSON lines, whole files.
+
+Every record is one JSON object on one line with ``t`` (wall-clock seconds,
+``time.time()``), ``site`` and ``kind``:
+
+==========  ===========================================================================
+kind        fields
+==========  ===========================================================================
+start       ``ranks``, ``strategy``, ``steps``
+step        ``step`` (1-based), ``loss`` (mean over the site's ranks), ``tokens``
+            (cumulative, every data-parallel rank), ``compute_s`` (cumulative seconds
+            not blocked on the strategy), ``lr``
+state       ``state``: ``computing``, ``waiting`` (for other sites to reach the round),
+            ``syncing`` (moving and averaging values) or ``finished``
+blocked     ``what`` (``waiting`` or ``syncing``), ``started`` (wall clock), ``seconds``
+round       ``step``, ``outer_steps``, ``wan_bytes_sent``, ``wan_bytes_received``,
+            ``wan_bytes_sent_to`` (site -> bytes); cumulative, all the site's ranks
+eval        ``step``, ``tokens``, ``eval_loss`` (held-out split); ``final`` on the last
+==========  ===========================================================================
+
+A site appends to its own file; the launcher is the only writer of the run's
+merged ``metrics.jsonl``. A line cut short by a killed process is skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+
+class RecordWriter:
+    """Appends one site's records, one flushed line each."""
+
+    def __init__(self, path: Path, site: str) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.site = site
+        self._file = path.open("a", encoding="utf-8")
+
+    def write(self, kind: str, **fields: Any) -> None:
+        record = {"t": time.time(), "site": self.site, "kind": kind, **fields}
+        self._file.write(json.dumps(record, default=_plain) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    raise TypeError(f"not JSON: {value!r}")
+
+
+class RecordTail:
+    """Reads the records appended to a file since the last call (the file may
+    not exist yet, and its last line may be half written)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+        self._partial = b""
+
+    def read(self) -> Iterator[dict[str, Any]]:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        self._offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        for line in lines:
+            try:
+                yield json.loads(line)
+            except ValueError:
+                continue  # a line cut short by a killed process
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """Every whole record of a file."""
+    return list(RecordTail(path).read())
+
+
+def write_json_atomic(path: Path, value: Any) -> None:
+    """Write ``value`` as JSON: readers see the old file or the new one, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(value, indent=2, default=_plain) + "\n")
+    tmp.replace(path)
+
+
+def parameter_digest(model: nn.Module) -> str:
+    """SHA-256 of the model's parameters: for each in ``named_parameters()`` order,
+    its name (UTF-8), a newline, then its values as contiguous little-endian
+    float32. Equal digests mean bitwise-equal models."""
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        digest.update(name.encode() + b"\n")
+        digest.update(param.detach().float().contiguous().cpu().numpy().tobytes())
+    return digest.hexdigest()

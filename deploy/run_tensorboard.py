@@ -1,0 +1,44 @@
+"""TensorBoard event files of a run, one run per site under ``RUN_DIR/tensorboard/SITE``.
+
+Written by the launcher from the records it merges, so sites need no extra
+dependency and the files exist however the run ended. tensorboardX writes
+the event format without pulling in TensorBoard itself (``tensorboard
+--logdir RUN_DIR/tensorboard`` reads them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+class TensorBoardWriter:
+    def __init__(self, folder: Path, sites: list[str]) -> None:
+        from tensorboardX import SummaryWriter
+
+        self._writers = {site: SummaryWriter(str(folder / site)) for site in sites}
+
+    def add(self, record: dict[str, Any]) -> None:
+        writer = self._writers.get(record.get("site") or "")
+        if writer is None:
+            return
+        kind, t = record["kind"], record["t"]
+        if kind == "step":
+            step = record["step"]
+            if record["loss"] is not None:
+                writer.add_scalar("loss/train", record["loss"], step, walltime=t)
+            writer.add_scalar("tokens", record["tokens"], step, walltime=t)
+            writer.add_scalar("lr", record["lr"], step, walltime=t)
+        elif kind == "eval" and record["eval_loss"] is not None:
+            writer.add_scalar("loss/eval", record["eval_loss"], record["step"], walltime=t)
+        elif kind == "round":
+            writer.add_scalar(
+                "wan/bytes_sent", record["wan_bytes_sent"], record["step"], walltime=t
+            )
+            writer.add_scalar("outer_steps", record["outer_steps"], record["step"], walltime=t)
+        elif kind == "blocked":
+            writer.add_scalar(f"blocked_s/{record['what']}", record["seconds"], walltime=t)
+
+    def close(self) -> None:
+        for writer in self._writers.values():
+            writer.close()

@@ -1,0 +1,346 @@
+"""One rank of one site in ``isthmus run``: train with the job's strategy, report as it goes.
+
+``isthmus run`` starts it once per rank, as torchrun would (RANK, WORLD_SIZE,
+MASTER_ADDR/PORT), in the run directory it prepared::
+
+    python -m isthmus.deploy.run_worker RUN_DIR SITE
+
+It reads ``RUN_DIR/job.yaml`` (resolved: every setting filled in) and, when the
+WAN is emulated, the emulator's state file ``RUN_DIR/wan.json``. Rank 0 of the
+site appends telemetry to ``RUN_DIR/sites/SITE/metrics.jsonl`` (the record
+kinds are in :mod:`isthmus.deploy.run_records`) and, at the end, writes
+``result.json`` beside it; rank 0 of the job's first site also writes the
+final model, ``RUN_DIR/model.safetensors``. Files appear whole or not at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from isthmus.deploy.addressing import load_state
+from isthmus.deploy.jobfile import Job, load_job
+from isthmus.deploy.run_records import RecordWriter, parameter_digest, write_json_atomic
+from isthmus.deploy.site_errors import run_site_main
+from isthmus.inter.join import SiteRuntime, start_site
+from isthmus.inter.settings import TrainSettings
+from isthmus.inter.strategies import AsyncDiLoCo, DiLoCo, Strategy, StreamingDiLoCo, Sync
+from isthmus.intra.data import Dataset, ShardSpec, load_corpus
+from isthmus.intra.model import GPT, config_for, lm_loss
+from isthmus.intra.parallelize import GPT_PLAN, ModelPlan, SiteModel
+from isthmus.intra.plugins import DataContext, load_callable, load_model
+
+EVAL_BATCHES = 8
+"""Held-out batches of 16 sequences for each evaluation."""
+
+
+def build_model(job: Job) -> tuple[nn.Module, ModelPlan | None, Callable[..., torch.Tensor]]:
+    """The job's model, initialised from the job's seed: the same on every site."""
+    torch.manual_seed(job.seed)
+    if ":" in job.model:
+        model = load_model(job.model)
+        return model, getattr(model, "isthmus_plan", None), getattr(model, "isthmus_loss", lm_loss)
+    return GPT(config_for(job.model)), GPT_PLAN, lm_loss
+
+
+def builtin_dataset(job: Job, model: nn.Module) -> Dataset | None:
+    """The held-out split and batches of the built-in data path (None for a user's
+    data function, which brings its own batches)."""
+    if ":" in job.data and not Path(job.data).exists():
+        return None
+    seq_len = model.config.seq_len if isinstance(model, GPT) else 64
+    return Dataset(load_corpus(job.data), seq_len)
+
+
+def learning_rate(settings: TrainSettings, step: int) -> float:
+    """Linear warm-up, then cosine decay to 10% of ``inner_lr`` at the last step."""
+    peak = settings.inner_lr
+    if step < settings.warmup_steps:
+        return peak * (step + 1) / settings.warmup_steps
+    span = max(1, settings.steps - settings.warmup_steps)
+    progress = min(1.0, (step - settings.warmup_steps) / span)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def build_strategy(
+    settings: TrainSettings,
+    site: SiteRuntime,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tokens_per_step: int,
+) -> Strategy:
+    common: dict[str, Any] = {"codec": settings.codec, "tokens_per_step": tokens_per_step}
+    if settings.strategy == "sync":
+        return Sync(site, model, optimizer, **common)
+    outer: dict[str, Any] = {
+        "sync_every": settings.sync_every,
+        "outer_lr": settings.outer_lr,
+        "outer_momentum": settings.outer_momentum,
+    }
+    if settings.strategy == "diloco":
+        return DiLoCo(site, model, optimizer, **outer, **common)
+    if settings.strategy == "async":
+        return AsyncDiLoCo(site, model, optimizer, **outer, **common)
+    return StreamingDiLoCo(
+        site,
+        model,
+        optimizer,
+        **outer,
+        **common,
+        fragments=settings.fragments,
+        overlap_steps=settings.overlap_steps,
+        alpha=settings.alpha,
+    )
+
+
+class _Stop(Exception):
+    """SIGTERM: leave through the ``finally`` blocks (close the peer service)."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Stop()
+
+
+def train(run_dir: Path, site_name: str) -> int:
+    job = load_job(run_dir / "job.yaml")
+    settings = job.train
+    state_path = run_dir / "wan.json"
+    state = load_state(state_path) if state_path.exists() else None
+    model, plan, loss_fn = build_model(job)
+    named = [(n, p.shape) for n, p in model.named_parameters()]
+    site = start_site(job, site_name, parameters=named, state=state)
+    records = RecordWriter(run_dir / "sites" / site_name / "metrics.jsonl", site_name)
+    leader = site.rank == 0
+    try:
+        return _train(job, settings, site, model, plan, loss_fn, records, leader, run_dir)
+    finally:
+        records.close()
+        site.close()
+
+
+def _train(
+    job: Job,
+    settings: TrainSettings,
+    site: SiteRuntime,
+    model: nn.Module,
+    plan: ModelPlan | None,
+    loss_fn: Callable[..., torch.Tensor],
+    records: RecordWriter,
+    leader: bool,
+    run_dir: Path,
+) -> int:
+    part = SiteModel(model, site.layout, site.rank, loss_fn=loss_fn, plan=plan)
+    dataset = builtin_dataset(job, model)
+    batches = _batches(job, settings, site, dataset)
+    first = next(batches)
+    tokens_per_step = first[1].numel()
+    optimizer = torch.optim.AdamW(part.parameters(), lr=learning_rate(settings, 0))
+    strategy = build_strategy(settings, site, part.model, optimizer, tokens_per_step)
+    # Replicas in a site average their gradients over the fast fabric before every
+    # inner step; FSDP does it itself, and Sync includes it in its exchange.
+    replicas = site.dp_group if (site.layout.dp > 1 and not part.sharded) else None
+    average_in_site = replicas is not None and settings.strategy != "sync"
+    if leader:
+        strategy.observer = lambda kind, start: records.write(
+            "state", state=kind if start else "computing"
+        )
+        records.write(
+            "start", ranks=site.site.ranks, strategy=settings.strategy, steps=settings.steps
+        )
+
+    tokens = 0
+    compute_s = 0.0
+    loss = float("nan")
+    train_started = time.time()
+    outer_seen = 0
+    for step in range(settings.steps):
+        x, y = first if step == 0 else next(batches)
+        step_started = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(settings, step)
+        optimizer.zero_grad()
+        rank_loss = part.step(x, y)
+        if average_in_site:
+            for p in part.parameters():
+                if p.grad is not None:
+                    grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                    dist.all_reduce(grad, group=replicas)
+                    grad.div_(site.layout.dp)
+        optimizer.step()  # the strategy's rounds run inside this call
+        compute_s += time.perf_counter() - step_started - sum(b.seconds for b in strategy.blocked)
+        tokens += y.numel() * site.layout.dp
+        loss = _site_mean(rank_loss, site)
+        if leader:
+            _write_blocked(records, strategy)
+            records.write(
+                "step",
+                step=step + 1,
+                loss=loss,
+                tokens=tokens,
+                compute_s=compute_s,
+                lr=optimizer.param_groups[0]["lr"],
+            )
+        strategy.blocked.clear()
+        if strategy.outer_steps != outer_seen:
+            outer_seen = strategy.outer_steps
+            _write_round(records if leader else None, strategy, site, step + 1)
+            if dataset is not None and site.layout.pp == 1:
+                eval_loss = evaluate(part.model, dataset, loss_fn)
+                if leader:
+                    records.write("eval", step=step + 1, tokens=tokens, eval_loss=eval_loss)
+
+    # Every run ends with a final synchronisation: the same model on every site.
+    if leader:
+        records.write("state", state="syncing")
+    strategy.finish()
+    strategy.close()
+    if leader:
+        _write_blocked(records, strategy)
+    wall_s = time.time() - train_started
+    totals = _write_round(records if leader else None, strategy, site, settings.steps)
+    full = _full_state(part, site)
+    if not leader:
+        return 0
+    assert full is not None
+    final, _, _ = build_model(job)
+    final.load_state_dict(full)
+    eval_loss = evaluate(final, dataset, loss_fn) if dataset is not None else None
+    records.write("eval", step=settings.steps, tokens=tokens, eval_loss=eval_loss, final=True)
+    if site.site_index == 0:
+        save_model(final, run_dir / "model.safetensors", job)
+    result = {
+        "status": "finished",
+        "final_loss": loss,
+        "eval_loss": eval_loss,
+        "tokens": tokens,
+        "inner_steps": strategy.inner_steps,
+        "outer_steps": strategy.outer_steps,
+        "compute_seconds": compute_s,
+        "wall_seconds": wall_s,
+        "wan_bytes_sent": totals["wan_bytes_sent"],
+        "wan_bytes_received": totals["wan_bytes_received"],
+        "wan_bytes_sent_to": totals["wan_bytes_sent_to"],
+        "param_sha256": parameter_digest(final),
+    }
+    write_json_atomic(run_dir / "sites" / site.name / "result.json", result)
+    records.write("state", state="finished")
+    return 0
+
+
+def _batches(
+    job: Job, settings: TrainSettings, site: SiteRuntime, dataset: Dataset | None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    dps = tuple(s.layout.dp for s in job.sites)
+    if dataset is not None:
+        shard = ShardSpec(site.site_index, dps, site.dp_rank, seed=job.seed)
+        return dataset.batches(shard, settings.batch_size)
+    context = DataContext(
+        site=site.name,
+        site_index=site.site_index,
+        site_count=len(dps),
+        dp_rank=site.dp_rank,
+        dp_size=site.layout.dp,
+        ranks_per_site=dps,
+        batch_size=settings.batch_size,
+        seed=job.seed,
+    )
+    return iter(load_callable(job.data, "data")(context))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, dataset: Dataset, loss_fn: Callable[..., torch.Tensor]) -> float:
+    """Mean loss on the held-out split (the same batches every time)."""
+    losses = [float(loss_fn(model(x), y)) for x, y in dataset.eval_batches(16, EVAL_BATCHES)]
+    return sum(losses) / len(losses)
+
+
+def save_model(model: nn.Module, path: Path, job: Job) -> None:
+    """The whole model as safetensors, written beside and renamed into place."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"job": job.name, "model": job.model})
+    tmp.replace(path)
+
+
+def _site_mean(loss: float | None, site: SiteRuntime) -> float:
+    """The step's loss averaged over the site's ranks that compute one (with
+    pipeline stages, only the last does)."""
+    if site.site.ranks == 1:
+        return float("nan") if loss is None else float(loss)
+    both = torch.tensor([0.0 if loss is None else float(loss), 0.0 if loss is None else 1.0])
+    dist.all_reduce(both)
+    return float(both[0] / both[1]) if both[1] else float("nan")
+
+
+def _write_blocked(records: RecordWriter, strategy: Strategy) -> None:
+    for span in strategy.blocked:
+        records.write("blocked", what=span.kind, started=span.started, seconds=span.seconds)
+
+
+def _write_round(
+    records: RecordWriter | None, strategy: Strategy, site: SiteRuntime, step: int
+) -> dict[str, Any]:
+    """The site's WAN counters (every rank's, summed: a collective) as a round record."""
+    peers = [n for n in site.names if n != site.name]
+    sent_to = site.endpoint.bytes_sent_to()
+    values = torch.tensor(
+        [strategy.wan_bytes_sent, strategy.wan_bytes_received, *(sent_to.get(p, 0) for p in peers)],
+        dtype=torch.float64,
+    )
+    if site.site.ranks > 1:
+        dist.all_reduce(values)
+    totals = {
+        "wan_bytes_sent": int(values[0]),
+        "wan_bytes_received": int(values[1]),
+        "wan_bytes_sent_to": {p: int(v) for p, v in zip(peers, values[2:].tolist(), strict=True)},
+    }
+    if records is not None:
+        records.write("round", step=step, outer_steps=strategy.outer_steps, **totals)
+    return totals
+
+
+def _full_state(part: SiteModel, site: SiteRuntime) -> dict[str, torch.Tensor] | None:
+    """The whole model on rank 0: sharded parameters gathered (a collective on every
+    rank), pipeline stages merged by name. None on the other ranks."""
+    state = {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+        for k, v in part.model.state_dict().items()
+    }
+    if site.layout.pp == 1:
+        return state if site.rank == 0 else None
+    parts: list[Any] = [None] * site.site.ranks
+    dist.all_gather_object(parts, state)
+    if site.rank != 0:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for one in parts:
+        merged.update(one)
+    return merged
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m isthmus.deploy.run_worker")
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("site")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return train(args.run_dir, args.site)
+    except _Stop:
+        return 143
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_site_main(main, "run_worker"))
