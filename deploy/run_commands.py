@@ -164,11 +164,14 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    import torch
-
     from isthmus.deploy.jobfile import load_job
     from isthmus.deploy.run_records import parameter_digest
-    from isthmus.deploy.run_worker import build_model, builtin_dataset, evaluate
+    from isthmus.deploy.run_worker import (
+        build_model,
+        builtin_dataset,
+        evaluate,
+        held_out_batches,
+    )
 
     run_dir: Path = args.run_dir
     weights = run_dir / "model.safetensors"
@@ -186,16 +189,13 @@ def _eval(args: argparse.Namespace) -> int:
         model.load_state_dict(load_file(str(weights)))
     except RuntimeError as exc:
         raise UsageError(f"{weights} does not fit the job's model: {exc}") from None
-    dataset = builtin_dataset(job, model)
-    if dataset is None:
-        raise UsageError(
-            f"data: {job.data} is a function, which has no held-out split; evaluate the model "
-            "with your own code (safetensors.torch.load_file)"
-        )
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    try:
+        batches = held_out_batches(job, model, builtin_dataset(job, model))
+    except ValueError as exc:  # the data function cannot be imported here
+        raise UsageError(str(exc)) from None
     result = {
         "run": str(run_dir),
-        "eval_loss": evaluate(model, dataset, loss_fn),
+        "eval_loss": evaluate(model, batches, loss_fn),
         "param_sha256": parameter_digest(model),
     }
     summary_path = run_dir / "summary.json"

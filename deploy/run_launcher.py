@@ -268,17 +268,19 @@ class Launcher:
     def _check_processes(self) -> str:
         running = False
         for site in self.state.sites.values():
-            if site.status in ("failed", "lost", "finished"):
+            if site.status in ("failed", "lost"):
                 continue
+            # A site says "finished" before its processes exit; the exit codes decide.
             codes = [p.poll() for p in site.procs]
             if any(c is not None and c != 0 for c in codes):
                 code = next(c for c in codes if c is not None and c != 0)
                 rank = codes.index(code)
                 site.status = "lost" if code < 0 else "failed"
-                how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
-                site.reason = (
-                    f"rank {rank} {how}: {_tail(site.logs[rank])} (log: {site.logs[rank]})"
-                )
+                log = site.logs[rank]
+                if code < 0:
+                    site.reason = f"rank {rank} killed by {signal.Signals(-code).name} (log: {log})"
+                else:
+                    site.reason = f"rank {rank} exit status {code}: {_tail(log)} (log: {log})"
                 return "failed"
             if all(c == 0 for c in codes):
                 site.status = "finished"

@@ -48,8 +48,8 @@ class PlainProgress:
         for site in state.sites.values():
             if site.status in ("finished", "failed", "lost") and site.name not in self._settled:
                 self._settled.add(site.name)
-                why = f": {site.reason}" if site.reason else ""
-                print(f"site {site.name} {site.status}{why}", file=self.out, flush=True)
+                # Why a site failed is printed once, at the end of the run.
+                print(f"site {site.name} {site.status}", file=self.out, flush=True)
         if now - self._last < self.every_s and state.status == "running":
             return
         self._last = now

@@ -16,6 +16,7 @@ final model, ``RUN_DIR/model.safetensors``. Files appear whole or not at all.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import signal
 import time
@@ -41,7 +42,9 @@ from isthmus.intra.parallelize import GPT_PLAN, ModelPlan, SiteModel
 from isthmus.intra.plugins import DataContext, load_callable, load_model
 
 EVAL_BATCHES = 8
-"""Held-out batches of 16 sequences for each evaluation."""
+"""Held-out batches of 16 sequences (or samples) for each evaluation."""
+
+Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 def build_model(job: Job) -> tuple[nn.Module, ModelPlan | None, Callable[..., torch.Tensor]]:
@@ -142,6 +145,7 @@ def _train(
     part = SiteModel(model, site.layout, site.rank, loss_fn=loss_fn, plan=plan)
     dataset = builtin_dataset(job, model)
     batches = _batches(job, settings, site, dataset)
+    held_out = held_out_batches(job, model, dataset)
     first = next(batches)
     tokens_per_step = first[1].numel()
     optimizer = torch.optim.AdamW(part.parameters(), lr=learning_rate(settings, 0))
@@ -194,8 +198,8 @@ def _train(
         if strategy.outer_steps != outer_seen:
             outer_seen = strategy.outer_steps
             _write_round(records if leader else None, strategy, site, step + 1)
-            if dataset is not None and site.layout.pp == 1:
-                eval_loss = evaluate(part.model, dataset, loss_fn)
+            if site.layout.pp == 1:  # a pipeline stage is not a whole model
+                eval_loss = evaluate(part.model, held_out, loss_fn)
                 if leader:
                     records.write("eval", step=step + 1, tokens=tokens, eval_loss=eval_loss)
 
@@ -214,7 +218,7 @@ def _train(
     assert full is not None
     final, _, _ = build_model(job)
     final.load_state_dict(full)
-    eval_loss = evaluate(final, dataset, loss_fn) if dataset is not None else None
+    eval_loss = evaluate(final, held_out, loss_fn)
     records.write("eval", step=settings.steps, tokens=tokens, eval_loss=eval_loss, final=True)
     if site.site_index == 0:
         save_model(final, run_dir / "model.safetensors", job)
@@ -239,28 +243,46 @@ def _train(
 
 def _batches(
     job: Job, settings: TrainSettings, site: SiteRuntime, dataset: Dataset | None
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    dps = tuple(s.layout.dp for s in job.sites)
+) -> Iterator[Batch]:
     if dataset is not None:
+        dps = tuple(s.layout.dp for s in job.sites)
         shard = ShardSpec(site.site_index, dps, site.dp_rank, seed=job.seed)
         return dataset.batches(shard, settings.batch_size)
-    context = DataContext(
-        site=site.name,
-        site_index=site.site_index,
-        site_count=len(dps),
-        dp_rank=site.dp_rank,
-        dp_size=site.layout.dp,
-        ranks_per_site=dps,
-        batch_size=settings.batch_size,
-        seed=job.seed,
-    )
+    context = data_context(job, site.site_index, site.dp_rank, settings.batch_size)
     return iter(load_callable(job.data, "data")(context))
 
 
+def data_context(
+    job: Job, site_index: int, dp_rank: int, batch_size: int, split: str = "train"
+) -> DataContext:
+    dps = tuple(s.layout.dp for s in job.sites)
+    return DataContext(
+        site=job.sites[site_index].name,
+        site_index=site_index,
+        site_count=len(dps),
+        dp_rank=dp_rank,
+        dp_size=dps[site_index],
+        ranks_per_site=dps,
+        batch_size=batch_size,
+        seed=job.seed,
+        split=split,
+    )
+
+
+def held_out_batches(job: Job, model: nn.Module, dataset: Dataset | None) -> list[Batch]:
+    """The evaluation batches, the same on every site and at every evaluation: the
+    built-in data's held-out split, or what the user's data function yields for
+    ``split="eval"``."""
+    if dataset is not None:
+        return list(dataset.eval_batches(16, EVAL_BATCHES))
+    context = data_context(job, 0, 0, 16, split="eval")
+    return list(itertools.islice(load_callable(job.data, "data")(context), EVAL_BATCHES))
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset: Dataset, loss_fn: Callable[..., torch.Tensor]) -> float:
-    """Mean loss on the held-out split (the same batches every time)."""
-    losses = [float(loss_fn(model(x), y)) for x, y in dataset.eval_batches(16, EVAL_BATCHES)]
+def evaluate(model: nn.Module, batches: list[Batch], loss_fn: Callable[..., torch.Tensor]) -> float:
+    """Mean loss over ``batches``."""
+    losses = [float(loss_fn(model(x), y)) for x, y in batches]
     return sum(losses) / len(losses)
 
 

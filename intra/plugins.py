@@ -36,6 +36,9 @@ class DataContext:
     """Data-parallel ranks of every site, in the job's order."""
     batch_size: int
     seed: int
+    split: str = "train"
+    """``train``, or ``eval`` for the held-out batches that measure the model (the same
+    ones every time the function is called with it)."""
 
 
 DataFunction = Callable[[DataContext], Iterator[tuple[torch.Tensor, torch.Tensor]]]

@@ -60,7 +60,9 @@ def model() -> nn.Module:
 def data(context: DataContext) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     truth = torch.randn(WIDTH, generator=torch.Generator().manual_seed(context.seed))
     shard = sum(context.ranks_per_site[: context.site_index]) + context.dp_rank
-    generator = torch.Generator().manual_seed(context.seed * 1000 + shard + 1)
+    # Held-out samples come from a stream no training rank draws from.
+    stream = -1 if context.split == "eval" else shard
+    generator = torch.Generator().manual_seed(context.seed * 1000 + stream + 1)
     while True:
         x = torch.randn(context.batch_size, WIDTH, generator=generator)
         yield x, x @ truth / WIDTH**0.5  # targets of unit variance

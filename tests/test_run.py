@@ -1,0 +1,343 @@
+"""``isthmus run``, ``eval`` and ``report`` end to end: real processes, real emulator.
+
+Every run here is a real job: the emulator's proxies, one process per rank
+(the 2-rank site is a real Gloo group), the strategy's rounds over gRPC.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from isthmus.deploy.run_records import RecordTail, parameter_digest, read_records
+
+SMALL_JOB = """\
+name: small
+sites:
+  - {name: a, ranks: 1}
+  - {name: b, ranks: 2}
+wan:
+  default: {rtt_ms: 20, bandwidth_mbit: 200}
+train: {strategy: diloco, steps: STEPS, sync_every: 4, warmup_steps: 2}
+"""
+
+
+def write_job(tmp_path: Path, steps: int = 10, text: str = SMALL_JOB) -> Path:
+    job = tmp_path / "job.yaml"
+    job.write_text(text.replace("STEPS", str(steps)))
+    return job
+
+
+def isthmus(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "isthmus", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def start_run(job: Path, out: Path, *flags: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out), *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for_steps(out: Path, site: str, steps: int, timeout: float = 120) -> None:
+    tail = RecordTail(out / "sites" / site / "metrics.jsonl")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(r["kind"] == "step" and r["step"] >= steps for r in tail.read()):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"site {site} did not reach step {steps} in {timeout} s")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is gone for every purpose but its exit status.
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def all_pids(out: Path) -> list[int]:
+    return [pid for pids in json.loads((out / "pids.json").read_text()).values() for pid in pids]
+
+
+def test_a_small_job_end_to_end(tmp_path):
+    job = write_job(tmp_path, steps=10)
+    out = tmp_path / "run"
+    done = isthmus("run", str(job), "--out", str(out), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "every site holds the same model" in done.stdout
+    assert f"report: {out / 'report.md'}" in done.stdout
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["job"] == "small" and summary["strategy"] == "diloco"
+    assert summary["status"] == "finished"
+    assert summary["wall_seconds"] > 0 and 0 < summary["compute_utilization"] <= 1
+    # 10 steps, sync_every 4: rounds at 4 and 8, and the final synchronisation.
+    sites = summary["sites"]
+    assert set(sites) == {"a", "b"}
+    for site in sites.values():
+        assert site["status"] == "finished"
+        assert site["inner_steps"] == 10 and site["outer_steps"] == 3
+        assert site["final_loss"] > 0 and site["eval_loss"] > 0
+        assert site["compute_seconds"] <= site["wall_seconds"]
+        assert len(site["param_sha256"]) == 64
+    assert sites["b"]["tokens"] == 2 * sites["a"]["tokens"]  # two data-parallel ranks
+    assert sites["a"]["param_sha256"] == sites["b"]["param_sha256"]
+    assert sites["a"]["eval_loss"] == sites["b"]["eval_loss"]
+    # Isthmus's own count of the data plane, and the emulator's wire under it.
+    assert summary["wan_bytes"] == summary["wan_bytes_by_link"]["a<->b"] > 0
+    assert summary["emulator_wire_bytes"] >= summary["wan_bytes"]
+
+    resolved = (out / "job.yaml").read_text()
+    assert "inner_lr:" in resolved and "batch_size:" in resolved  # defaults filled in
+    assert set(json.loads((out / "pids.json").read_text())) == {"a", "b"}
+    assert not any(p.name.endswith(".tmp") for p in out.rglob("*"))
+    records = read_records(out / "metrics.jsonl")
+    kinds = {r["kind"] for r in records}
+    assert {"start", "step", "state", "blocked", "round", "eval", "link"} <= kinds
+    steps = [r["step"] for r in records if r["kind"] == "step" and r["site"] == "a"]
+    assert steps == list(range(1, 11))
+    assert (out / "tensorboard" / "a").is_dir() and any((out / "tensorboard" / "b").iterdir())
+    for plot in ("loss", "wan", "timeline"):
+        assert (out / "plots" / f"{plot}.png").stat().st_size > 10_000
+    report = (out / "report.md").read_text()
+    assert "![Loss](plots/loss.png)" in report and "| a | finished |" in report
+    for log in ("a-r0", "b-r0", "b-r1", "wan"):
+        assert (out / "logs" / f"{log}.log").exists()
+
+    # The consolidated model is the one every site holds.
+    evaluated = isthmus("eval", str(out), cwd=tmp_path)
+    assert evaluated.returncode == 0, evaluated.stderr
+    result = json.loads(evaluated.stdout)
+    assert result["matches_summary"] is True
+    assert result["param_sha256"] == sites["a"]["param_sha256"]
+    assert result["eval_loss"] == pytest.approx(sites["a"]["eval_loss"], rel=1e-6)
+
+    # The report can be made again from the files; a second run never overwrites.
+    (out / "report.md").unlink()
+    assert isthmus("report", str(out), cwd=tmp_path).returncode == 0
+    assert (out / "report.md").exists()
+    again = isthmus("run", str(job), "--out", str(out), cwd=tmp_path)
+    assert again.returncode == 2
+    assert "already exists and is not empty" in again.stderr
+    assert json.loads((out / "summary.json").read_text()) == summary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["sync", "streaming", "async"])
+def test_every_strategy_runs_and_ends_identical(tmp_path, strategy):
+    job = write_job(tmp_path, steps=8)
+    out = tmp_path / "run"
+    done = isthmus("run", str(job), "--out", str(out), "--strategy", strategy, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["strategy"] == strategy
+    assert summary["settings"]["strategy"] == strategy
+    digests = {s["param_sha256"] for s in summary["sites"].values()}
+    assert len(digests) == 1 and None not in digests
+    assert all(s["inner_steps"] == 8 for s in summary["sites"].values())
+
+
+def test_ctrl_c_stops_every_process_and_leaves_whole_files(tmp_path):
+    job = write_job(tmp_path, steps=100_000)
+    out = tmp_path / "run"
+    run = start_run(job, out)
+    wait_for_steps(out, "b", 3)
+    pids = all_pids(out)
+    run.send_signal(signal.SIGINT)
+    stdout, stderr = run.communicate(timeout=60)
+    assert run.returncode == 130, stderr
+    assert "interrupted" in stdout
+    assert not [pid for pid in pids if alive(pid)], "rank processes left behind"
+    assert not any(p.name.endswith(".tmp") for p in out.rglob("*"))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    assert {s["status"] for s in summary["sites"].values()} == {"lost"}
+    assert all(s["param_sha256"] is None for s in summary["sites"].values())
+    # Every line of the merged metrics is a whole record.
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert lines and all(json.loads(line) for line in lines)
+    assert (out / "report.md").exists()
+    # The emulator stopped too: its log ends with its final statistics.
+    assert "link a<->b" in (out / "logs" / "wan.log").read_text()
+
+
+def test_a_killed_site_stops_the_run_and_is_named(tmp_path):
+    job = write_job(tmp_path, steps=100_000)
+    out = tmp_path / "run"
+    run = start_run(job, out)
+    wait_for_steps(out, "a", 3)
+    victim = json.loads((out / "pids.json").read_text())["b"][1]
+    os.kill(victim, signal.SIGKILL)
+    _, stderr = run.communicate(timeout=60)
+    assert run.returncode == 1
+    assert "site b lost: rank 1 killed by SIGKILL" in stderr
+    assert "b-r1.log" in stderr
+    assert not [pid for pid in all_pids(out) if alive(pid)]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert summary["sites"]["b"]["status"] == "lost"
+    assert "SIGKILL" in summary["sites"]["b"]["reason"]
+    assert summary["sites"]["a"]["status"] == "lost"
+    assert summary["sites"]["a"]["inner_steps"] >= 3
+
+
+def test_a_site_that_crashes_is_named_with_its_error_and_log(tmp_path):
+    (tmp_path / "broken_model.py").write_text(
+        "def model():\n    raise RuntimeError('out of GPU memory (simulated)')\n"
+    )
+    job = write_job(tmp_path, text=SMALL_JOB + "model: broken_model:model\n")
+    out = tmp_path / "run"
+    env_run = subprocess.run(
+        [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
+    assert env_run.returncode == 1
+    assert "failed: rank 0 exit status 1" in env_run.stderr
+    assert "out of GPU memory (simulated)" in env_run.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert "failed" in {s["status"] for s in summary["sites"].values()}
+
+
+@pytest.mark.parametrize(
+    ("extra", "flags", "message"),
+    [
+        ("train: {strategy: dilocco}\n", [], "train.strategy: unknown strategy 'dilocco'"),
+        ("model: tny\n", [], "model: unknown size 'tny'; did you mean 'tiny'?"),
+        ("data: missing.txt\n", [], "data: no file"),
+        ("model: no_such_module:model\n", [], "model: cannot import 'no_such_module'"),
+        ("", ["--steps", "0"], "--steps: must be an integer >= 1"),
+        ("", ["--strategy", "fast"], "argument --strategy: invalid choice: 'fast'"),
+        ("", ["--compare", "sync,fast"], "--compare: unknown strategy 'fast'"),
+        ("", ["--compare", "sync", "--strategy", "sync"], "drop --strategy"),
+    ],
+)
+def test_bad_input_is_refused_before_anything_starts(tmp_path, extra, flags, message):
+    text = "name: bad\nsites: [{name: a}, {name: b}]\n" + extra
+    job = tmp_path / "job.yaml"
+    job.write_text(text)
+    out = tmp_path / "run"
+    done = isthmus("run", str(job), "--out", str(out), *flags, cwd=tmp_path, timeout=60)
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_compare_writes_one_table_for_every_strategy(tmp_path):
+    job = write_job(tmp_path, steps=8)
+    out = tmp_path / "cmp"
+    done = isthmus("run", str(job), "--out", str(out), "--compare", "sync,diloco", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "| strategy | held-out loss | WAN bytes |" in done.stdout
+    rows = json.loads((out / "compare.json").read_text())
+    assert [r["strategy"] for r in rows] == ["sync", "diloco"]
+    assert all(r["identical_sites"] and r["status"] == "finished" for r in rows)
+    # Sync averages every step, DiLoCo every 4: sync sends more.
+    assert rows[0]["wan_bytes"] > 2 * rows[1]["wan_bytes"]
+    assert (out / "compare.png").exists() and (out / "compare.md").exists()
+    for strategy in ("sync", "diloco"):
+        assert json.loads((out / strategy / "summary.json").read_text())["strategy"] == strategy
+
+
+@pytest.mark.slow
+def test_your_own_model_and_data_from_the_job_file(tmp_path):
+    text = SMALL_JOB + (
+        "model: isthmus.deploy.examples.custom_model:model\n"
+        "data: isthmus.deploy.examples.custom_model:data\n"
+    )
+    job = write_job(tmp_path, steps=8, text=text)
+    out = tmp_path / "run"
+    done = isthmus("run", str(job), "--out", str(out), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["model"] == "isthmus.deploy.examples.custom_model:model"
+    digests = {s["param_sha256"] for s in summary["sites"].values()}
+    assert len(digests) == 1 and None not in digests
+    assert summary["sites"]["a"]["eval_loss"] > 0
+    evaluated = json.loads(isthmus("eval", str(out), cwd=tmp_path).stdout)
+    assert evaluated["matches_summary"] is True
+
+
+def test_record_tail_reads_whole_lines_only(tmp_path):
+    path = tmp_path / "m.jsonl"
+    tail = RecordTail(path)
+    assert list(tail.read()) == []  # no file yet
+    path.write_text('{"kind": "step", "step": 1}\n{"kind": "st')
+    assert [r["step"] for r in tail.read()] == [1]
+    with path.open("a") as f:
+        f.write('ep", "step": 2}\nnot json\n')
+    assert [r["step"] for r in tail.read()] == [2]
+
+
+def test_parameter_digest_names_order_and_values():
+    import torch
+
+    a = torch.nn.Linear(3, 2)
+    b = torch.nn.Linear(3, 2)
+    b.load_state_dict(a.state_dict())
+    assert parameter_digest(a) == parameter_digest(b)
+    with torch.no_grad():
+        b.bias[0] = torch.nextafter(b.bias[0], torch.tensor(2.0))
+    assert parameter_digest(a) != parameter_digest(b)
+
+
+def test_learning_rate_warms_up_then_decays_to_a_tenth():
+    from isthmus.deploy.run_worker import learning_rate
+    from isthmus.inter.settings import TrainSettings
+
+    settings = TrainSettings(steps=100, warmup_steps=10, inner_lr=1.0)
+    rates = [learning_rate(settings, s) for s in range(100)]
+    assert rates[0] == pytest.approx(0.1) and rates[9] == pytest.approx(1.0)
+    assert all(x >= y for x, y in itertools.pairwise(rates[9:]))
+    assert rates[-1] == pytest.approx(0.1, abs=0.01)
+
+
+def test_live_progress_renders_every_site_and_link(tmp_path):
+    from rich.console import Console
+
+    from isthmus.deploy.jobfile import parse_job
+    from isthmus.deploy.run_launcher import RunState, SiteState
+    from isthmus.deploy.run_progress import LiveProgress, PlainProgress
+
+    job = parse_job("name: j\nsites: [{name: a}, {name: b}]\ntrain: {steps: 10}\n")
+    state = RunState(
+        job=job,
+        run_dir=tmp_path,
+        started=time.time() - 5,
+        sites={"a": SiteState("a", 1, status="syncing", step=4, loss=3.5), "b": SiteState("b", 1)},
+        links={"a<->b": {"bytes": 2.5e6, "mbit_s": 40.0}},
+    )
+    console = Console(file=io.StringIO(), width=160)
+    console.print(LiveProgress().render(state))
+    text = console.file.getvalue()
+    assert "4/10" in text and "3.500" in text and "syncing" in text and "a<->b" in text
+    plain = io.StringIO()
+    PlainProgress(plain).update(state)
+    assert (
+        "a: step 4/10 loss 3.500" in plain.getvalue() and "link a<->b: 2.5 MB" in plain.getvalue()
+    )
