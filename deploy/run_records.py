@@ -37,20 +37,26 @@ from torch import nn
 
 
 class RecordWriter:
-    """Appends one site's records, one flushed line each."""
+    """Appends one site's records, one flushed line each; writes nothing when not
+    ``enabled`` (every rank but the one that reports for the site)."""
 
-    def __init__(self, path: Path, site: str) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    def __init__(self, path: Path, site: str, enabled: bool = True) -> None:
         self.site = site
-        self._file = path.open("a", encoding="utf-8")
+        self._file = None
+        if enabled:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = path.open("a", encoding="utf-8")
 
     def write(self, kind: str, **fields: Any) -> None:
+        if self._file is None:
+            return
         record = {"t": time.time(), "site": self.site, "kind": kind, **fields}
         self._file.write(json.dumps(record, default=_plain) + "\n")
         self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
 def _plain(value: Any) -> Any:

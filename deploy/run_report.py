@@ -76,10 +76,7 @@ def _plot_loss(by_site: dict[str, list[dict[str, Any]]], started: float, path: P
     by_tokens.legend(fontsize=8)
     for axes in (by_tokens, by_time):
         axes.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return f"plots/{path.name}"
+    return _save(fig, path)
 
 
 def _plot_wan(
@@ -119,10 +116,7 @@ def _plot_wan(
     axes.set_ylabel("MB over the link, both ways (cumulative)")
     axes.grid(alpha=0.3)
     axes.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return f"plots/{path.name}"
+    return _save(fig, path)
 
 
 def _plot_timeline(
@@ -161,6 +155,13 @@ def _plot_timeline(
         ncols=3,
     )
     axes.margins(x=0.12)
+    return _save(fig, path)
+
+
+def _save(fig: Any, path: Path) -> str:
+    """Write the figure and return its path relative to the report."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

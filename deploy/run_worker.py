@@ -122,8 +122,8 @@ def train(run_dir: Path, site_name: str) -> int:
     model, plan, loss_fn = build_model(job)
     named = [(n, p.shape) for n, p in model.named_parameters()]
     site = start_site(job, site_name, parameters=named, state=state)
-    records = RecordWriter(run_dir / "sites" / site_name / "metrics.jsonl", site_name)
-    leader = site.rank == 0
+    leader = site.rank == 0  # rank 0 reports for the whole site
+    records = RecordWriter(run_dir / "sites" / site_name / "metrics.jsonl", site_name, leader)
     try:
         return _train(job, settings, site, model, plan, loss_fn, records, leader, run_dir)
     finally:
@@ -154,13 +154,10 @@ def _train(
     # inner step; FSDP does it itself, and Sync includes it in its exchange.
     replicas = site.dp_group if (site.layout.dp > 1 and not part.sharded) else None
     average_in_site = replicas is not None and settings.strategy != "sync"
-    if leader:
-        strategy.observer = lambda kind, start: records.write(
-            "state", state=kind if start else "computing"
-        )
-        records.write(
-            "start", ranks=site.site.ranks, strategy=settings.strategy, steps=settings.steps
-        )
+    strategy.observer = lambda kind, start: records.write(
+        "state", state=kind if start else "computing"
+    )
+    records.write("start", ranks=site.site.ranks, strategy=settings.strategy, steps=settings.steps)
 
     tokens = 0
     compute_s = 0.0
@@ -184,34 +181,31 @@ def _train(
         compute_s += time.perf_counter() - step_started - sum(b.seconds for b in strategy.blocked)
         tokens += y.numel() * site.layout.dp
         loss = _site_mean(rank_loss, site)
-        if leader:
-            _write_blocked(records, strategy)
-            records.write(
-                "step",
-                step=step + 1,
-                loss=loss,
-                tokens=tokens,
-                compute_s=compute_s,
-                lr=optimizer.param_groups[0]["lr"],
-            )
-        strategy.blocked.clear()
+        _write_blocked(records, strategy)
+        records.write(
+            "step",
+            step=step + 1,
+            loss=loss,
+            tokens=tokens,
+            compute_s=compute_s,
+            lr=optimizer.param_groups[0]["lr"],
+        )
         if strategy.outer_steps != outer_seen:
             outer_seen = strategy.outer_steps
-            _write_round(records if leader else None, strategy, site, step + 1)
-            if site.layout.pp == 1:  # a pipeline stage is not a whole model
-                eval_loss = evaluate(part.model, held_out, loss_fn)
-                if leader:
-                    records.write("eval", step=step + 1, tokens=tokens, eval_loss=eval_loss)
+            _write_round(records, strategy, site, step + 1)
+        # Held-out loss every sync_every steps (after DiLoCo's round: the global
+        # model), whatever the strategy, so runs compare at the same points.
+        if (step + 1) % settings.sync_every == 0 and site.layout.pp == 1:
+            eval_loss = evaluate(part.model, held_out, loss_fn)  # a stage is not a model
+            records.write("eval", step=step + 1, tokens=tokens, eval_loss=eval_loss)
 
     # Every run ends with a final synchronisation: the same model on every site.
-    if leader:
-        records.write("state", state="syncing")
+    records.write("state", state="syncing")
     strategy.finish()
     strategy.close()
-    if leader:
-        _write_blocked(records, strategy)
+    _write_blocked(records, strategy)
     wall_s = time.time() - train_started
-    totals = _write_round(records if leader else None, strategy, site, settings.steps)
+    totals = _write_round(records, strategy, site, settings.steps)
     full = _full_state(part, site)
     if not leader:
         return 0
@@ -255,14 +249,11 @@ def _batches(
 def data_context(
     job: Job, site_index: int, dp_rank: int, batch_size: int, split: str = "train"
 ) -> DataContext:
-    dps = tuple(s.layout.dp for s in job.sites)
-    return DataContext(
-        site=job.sites[site_index].name,
-        site_index=site_index,
-        site_count=len(dps),
-        dp_rank=dp_rank,
-        dp_size=dps[site_index],
-        ranks_per_site=dps,
+    return DataContext.for_rank(
+        [s.name for s in job.sites],
+        [s.layout.dp for s in job.sites],
+        site_index,
+        dp_rank,
         batch_size=batch_size,
         seed=job.seed,
         split=split,
@@ -307,12 +298,14 @@ def _site_mean(loss: float | None, site: SiteRuntime) -> float:
 
 
 def _write_blocked(records: RecordWriter, strategy: Strategy) -> None:
+    """Report the spans the strategy blocked the loop, and forget them."""
     for span in strategy.blocked:
         records.write("blocked", what=span.kind, started=span.started, seconds=span.seconds)
+    strategy.blocked.clear()
 
 
 def _write_round(
-    records: RecordWriter | None, strategy: Strategy, site: SiteRuntime, step: int
+    records: RecordWriter, strategy: Strategy, site: SiteRuntime, step: int
 ) -> dict[str, Any]:
     """The site's WAN counters (every rank's, summed: a collective) as a round record."""
     peers = [n for n in site.names if n != site.name]
@@ -328,8 +321,7 @@ def _write_round(
         "wan_bytes_received": int(values[1]),
         "wan_bytes_sent_to": {p: int(v) for p, v in zip(peers, values[2:].tolist(), strict=True)},
     }
-    if records is not None:
-        records.write("round", step=step, outer_steps=strategy.outer_steps, **totals)
+    records.write("round", step=step, outer_steps=strategy.outer_steps, **totals)
     return totals
 
 

@@ -76,13 +76,11 @@ class Recipe:
         """The batches of one data-parallel rank of one site."""
         dps = tuple(s.layout.dp for s in job.sites)
         if self.data_import:
-            context = DataContext(
-                site=job.sites[site_index].name,
-                site_index=site_index,
-                site_count=len(dps),
-                dp_rank=dp_rank,
-                dp_size=dps[site_index],
-                ranks_per_site=dps,
+            context = DataContext.for_rank(
+                [s.name for s in job.sites],
+                dps,
+                site_index,
+                dp_rank,
                 batch_size=self.batch,
                 seed=self.seed,
             )

@@ -15,7 +15,7 @@ deterministic in the context, and different ranks must get different data.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,32 @@ class DataContext:
     split: str = "train"
     """``train``, or ``eval`` for the held-out batches that measure the model (the same
     ones every time the function is called with it)."""
+
+    @classmethod
+    def for_rank(
+        cls,
+        sites: Sequence[str],
+        dp_sizes: Sequence[int],
+        site_index: int,
+        dp_rank: int,
+        *,
+        batch_size: int,
+        seed: int,
+        split: str = "train",
+    ) -> DataContext:
+        """The context of data-parallel rank ``dp_rank`` of site ``site_index``, given
+        every site's name and data-parallel size in the job's order."""
+        return cls(
+            site=sites[site_index],
+            site_index=site_index,
+            site_count=len(sites),
+            dp_rank=dp_rank,
+            dp_size=dp_sizes[site_index],
+            ranks_per_site=tuple(dp_sizes),
+            batch_size=batch_size,
+            seed=seed,
+            split=split,
+        )
 
 
 DataFunction = Callable[[DataContext], Iterator[tuple[torch.Tensor, torch.Tensor]]]
