@@ -88,6 +88,17 @@ class RunState:
     def steps(self) -> int:
         return self.job.train.steps
 
+    def isthmus_link_bytes(self) -> dict[str, int]:
+        """Payload bytes over each pair of sites, both ways, as the sites counted them
+        at their last round (exists without an emulator too)."""
+        names = [s.name for s in self.job.sites]
+        return {
+            f"{a}<->{b}": self.sites[a].wan_bytes_sent_to.get(b, 0)
+            + self.sites[b].wan_bytes_sent_to.get(a, 0)
+            for i, a in enumerate(names)
+            for b in names[i + 1 :]
+        }
+
 
 def resolve_job(
     path: Path, *, strategy: str | None = None, steps: int | None = None

@@ -54,6 +54,8 @@ class PlainProgress:
             return
         self._last = now
         elapsed = time.time() - state.started
+        if state.status == "running":
+            print(f"[{elapsed:6.1f}s] ETA {_eta(state)}", file=self.out, flush=True)
         for site in state.sites.values():
             loss = f"{site.loss:.3f}" if site.loss is not None else "-"
             print(
@@ -127,13 +129,17 @@ class LiveProgress:
                 f"[{colour}]{site.status}[/]" if colour else site.status,
             )
         parts: list[Any] = [sites]
+        links = Table(title="links", title_justify="left")
+        links.add_column("link")
+        links.add_column("sent (Isthmus)", justify="right")
         if state.links:
-            links = Table(title="emulated links", title_justify="left")
-            for column in ("link", "wire bytes", "now"):
-                links.add_column(column, justify="left" if column == "link" else "right")
-            for key, link in state.links.items():
-                links.add_row(key, _mb(link["bytes"]), f"{link['mbit_s']:.1f} Mbit/s")
-            parts.append(links)
+            links.add_column("wire (emulator)", justify="right")
+            links.add_column("now", justify="right")
+        for key, counted in state.isthmus_link_bytes().items():
+            wire = state.links.get(key)
+            emulated = [_mb(wire["bytes"]), f"{wire['mbit_s']:.1f} Mbit/s"] if wire else []
+            links.add_row(key, _mb(counted), *emulated)
+        parts.append(links)
         return Group(*parts)
 
 

@@ -157,13 +157,16 @@ def test_every_strategy_runs_and_ends_identical(tmp_path, strategy):
     assert all(s["inner_steps"] == 8 for s in summary["sites"].values())
 
 
-def test_ctrl_c_stops_every_process_and_leaves_whole_files(tmp_path):
+@pytest.mark.parametrize(
+    "sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)]
+)
+def test_ctrl_c_stops_every_process_and_leaves_whole_files(tmp_path, sig):
     job = write_job(tmp_path, steps=100_000)
     out = tmp_path / "run"
     run = start_run(job, out)
     wait_for_steps(out, "b", 3)
     pids = all_pids(out)
-    run.send_signal(signal.SIGINT)
+    run.send_signal(sig)
     stdout, stderr = run.communicate(timeout=60)
     assert run.returncode == 130, stderr
     assert "interrupted" in stdout
@@ -283,6 +286,19 @@ def test_your_own_model_and_data_from_the_job_file(tmp_path):
     assert evaluated["matches_summary"] is True
 
 
+@pytest.mark.slow
+def test_a_job_without_wan_section_connects_sites_directly(tmp_path):
+    text = "name: direct\nsites: [{name: a}, {name: b}]\ntrain: {steps: 6, sync_every: 3}\n"
+    job = write_job(tmp_path, text=text)
+    out = tmp_path / "run"
+    done = isthmus("run", str(job), "--out", str(out), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert "emulator_wire_bytes" not in summary and summary["wan_bytes"] > 0
+    assert not (out / "logs" / "wan.log").exists()
+    assert "address: 127.0.0.1:" in (out / "job.yaml").read_text()  # loopback ports given
+
+
 def test_record_tail_reads_whole_lines_only(tmp_path):
     path = tmp_path / "m.jsonl"
     tail = RecordTail(path)
@@ -329,7 +345,12 @@ def test_live_progress_renders_every_site_and_link(tmp_path):
         job=job,
         run_dir=tmp_path,
         started=time.time() - 5,
-        sites={"a": SiteState("a", 1, status="syncing", step=4, loss=3.5), "b": SiteState("b", 1)},
+        sites={
+            "a": SiteState(
+                "a", 1, status="syncing", step=4, loss=3.5, wan_bytes_sent_to={"b": 10**6}
+            ),
+            "b": SiteState("b", 1),
+        },
         links={"a<->b": {"bytes": 2.5e6, "mbit_s": 40.0}},
     )
     console = Console(file=io.StringIO(), width=160)
