@@ -41,9 +41,16 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     commands.required = True
 
-    from isthmus.deploy import bench_commands, job_commands, run_commands, wan_commands
+    from isthmus.deploy import (
+        bench_commands,
+        control_commands,
+        job_commands,
+        run_commands,
+        wan_commands,
+    )
 
     run_commands.register(commands)
+    control_commands.register(commands)
     job_commands.register(commands)
     wan_commands.register(commands)
     bench_commands.register(commands)

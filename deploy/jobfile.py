@@ -18,13 +18,16 @@ Shape (every section but ``name`` and ``sites`` is optional)::
       faults:
         - {at_s: 30, link: [us-east, eu-west], action: partition, for_s: 10}
     train: {strategy: diloco, steps: 600, sync_every: 50, codec: int8}
+    control: {broker: mqtt://broker.example:1883}     # else an embedded broker
     model: tiny            # a built-in size, or package.module:function
     data: stdlib           # the built-in corpus, a text or .pt file, or package.module:function
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import os
 import re
 import socket
 from dataclasses import dataclass, field
@@ -33,6 +36,7 @@ from typing import Any
 
 import yaml
 
+from isthmus.inter.control import Broker
 from isthmus.inter.settings import SETTING_NAMES, SettingError, TrainSettings
 from isthmus.intra.layout import Layout, LayoutError, check_sites
 from isthmus.intra.model import SIZES
@@ -48,7 +52,9 @@ from isthmus.sim.presets import PRESETS
 from isthmus.sim.topology import Fault, Site, Topology, validate_fault
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-TOP_LEVEL_KEYS = ("name", "seed", "sites", "wan", "train", "model", "data")
+TOP_LEVEL_KEYS = ("name", "seed", "sites", "wan", "train", "model", "data", "control")
+CONTROL_KEYS = ("broker", "username", "password", "password_env", "tls", "wait_s")
+TLS_KEYS = ("ca", "cert", "key")
 SITE_KEYS = ("name", "ranks", "address", "advertise", "uplink_mbit", "parallel")
 WAN_KEYS = ("default", "links", "faults")
 FAULT_KEYS = ("at_s", "link", "action", "for_s", "mode", "period_s", "down_s", "rate", "changes")
@@ -117,6 +123,28 @@ class WanSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ControlSpec:
+    """The job file's ``control:`` section: which MQTT broker, and how to log in."""
+
+    broker: Broker
+    wait_s: float = 3.0
+    """How long a site waits for the broker at start before failing, naming it."""
+    password_env: str | None = None
+    """The environment variable holding the password (kept out of the job file)."""
+
+    def broker_for(self, site: str | None) -> Broker:
+        """The broker with this site's login: ``{site}`` in the username is the site's
+        name (one login per site, for a per-site ACL)."""
+        username = self.broker.username
+        if username and site:
+            username = username.replace("{site}", site)
+        password = self.broker.password
+        if self.password_env:
+            password = os.environ.get(self.password_env, password)
+        return dataclasses.replace(self.broker, username=username, password=password)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Job:
     """A validated job file."""
 
@@ -130,6 +158,8 @@ class Job:
     data: str = "stdlib"
     """``stdlib`` (the built-in corpus), an absolute path to a text or ``.pt`` token file,
     or ``package.module:function``."""
+    control: ControlSpec | None = None
+    """The control plane's broker; None: ``isthmus run`` starts an embedded one."""
     source: str = "<job>"
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -290,6 +320,7 @@ class _Validator:
         wan = self.wan(data["wan"], names) if data.get("wan") is not None else None
         train = self.train(data.get("train") or {})
         model = self.model(data.get("model", "tiny"), sites)
+        control = self.control(data["control"]) if data.get("control") is not None else None
         data_source = self.data(data.get("data", "stdlib"))
         if self.problems:
             raise JobFileError(self.source, self.problems)
@@ -302,6 +333,7 @@ class _Validator:
             seed=seed,
             model=model,
             data=data_source,
+            control=control,
             source=self.source,
             raw=data,
         )
@@ -599,6 +631,50 @@ class _Validator:
                 continue
             out.append(fault)
         return out
+
+    # -- control plane -------------------------------------------------------------
+    def control(self, raw: Any) -> ControlSpec | None:
+        raw = self.mapping(raw, "control", CONTROL_KEYS)
+        if raw is None:
+            return None
+        url = raw.get("broker")
+        if not isinstance(url, str):
+            self.fail("control.broker", f"give the broker as mqtt://host:port, got {url!r}")
+            return None
+        tls = raw.get("tls") or {}
+        tls = self.mapping(tls, "control.tls", TLS_KEYS) or {}
+        options: dict[str, Any] = {}
+        for key in ("username", "password"):
+            if raw.get(key) is not None and not isinstance(raw[key], str):
+                self.fail(f"control.{key}", f"must be a string, got {_kind(raw[key])}")
+            options[key] = raw.get(key)
+        base = Path(self.source).parent if self.source != "<job>" else Path.cwd()
+        for key in TLS_KEYS:
+            if tls.get(key) is None:
+                continue
+            path = (base / str(tls[key])).resolve()
+            if not path.is_file():
+                self.fail(f"control.tls.{key}", f"no file {str(path)!r}")
+            options[f"tls_{key}"] = str(path)
+        if (options.get("tls_cert") is None) != (options.get("tls_key") is None):
+            self.fail("control.tls", "give both cert and key (a client certificate), or neither")
+        password_env = raw.get("password_env")
+        if password_env is not None and not isinstance(password_env, str):
+            self.fail("control.password_env", f"must be a variable name, got {_kind(password_env)}")
+        wait_s = raw.get("wait_s", 3.0)
+        if not (_is_number(wait_s) and wait_s > 0):
+            self.fail("control.wait_s", f"must be a number of seconds > 0, got {wait_s!r}")
+            wait_s = 3.0
+        try:
+            broker = Broker.from_url(url, **options)
+        except ValueError as exc:
+            self.fail("control.broker", str(exc))
+            return None
+        if broker.url.startswith("mqtts") != url.startswith("mqtts"):
+            self.fail(
+                "control.broker", "mqtts:// needs control.tls.ca, and control.tls needs mqtts://"
+            )
+        return ControlSpec(broker=broker, wait_s=float(wait_s), password_env=password_env)
 
     # -- model and data --------------------------------------------------------------
     def model(self, value: Any, sites: list[SiteSpec]) -> str:

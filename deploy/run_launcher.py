@@ -183,6 +183,8 @@ class Launcher:
         )
         self.emulator: subprocess.Popen | None = None
         self.control: Any = None
+        self.broker: Any = None
+        self._control_state: Path | None = None
         self._tails = {
             s.name: RecordTail(run_dir / "sites" / s.name / "metrics.jsonl") for s in job.sites
         }
@@ -201,6 +203,8 @@ class Launcher:
             + yaml.safe_dump(self.raw, sort_keys=False)
         )
         self._metrics = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+        if self.job.control is None:
+            self._start_broker()
         if self.job.wan is not None:
             self._start_emulator()
         total_ranks = sum(s.ranks for s in self.job.sites)
@@ -218,6 +222,19 @@ class Launcher:
             state.started = time.time()
             pids[site.name] = [p.pid for p in state.procs]
             write_json_atomic(run_dir / "pids.json", pids)
+
+    def _start_broker(self) -> None:
+        """The control plane's embedded broker; its address goes where the sites
+        (RUN_DIR/control.json) and ``isthmus config set|watch`` (./JOB.control.json)
+        look for it."""
+        from isthmus.deploy.broker import EmbeddedBroker
+        from isthmus.deploy.control_commands import control_state_path
+
+        self.broker = EmbeddedBroker().start()
+        state = {"broker": self.broker.address.url, "run_dir": str(self.run_dir.resolve())}
+        write_json_atomic(self.run_dir / "control.json", state)
+        self._control_state = control_state_path(self.job)
+        write_json_atomic(self._control_state, state)
 
     def _start_emulator(self) -> None:
         log = (self.run_dir / "logs" / "wan.log").open("ab")
@@ -345,6 +362,12 @@ class Launcher:
         if self.emulator is not None:
             self._final_link_stats()
         _terminate([*children, *([self.emulator] if self.emulator else [])])
+        if self.broker is not None:
+            self.broker.stop()
+            self.broker = None
+        if self._control_state is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self._control_state.unlink()
         for f in self._files:
             f.close()
         self._files.clear()

@@ -16,6 +16,7 @@ blocked     ``what`` (``waiting`` or ``syncing``), ``started`` (wall clock), ``s
 round       ``step``, ``outer_steps``, ``wan_bytes_sent``, ``wan_bytes_received``,
             ``wan_bytes_sent_to`` (site -> bytes); cumulative, all the site's ranks
 eval        ``step``, ``tokens``, ``eval_loss`` (held-out split); ``final`` on the last
+config      ``round``, ``step``, ``settings``: live settings applied from here on
 ==========  ===========================================================================
 
 A site appends to its own file; the launcher is the only writer of the run's

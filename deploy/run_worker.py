@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from isthmus.deploy.addressing import load_state
 from isthmus.deploy.jobfile import Job, load_job
+from isthmus.deploy.run_control import SiteControl, apply_settings
 from isthmus.deploy.run_records import RecordWriter, parameter_digest, write_json_atomic
 from isthmus.deploy.site_errors import run_site_main
 from isthmus.inter.join import SiteRuntime, start_site
@@ -124,9 +125,13 @@ def train(run_dir: Path, site_name: str) -> int:
     site = start_site(job, site_name, parameters=named, state=state)
     leader = site.rank == 0  # rank 0 reports for the whole site
     records = RecordWriter(run_dir / "sites" / site_name / "metrics.jsonl", site_name, leader)
+    control = None
     try:
-        return _train(job, settings, site, model, plan, loss_fn, records, leader, run_dir)
+        control = SiteControl(job, run_dir, site_name, site.rank, site.site.ranks)
+        return _train(job, settings, site, model, plan, loss_fn, records, control, run_dir)
     finally:
+        if control is not None:
+            control.close()
         records.close()
         site.close()
 
@@ -139,9 +144,10 @@ def _train(
     plan: ModelPlan | None,
     loss_fn: Callable[..., torch.Tensor],
     records: RecordWriter,
-    leader: bool,
+    control: SiteControl,
     run_dir: Path,
 ) -> int:
+    leader = site.rank == 0
     part = SiteModel(model, site.layout, site.rank, loss_fn=loss_fn, plan=plan)
     dataset = builtin_dataset(job, model)
     batches = _batches(job, settings, site, dataset)
@@ -164,6 +170,7 @@ def _train(
     loss = float("nan")
     train_started = time.time()
     outer_seen = 0
+    round_started, round_tokens, waiting_s = time.perf_counter(), 0, 0.0
     for step in range(settings.steps):
         x, y = first if step == 0 else next(batches)
         step_started = time.perf_counter()
@@ -181,6 +188,7 @@ def _train(
         compute_s += time.perf_counter() - step_started - sum(b.seconds for b in strategy.blocked)
         tokens += y.numel() * site.layout.dp
         loss = _site_mean(rank_loss, site)
+        waiting_s += sum(b.seconds for b in strategy.blocked if b.kind == "waiting")
         _write_blocked(records, strategy)
         records.write(
             "step",
@@ -190,9 +198,24 @@ def _train(
             compute_s=compute_s,
             lr=optimizer.param_groups[0]["lr"],
         )
+        control.step(step + 1, strategy.outer_steps)
         if strategy.outer_steps != outer_seen:
             outer_seen = strategy.outer_steps
-            _write_round(records, strategy, site, step + 1)
+            totals = _write_round(records, strategy, site, step + 1)
+            round_s = time.perf_counter() - round_started
+            changes = control.round_ended(
+                outer_seen,
+                step + 1,
+                loss=loss,
+                tokens_per_s=(tokens - round_tokens) / round_s if round_s > 0 else None,
+                wan_bytes_sent=totals["wan_bytes_sent"],
+                round_s=round_s,
+                waiting_s=waiting_s,
+            )
+            round_started, round_tokens, waiting_s = time.perf_counter(), tokens, 0.0
+            if changes:
+                settings = apply_settings(changes, settings, strategy, site.name)
+                records.write("config", round=outer_seen, step=step + 1, settings=changes)
         # Held-out loss every sync_every steps (after DiLoCo's round: the global
         # model), whatever the strategy, so runs compare at the same points.
         if (step + 1) % settings.sync_every == 0 and site.layout.pp == 1:

@@ -2,7 +2,8 @@
 
 Bad input (job file, addresses, layout, settings) exits 2 with the field and
 the fix; a peer or round failure (unreachable, refused, late) exits 1 with the
-site and link it names. Anything else is a bug and keeps its traceback.
+site and link it names, an unreachable control-plane broker with its address.
+Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def run_site_main(main: Callable[[], int], prog: str) -> int:
     except (AddressError, LayoutError, SettingError, SiteError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
-    except (PeerError, RoundError) as exc:
+    except (PeerError, RoundError, ConnectionError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

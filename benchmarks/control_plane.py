@@ -1,0 +1,177 @@
+"""The control plane's targets: a killed site seen offline within 2 s; telemetry <= 1% of a step.
+
+    python benchmarks/control_plane.py [--trials 5] [--steps 200]
+
+1. Last Will latency, against Mosquitto (when installed) and the embedded
+   broker: a site process holding a control-plane client is killed with
+   SIGKILL; measured is the time from the kill until (a) another client and
+   (b) an outside ``mosquitto_sub`` print it offline. Median and max of the
+   trials.
+2. Telemetry cost: the built-in tiny GPT trains with and without a connected
+   site client that publishes its status every step and a metrics message
+   every step (the worst case: a real run sends metrics once per round),
+   alternating blocks of steps side by side; medians of per-step time and
+   their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from isthmus.deploy.broker import EmbeddedBroker
+from isthmus.inter.control import Broker, ControlPlane
+from isthmus.intra.data import Dataset, ShardSpec, stdlib_corpus
+from isthmus.intra.model import GPT, config_for, lm_loss
+
+SITE = """
+import sys, time
+from isthmus.inter.control import Broker, ControlPlane
+plane = ControlPlane(Broker("127.0.0.1", int(sys.argv[1])), "bench", "victim", status={"ranks": 1})
+plane.start(wait_s=10)
+print("up", flush=True)
+time.sleep(600)
+"""
+
+
+def last_will_latency(broker: Broker, mosquitto_sub: str | None) -> tuple[float, float | None]:
+    """Seconds from SIGKILL to offline, seen by a client and by mosquitto_sub."""
+    outside = None
+    if mosquitto_sub:
+        outside = subprocess.Popen(
+            [mosquitto_sub, "-p", str(broker.port), "-t", "isthmus/bench/sites/victim/status"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+    site = subprocess.Popen(
+        [sys.executable, "-c", SITE, str(broker.port)], stdout=subprocess.PIPE, text=True
+    )
+    assert site.stdout is not None and site.stdout.readline().strip() == "up"
+    with ControlPlane(broker, "bench", None).start(wait_s=10) as observer:
+        while observer.peers.get("victim", {}).get("state") != "online":
+            time.sleep(0.01)
+        if outside is not None:
+            assert outside.stdout is not None
+            while '"online"' not in outside.stdout.readline():
+                pass
+        killed = time.monotonic()
+        site.send_signal(signal.SIGKILL)
+        site.wait()
+        while observer.peers["victim"]["state"] != "offline":
+            time.sleep(0.005)
+        seen = time.monotonic() - killed
+    seen_outside = None
+    if outside is not None:
+        assert outside.stdout is not None
+        while '"offline"' not in outside.stdout.readline():
+            pass
+        seen_outside = time.monotonic() - killed
+        outside.terminate()
+        outside.wait()
+    return seen, seen_outside
+
+
+def telemetry_cost(broker: Broker, steps: int) -> tuple[float, float]:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT(config_for("tiny"))
+    data = Dataset(stdlib_corpus(2_000_000), model.config.seq_len)
+    batches = data.batches(ShardSpec(0, (1,), 0), 8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plane = ControlPlane(broker, "bench", "site", status={"ranks": 1}).start(wait_s=10)
+
+    def step(i: int, report: bool) -> float:
+        started = time.perf_counter()
+        x, y = next(batches)
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if report:
+            plane.update_status(step=i, round=i // 50)
+            plane.publish_metrics(
+                round=i, step=i, loss=float(loss), tokens_per_s=1.0, wan_bytes_sent=0,
+                round_s=0.0, waiting_s=0.0,
+            )  # fmt: skip
+        return time.perf_counter() - started
+
+    for i in range(20):  # warm-up
+        step(i, True)
+    with_t, without_t = [], []
+    for block in range(steps // 10):
+        for i in range(10):
+            (with_t if block % 2 else without_t).append(step(i, block % 2 == 1))
+    plane.close()
+    return statistics.median(with_t), statistics.median(without_t)
+
+
+def _spread(values: list[float]) -> str:
+    return f"median {statistics.median(values):.2f} s, max {max(values):.2f} s"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args()
+    mosquitto = shutil.which("mosquitto") or (
+        "/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None
+    )
+    brokers: list[tuple[str, Broker, object]] = []
+    if mosquitto:
+        folder = Path(tempfile.mkdtemp())
+        with __import__("socket").socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        (folder / "m.conf").write_text(
+            f"listener {port} 127.0.0.1\nallow_anonymous true\nuser {getpass.getuser()}\n"
+        )
+        proc = subprocess.Popen(
+            [mosquitto, "-c", str(folder / "m.conf")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        time.sleep(0.5)
+        brokers.append(("mosquitto", Broker("127.0.0.1", port), proc))
+    embedded = EmbeddedBroker().start()
+    brokers.append(("embedded (amqtt)", embedded.address, embedded))
+    sub = shutil.which("mosquitto_sub")
+    print("Last Will: SIGKILL to offline (target <= 2 s)")
+    for name, broker, _ in brokers:
+        seen, outside = [], []
+        for _ in range(args.trials):
+            client, external = last_will_latency(broker, sub)
+            seen.append(client)
+            if external is not None:
+                outside.append(external)
+        line = f"  {name:18s} client: {_spread(seen)}"
+        if outside:
+            line += f"; mosquitto_sub: {_spread(outside)}"
+        print(line, flush=True)
+    with_t, without_t = telemetry_cost(brokers[0][1], args.steps)
+    print(
+        f"Telemetry (status + metrics every step, {brokers[0][0]}): step median "
+        f"{without_t * 1e3:.2f} ms without, {with_t * 1e3:.2f} ms with: "
+        f"{(with_t / without_t - 1) * 100:+.2f}% (target <= 1%)"
+    )
+    for _, _, handle in brokers:
+        if isinstance(handle, subprocess.Popen):
+            handle.terminate()
+            handle.wait()
+        else:
+            handle.stop()  # type: ignore[attr-defined]
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

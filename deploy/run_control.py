@@ -1,0 +1,122 @@
+"""A run's site on the control plane: status, telemetry, and live settings applied in step.
+
+Rank 0 of the site holds the MQTT client (:class:`isthmus.inter.control.ControlPlane`);
+at each outer round it takes the settings due from that round and hands them
+to the site's other ranks over the site's own process group, so every rank of
+every site changes at the same round. Nothing here waits on the broker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from isthmus.deploy.jobfile import Job
+from isthmus.inter.control import Broker, ControlPlane
+from isthmus.inter.settings import TrainSettings
+from isthmus.inter.strategies import Strategy, StreamingDiLoCo, Sync
+
+log = logging.getLogger("isthmus.control")
+
+STATUS_EVERY_S = 1.0
+"""Between status updates in the middle of a round (each round's end always sends one)."""
+
+
+EMBEDDED_WAIT_S = 10.0
+
+
+def run_broker(job: Job, run_dir: Path, site: str) -> tuple[Broker, float] | None:
+    """The broker a run's sites use (the job file's, else the launcher's embedded
+    one) and how long to wait for it at start."""
+    if job.control is not None:
+        return job.control.broker_for(site), job.control.wait_s
+    state = run_dir / "control.json"
+    if not state.exists():
+        return None
+    return Broker.from_url(json.loads(state.read_text())["broker"]), EMBEDDED_WAIT_S
+
+
+class SiteControl:
+    """The control plane as one rank of a site sees it (only rank 0 connects)."""
+
+    def __init__(self, job: Job, run_dir: Path, site: str, rank: int, ranks: int) -> None:
+        self.ranks = ranks
+        self.plane: ControlPlane | None = None
+        self._last_status = 0.0
+        broker = run_broker(job, run_dir, site)
+        if broker is not None and rank == 0:
+            address, wait_s = broker
+            self.plane = ControlPlane(
+                address, job.name, site, settings=job.train, status={"ranks": ranks, "step": 0}
+            )
+            try:
+                self.plane.start(wait_s=wait_s)
+            except ConnectionError as exc:
+                if job.control is not None:
+                    raise  # the job names a broker: say it is not there
+                # The embedded one is late: training never depends on the control
+                # plane, so go on and keep retrying in the background.
+                log.warning("%s", exc)
+                self.plane = ControlPlane(
+                    address, job.name, site, settings=job.train, status={"ranks": ranks}
+                ).start()
+
+    def step(self, step: int, outer_round: int) -> None:
+        if self.plane is not None and time.monotonic() - self._last_status >= STATUS_EVERY_S:
+            self._last_status = time.monotonic()
+            self.plane.update_status(step=step, round=outer_round)
+
+    def round_ended(self, outer_round: int, step: int, **metrics: Any) -> dict[str, Any]:
+        """Report the round; return the settings every rank applies from now on."""
+        changes: dict[str, Any] = {}
+        if self.plane is not None:
+            self._last_status = time.monotonic()
+            self.plane.update_status(step=step, round=outer_round)
+            self.plane.publish_metrics(round=outer_round, step=step, **metrics)
+            changes = self.plane.changes_due(outer_round)
+        if self.ranks > 1:
+            shared = [changes]
+            dist.broadcast_object_list(shared, src=0)
+            changes = shared[0]
+        return changes
+
+    def close(self) -> None:
+        if self.plane is not None:
+            self.plane.close()
+
+
+def apply_settings(
+    changes: dict[str, Any], settings: TrainSettings, strategy: Strategy, site: str
+) -> TrainSettings:
+    """Apply live settings to the strategy (what it has of them) and return the run's
+    settings with them; a setting the strategy cannot take is logged and skipped,
+    the same way on every site."""
+    applicable = dict(changes)
+    if "sync_every" in applicable and isinstance(strategy, Sync | StreamingDiLoCo):
+        log.warning(
+            "site %s: sync_every not changed: %s fixes it at the start",
+            site,
+            type(strategy).__name__,
+        )
+        applicable.pop("sync_every")
+    if "sync_every" in applicable:
+        strategy.sync_every = applicable["sync_every"]  # type: ignore[attr-defined]
+    if "codec" in applicable:
+        strategy.codec = applicable["codec"]
+    outer = getattr(strategy, "outer", None)
+    if outer is not None:
+        if "outer_lr" in applicable:
+            outer.lr = applicable["outer_lr"]
+        if "outer_momentum" in applicable:
+            for group in outer.optimizer.param_groups:
+                group["momentum"] = applicable["outer_momentum"]
+                group["nesterov"] = applicable["outer_momentum"] > 0
+    if applicable:
+        log.warning("site %s: live settings applied: %s", site, applicable)
+    return dataclasses.replace(settings, **applicable)

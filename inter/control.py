@@ -1,0 +1,331 @@
+"""The control plane's client: membership, live settings and telemetry over MQTT.
+
+One :class:`ControlPlane` per site (on the rank that reports for it) runs an
+aiomqtt client on its own thread and event loop, so training never waits on
+the broker: calls from the training loop only hand messages over. When the
+broker is unreachable the client retries with backoff and, on every
+(re)connection, publishes the site's retained status again; the Last Will
+(retained ``state: offline``) tells everyone within a few seconds when the
+site's connection dies. Topics and payloads: :mod:`isthmus.inter.control_topics`.
+
+Live settings apply at an outer round boundary: a config message names the
+round from which it holds (``from_round``), chosen by the publisher ahead of
+every site's current round, so every site switches at the same round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from isthmus.inter.control_topics import (
+    PROTOCOL,
+    ConfigChange,
+    config_topic,
+    decode,
+    encode,
+    metrics_topic,
+    parse_config,
+    parse_metrics,
+    parse_status,
+    site_of,
+    status_topic,
+)
+from isthmus.inter.settings import TrainSettings
+
+log = logging.getLogger("isthmus.control")
+
+KEEPALIVE_S = 1
+"""MQTT keepalive: a broker drops a silent client after 1.5 keepalives, which is
+what bounds how fast a dead site's Last Will goes out."""
+BACKOFF_S = (0.2, 5.0)
+
+
+@dataclass(frozen=True)
+class Broker:
+    """Where the broker is and how to authenticate to it."""
+
+    host: str
+    port: int
+    username: str | None = None
+    password: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> Broker:
+        """``mqtt://host:port`` (``mqtts://`` for TLS; default ports 1883 / 8883)."""
+        parts = urlsplit(url)
+        if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname:
+            raise ValueError(f"broker {url!r}: give mqtt://host:port or mqtts://host:port")
+        try:
+            port = parts.port or (8883 if parts.scheme == "mqtts" else 1883)
+        except ValueError:
+            raise ValueError(f"broker {url!r}: the port must be a number 1-65535") from None
+        return cls(parts.hostname, port, **options)
+
+    @property
+    def url(self) -> str:
+        return f"{'mqtts' if self.tls_ca else 'mqtt'}://{self.host}:{self.port}"
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        if not self.tls_ca:
+            return None
+        context = ssl.create_default_context(cafile=self.tls_ca)
+        if self.tls_cert:
+            context.load_cert_chain(self.tls_cert, self.tls_key)
+        return context
+
+    def client(self, identifier: str, **options: Any) -> Any:
+        import aiomqtt
+
+        return aiomqtt.Client(
+            self.host,
+            self.port,
+            identifier=identifier,
+            username=self.username,
+            password=self.password,
+            tls_context=self.tls_context(),
+            **options,
+        )
+
+
+class ControlPlane:
+    """One site's link to the control plane (or an observer's, with ``site=None``)."""
+
+    def __init__(
+        self,
+        broker: Broker,
+        job: str,
+        site: str | None,
+        *,
+        settings: TrainSettings | None = None,
+        status: dict[str, Any] | None = None,
+        keepalive_s: int = KEEPALIVE_S,
+    ) -> None:
+        self.broker = broker
+        self.job = job
+        self.site = site
+        self.settings = settings or TrainSettings()
+        self.keepalive_s = keepalive_s
+        self._status: dict[str, Any] = {"state": "online", "protocol": PROTOCOL, **(status or {})}
+        self._lock = threading.Lock()
+        self.peers: dict[str, dict[str, Any]] = {}
+        """Every site's last status, by name (this one's too)."""
+        self.metrics: dict[str, dict[str, Any]] = {}
+        """Every site's last metrics message, by name."""
+        self.config: ConfigChange | None = None
+        """The newest valid config message seen."""
+        self._applied_version = -1
+        self.connected = threading.Event()
+        self.connections = 0
+        self.ignored = 0
+        """Messages ignored as malformed or refused (each logged once)."""
+        self.unsent_metrics = 0
+        """Metrics messages dropped while the broker was unreachable."""
+        self._loop = asyncio.new_event_loop()
+        self._client: Any = None
+        self._stopping = False
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"isthmus-control-{site or 'observer'}", daemon=True
+        )
+        self._task: asyncio.Future[None] | None = None
+        self._sending: set[asyncio.Future[None]] = set()
+
+    # -- life ----------------------------------------------------------------------
+    def start(self, wait_s: float | None = None) -> ControlPlane:
+        """Start the client; with ``wait_s``, wait that long for the first connection
+        and raise naming the broker if there is none."""
+        self._thread.start()
+        self._task = asyncio.run_coroutine_threadsafe(self._run(), self._loop)  # type: ignore[assignment]
+        if wait_s is not None and not self.connected.wait(wait_s):
+            self.close()
+            raise ConnectionError(
+                f"control plane: no MQTT broker answered at {self.broker.url} within "
+                f"{wait_s:g} s; start one there or fix control.broker in the job file"
+            )
+        return self
+
+    def close(self, timeout_s: float = 3.0) -> None:
+        """Publish this site's offline status (a clean exit sends no Last Will) and stop."""
+        if self._stopping or not self._thread.is_alive():
+            return
+        self._stopping = True
+        future = asyncio.run_coroutine_threadsafe(self._goodbye(), self._loop)
+        with contextlib.suppress(Exception):  # the broker is gone: its Last Will says the same
+            future.result(timeout_s)
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self._cancel_all(), self._loop).result(timeout_s)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    async def _cancel_all(self) -> None:
+        """Cancel the client and any publish in flight, and let them finish."""
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def __enter__(self) -> ControlPlane:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- what the training loop calls (never blocks) ---------------------------------
+    def update_status(self, **fields: Any) -> None:
+        with self._lock:
+            self._status.update(fields)
+        self._call(self._publish_status)
+
+    def publish_metrics(self, **fields: Any) -> None:
+        if self.site is None:
+            return
+        message = {"t": time.time(), **fields}
+        if not self.connected.is_set():
+            self.unsent_metrics += 1
+            return
+        self._call(self._publish, metrics_topic(self.job, self.site), encode(message), False)
+
+    def changes_due(self, outer_round: int) -> dict[str, Any]:
+        """Settings to apply now, at outer round ``outer_round``: those of the newest
+        config whose ``from_round`` has come, once."""
+        config = self.config
+        if config is None or config.version <= self._applied_version:
+            return {}
+        if outer_round < config.from_round:
+            return {}
+        self._applied_version = config.version
+        if outer_round > config.from_round:
+            log.warning(
+                "config version %d was for round %d; this site applies it at round %d "
+                "(it arrived late)",
+                config.version,
+                config.from_round,
+                outer_round,
+            )
+        return dict(config.settings)
+
+    # -- the client's own loop -------------------------------------------------------
+    def _call(self, fn: Any, *args: Any) -> None:
+        if self._thread.is_alive() and not self._stopping:
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def _status_message(self, state: str | None = None) -> bytes:
+        with self._lock:
+            status = {**self._status, "t": time.time()}
+        if state is not None:
+            status["state"] = state
+        return encode(status)
+
+    def _publish_status(self) -> None:
+        if self.site is not None:
+            self._publish(status_topic(self.job, self.site), self._status_message(), True)
+
+    def _publish(self, topic: str, payload: bytes, retain: bool) -> None:
+        client = self._client
+        if client is None:
+            return
+
+        async def send() -> None:
+            try:
+                await client.publish(topic, payload, qos=1, retain=retain)
+            except Exception as exc:  # the reconnect loop handles the outage
+                log.debug("publish to %s failed: %s", topic, exc)
+
+        task = asyncio.ensure_future(send())
+        self._sending.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self._sending.discard)
+
+    async def _run(self) -> None:
+        import aiomqtt
+
+        delay = BACKOFF_S[0]
+        identifier = f"isthmus-{self.job}-{self.site or 'observer'}-{id(self):x}"
+        will = None
+        if self.site is not None:
+            will = aiomqtt.Will(
+                status_topic(self.job, self.site),
+                self._status_message("offline"),
+                qos=1,
+                retain=True,
+            )
+        outage_logged = False
+        while not self._stopping:
+            try:
+                async with self.broker.client(
+                    identifier, will=will, keepalive=self.keepalive_s, timeout=5
+                ) as client:
+                    self._client = client
+                    await client.subscribe(config_topic(self.job), qos=1)
+                    await client.subscribe(f"isthmus/{self.job}/sites/+/status", qos=1)
+                    await client.subscribe(f"isthmus/{self.job}/metrics/+", qos=0)
+                    self.connections += 1
+                    self.connected.set()
+                    if outage_logged:
+                        log.info("control plane: reconnected to %s", self.broker.url)
+                    outage_logged = False
+                    delay = BACKOFF_S[0]
+                    self._publish_status()
+                    async for message in client.messages:
+                        self._receive(str(message.topic), message.payload)
+            except aiomqtt.MqttError as exc:
+                if not outage_logged and not self._stopping:
+                    log.warning(
+                        "control plane: broker %s unreachable (%s); training goes on, "
+                        "retrying with backoff",
+                        self.broker.url,
+                        exc,
+                    )
+                    outage_logged = True
+            finally:
+                self._client = None
+                self.connected.clear()
+            if not self._stopping:
+                await asyncio.sleep(delay)
+                delay = min(BACKOFF_S[1], delay * 2)
+
+    async def _goodbye(self) -> None:
+        client = self._client
+        if client is not None and self.site is not None:
+            await client.publish(
+                status_topic(self.job, self.site),
+                self._status_message("offline"),
+                qos=1,
+                retain=True,
+            )
+
+    def _receive(self, topic: str, payload: Any) -> None:
+        message = decode(payload)
+        if isinstance(message, str):
+            return self._ignore(topic, message)
+        if topic == config_topic(self.job):
+            change = parse_config(message, self.settings)
+            if isinstance(change, str):
+                return self._ignore(topic, change)
+            if self.config is None or change.version > self.config.version:
+                self.config = change
+            return None
+        kind = site_of(topic, self.job)
+        if kind is None:
+            return None  # another job's, or a topic this client does not use
+        parse = parse_status if kind[0] == "status" else parse_metrics
+        checked = parse(message)
+        if isinstance(checked, str):
+            return self._ignore(topic, checked)
+        (self.peers if kind[0] == "status" else self.metrics)[kind[1]] = checked
+        return None
+
+    def _ignore(self, topic: str, reason: str) -> None:
+        self.ignored += 1
+        log.warning("control plane: ignored a message on %s: %s", topic, reason)
