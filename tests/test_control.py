@@ -298,9 +298,14 @@ def isthmus(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow
-def test_config_set_is_applied_by_every_site_at_the_same_round(tmp_path):
+@pytest.mark.parametrize("kind", ["embedded", pytest.param("mosquitto", marks=needs_mosquitto)])
+def test_config_set_is_applied_by_every_site_at_the_same_round(tmp_path, kind):
+    """3 sites under isthmus run; with Mosquitto (named in the job file) the broker
+    is also restarted mid-run: training goes on and every site is back online."""
     job = tmp_path / "ctl.yaml"
-    job.write_text(JOB)
+    server = Mosquitto(tmp_path).start() if kind == "mosquitto" else None
+    control = f"control: {{broker: 'mqtt://127.0.0.1:{server.port}'}}\n" if server else ""
+    job.write_text(JOB + control)
     out = tmp_path / "run"
     run = subprocess.Popen(
         [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)],
@@ -333,9 +338,31 @@ def test_config_set_is_applied_by_every_site_at_the_same_round(tmp_path):
             what="config applied everywhere",
         )
         wait_until(lambda: rounds_done(0) and _rounds_after_config(seen) >= 2, timeout=60)
+        if server is not None:
+            server.stop()
+            before = {s: sum(r["kind"] == "round" for r in seen[s]) for s in "abc"}
+            wait_until(
+                lambda: (
+                    rounds_done(0)
+                    and all(
+                        sum(r["kind"] == "round" for r in seen[s]) >= before[s] + 2 for s in "abc"
+                    )
+                ),
+                timeout=60,
+                what="rounds while the broker is down",
+            )
+            server.start()  # persistence off: every retained status was lost with it
+            with ControlPlane(server.address, "ctl", None).start(wait_s=10) as observer:
+                wait_until(
+                    lambda: all(observer.peers.get(s, {}).get("state") == "online" for s in "abc"),
+                    timeout=30,
+                    what="sites re-published their status",
+                )
     finally:
         run.send_signal(signal.SIGINT)
         run.communicate(timeout=60)
+        if server is not None:
+            server.stop()
     applied = {s: next(r for r in seen[s] if r["kind"] == "config") for s in "abc"}
     assert len({(r["round"], r["step"]) for r in applied.values()}) == 1, applied
     assert applied["a"]["settings"] == {"sync_every": 2, "codec": "int8"}
