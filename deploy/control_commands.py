@@ -17,6 +17,8 @@ from isthmus.inter.control import Broker, ControlPlane
 from isthmus.inter.control_topics import LIVE_SETTINGS, PROTOCOL, config_topic, encode, parse_config
 
 CONNECT_S = 5.0
+SILENT_S = 3.0
+"""A site whose status is older than this is shown as silent."""
 SETTLE_S = 1.0
 """How long to listen for retained messages (statuses, the current config)."""
 
@@ -171,10 +173,16 @@ def _rows(plane: ControlPlane, job: Job) -> list[list[str]]:
         status = plane.peers.get(site, {})
         metrics = plane.metrics.get(site, {})
         loss = metrics.get("loss")
+        state = status.get("state", "unknown")
+        # A live site refreshes its status every second; a hung host sends no Last
+        # Will until the broker's keepalive check, so say it has gone quiet.
+        quiet = time.time() - status.get("t", time.time())
+        if state == "online" and quiet > SILENT_S:
+            state = f"silent {quiet:.0f}s"
         rows.append(
             [
                 site,
-                status.get("state", "unknown"),
+                state,
                 str(status.get("step", "-")),
                 str(status.get("round", "-")),
                 f"{loss:.3f}" if isinstance(loss, int | float) else "-",

@@ -42,6 +42,9 @@ from isthmus.inter.settings import TrainSettings
 
 log = logging.getLogger("isthmus.control")
 
+MAX_IN_FLIGHT = 8
+"""Publishes handed to the client and not yet written: beyond it, metrics are
+dropped (counted) and status updates wait to send only the latest."""
 KEEPALIVE_S = 1
 """MQTT keepalive: a broker drops a silent client after 1.5 keepalives, which is
 what bounds how fast a dead site's Last Will goes out."""
@@ -139,6 +142,9 @@ class ControlPlane:
         )
         self._task: asyncio.Future[None] | None = None
         self._sending: set[asyncio.Future[None]] = set()
+        self._status_in_flight = False
+        self._status_dirty = False
+        self._metrics_in_flight = 0
 
     # -- life ----------------------------------------------------------------------
     def start(self, wait_s: float | None = None) -> ControlPlane:
@@ -192,10 +198,17 @@ class ControlPlane:
         if self.site is None:
             return
         message = {"t": time.time(), **fields}
-        if not self.connected.is_set():
-            self.unsent_metrics += 1
-            return
-        self._call(self._publish, metrics_topic(self.job, self.site), encode(message), False)
+        with self._lock:
+            if not self.connected.is_set() or self._metrics_in_flight >= MAX_IN_FLIGHT:
+                self.unsent_metrics += 1
+                return
+            self._metrics_in_flight += 1
+        topic = metrics_topic(self.job, self.site)
+        self._call(self._publish, topic, encode(message), False, self._metrics_sent)
+
+    def _metrics_sent(self) -> None:
+        with self._lock:
+            self._metrics_in_flight -= 1
 
     def changes_due(self, outer_round: int) -> dict[str, Any]:
         """Settings to apply now, at outer round ``outer_round``: those of the newest
@@ -229,19 +242,42 @@ class ControlPlane:
         return encode(status)
 
     def _publish_status(self) -> None:
-        if self.site is not None:
-            self._publish(status_topic(self.job, self.site), self._status_message(), True)
+        """Send the latest status; while one is in flight, send again only once it is
+        written (intermediate updates are superseded, never queued)."""
+        if self.site is None:
+            return
+        if self._status_in_flight:
+            self._status_dirty = True
+            return
+        self._status_in_flight = True
+        self._publish(
+            status_topic(self.job, self.site), self._status_message(), True, self._status_sent
+        )
 
-    def _publish(self, topic: str, payload: bytes, retain: bool) -> None:
+    def _status_sent(self) -> None:
+        self._status_in_flight = False
+        if self._status_dirty:
+            self._status_dirty = False
+            self._publish_status()
+
+    def _publish(self, topic: str, payload: bytes, retain: bool, then: Any = None) -> None:
+        """Fire and forget (QoS 0): over one TCP connection nothing is lost while it
+        lasts, a reconnection re-publishes the status, and no acknowledgement can
+        pile up behind a slow broker. The Last Will and the goodbye use QoS 1."""
         client = self._client
         if client is None:
+            if then is not None:
+                then()
             return
 
         async def send() -> None:
             try:
-                await client.publish(topic, payload, qos=1, retain=retain)
+                await client.publish(topic, payload, qos=0, retain=retain)
             except Exception as exc:  # the reconnect loop handles the outage
                 log.debug("publish to %s failed: %s", topic, exc)
+            finally:
+                if then is not None:
+                    then()
 
         task = asyncio.ensure_future(send())
         self._sending.add(task)  # held until done: the loop keeps only weak references

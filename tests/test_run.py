@@ -66,6 +66,17 @@ def wait_for_steps(out: Path, site: str, steps: int, timeout: float = 120) -> No
     raise AssertionError(f"site {site} did not reach step {steps} in {timeout} s")
 
 
+def explain(out: Path) -> str:
+    """What a failed run left behind: its summaries' reasons and its logs' ends."""
+    lines = []
+    for summary in sorted(out.rglob("summary.json")):
+        sites = json.loads(summary.read_text())["sites"]
+        lines += [f"{summary.parent.name}/{n}: {s.get('reason')}" for n, s in sites.items()]
+    for log in sorted(out.rglob("*.log")):
+        lines += [f"--- {log.relative_to(out)}", *log.read_text(errors="replace").splitlines()[-8:]]
+    return "\n".join(lines)
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -83,7 +94,7 @@ def test_a_small_job_end_to_end(tmp_path):
     job = write_job(tmp_path, steps=10)
     out = tmp_path / "run"
     done = isthmus("run", str(job), "--out", str(out), cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 0, done.stderr + explain(out)
     assert "every site holds the same model" in done.stdout
     assert f"report: {out / 'report.md'}" in done.stdout
 
@@ -148,7 +159,7 @@ def test_every_strategy_runs_and_ends_identical(tmp_path, strategy):
     job = write_job(tmp_path, steps=8)
     out = tmp_path / "run"
     done = isthmus("run", str(job), "--out", str(out), "--strategy", strategy, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 0, done.stderr + explain(out)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["strategy"] == strategy
     assert summary["settings"]["strategy"] == strategy
@@ -255,7 +266,7 @@ def test_compare_writes_one_table_for_every_strategy(tmp_path):
     job = write_job(tmp_path, steps=8)
     out = tmp_path / "cmp"
     done = isthmus("run", str(job), "--out", str(out), "--compare", "sync,diloco", cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 0, done.stderr + explain(out)
     assert "| strategy | held-out loss | WAN bytes |" in done.stdout
     rows = json.loads((out / "compare.json").read_text())
     assert [r["strategy"] for r in rows] == ["sync", "diloco"]
