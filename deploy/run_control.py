@@ -45,15 +45,19 @@ def run_broker(job: Job, run_dir: Path, site: str) -> tuple[Broker, float] | Non
 class SiteControl:
     """The control plane as one rank of a site sees it (only rank 0 connects)."""
 
-    def __init__(self, job: Job, run_dir: Path, site: str, rank: int, ranks: int) -> None:
+    def __init__(
+        self, job: Job, run_dir: Path, site: str, rank: int, ranks: int, address: str
+    ) -> None:
+        """``address``: where the site's rank 0 serves its peers (host:port)."""
         self.ranks = ranks
         self.plane: ControlPlane | None = None
         self._last_status = 0.0
         broker = run_broker(job, run_dir, site)
         if broker is not None and rank == 0:
-            address, wait_s = broker
+            broker_address, wait_s = broker
+            status = {"ranks": ranks, "step": 0, "round": 0, "address": address}
             self.plane = ControlPlane(
-                address, job.name, site, settings=job.train, status={"ranks": ranks, "step": 0}
+                broker_address, job.name, site, settings=job.train, status=status
             )
             try:
                 self.plane.start(wait_s=wait_s)
@@ -64,7 +68,7 @@ class SiteControl:
                 # plane, so go on and keep retrying in the background.
                 log.warning("%s", exc)
                 self.plane = ControlPlane(
-                    address, job.name, site, settings=job.train, status={"ranks": ranks}
+                    broker_address, job.name, site, settings=job.train, status=status
                 ).start()
 
     def step(self, step: int, outer_round: int) -> None:

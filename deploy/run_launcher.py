@@ -182,7 +182,7 @@ class Launcher:
             sites={s.name: SiteState(s.name, s.ranks) for s in job.sites},
         )
         self.emulator: subprocess.Popen | None = None
-        self.control: Any = None
+        self.emulator_control: Any = None
         self.broker: Any = None
         self._control_state: Path | None = None
         self._tails = {
@@ -259,7 +259,7 @@ class Launcher:
         from isthmus.sim.control import ControlClient
 
         host, port = str(load_state(state_path)["control"]).rsplit(":", 1)
-        self.control = ControlClient((host, int(port)), timeout_s=5)
+        self.emulator_control = ControlClient((host, int(port)), timeout_s=5)
 
     # -- follow --------------------------------------------------------------------
     def follow(self) -> str:
@@ -328,11 +328,11 @@ class Launcher:
         self._metrics.flush()
 
     def _poll_links(self) -> None:
-        if self.control is None or time.monotonic() - self._last_link_poll < 1.0:
+        if self.emulator_control is None or time.monotonic() - self._last_link_poll < 1.0:
             return
         self._last_link_poll = now = time.monotonic()
         try:
-            stats = self.control.stats()
+            stats = self.emulator_control.stats()
         except Exception:  # the emulator is gone; the process check reports it
             return
         record = {"t": time.time(), "site": None, "kind": "link", "links": {}}

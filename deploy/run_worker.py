@@ -11,6 +11,8 @@ site appends telemetry to ``RUN_DIR/sites/SITE/metrics.jsonl`` (the record
 kinds are in :mod:`isthmus.deploy.run_records`) and, at the end, writes
 ``result.json`` beside it; rank 0 of the job's first site also writes the
 final model, ``RUN_DIR/model.safetensors``. Files appear whole or not at all.
+Rank 0 is also the site's control-plane client (:mod:`isthmus.deploy.run_control`):
+status, metrics per round, live settings.
 """
 
 from __future__ import annotations
@@ -127,7 +129,9 @@ def train(run_dir: Path, site_name: str) -> int:
     records = RecordWriter(run_dir / "sites" / site_name / "metrics.jsonl", site_name, leader)
     control = None
     try:
-        control = SiteControl(job, run_dir, site_name, site.rank, site.site.ranks)
+        host, port = site.addresses.listen[0]
+        address = f"{host}:{port}"
+        control = SiteControl(job, run_dir, site_name, site.rank, site.site.ranks, address)
         return _train(job, settings, site, model, plan, loss_fn, records, control, run_dir)
     finally:
         if control is not None:

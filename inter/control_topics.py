@@ -123,6 +123,9 @@ def parse_config(message: dict[str, Any], current: TrainSettings) -> ConfigChang
 
 def parse_status(message: dict[str, Any]) -> dict[str, Any] | str:
     state = message.get("state")
+    address = message.get("address")
+    if address is not None and not isinstance(address, str):
+        return f"'address' must be host:port, got {address!r}"
     if state not in ("online", "offline"):
         return f"'state' must be 'online' or 'offline', got {state!r}"
     for key in ("step", "round", "ranks"):

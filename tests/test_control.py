@@ -140,12 +140,15 @@ def test_config_messages_are_checked_against_the_settings():
 
 # -- against both brokers --------------------------------------------------------------
 def test_retained_status_reaches_late_joiners_and_clean_exit_says_offline(broker):
-    with ControlPlane(broker, "j", "a", status={"ranks": 2}).start(wait_s=10) as a:
+    status = {"ranks": 2, "address": "127.0.0.1:7100"}
+    with ControlPlane(broker, "j", "a", status=status).start(wait_s=10) as a:
         a.update_status(step=7, round=1)
         with ControlPlane(broker, "j", None).start(wait_s=10) as observer:
             wait_until(lambda: observer.peers.get("a", {}).get("step") == 7, what="retained status")
             assert observer.peers["a"]["state"] == "online"
             assert observer.peers["a"]["ranks"] == 2
+            assert observer.peers["a"]["address"] == "127.0.0.1:7100"
+            assert observer.peers["a"]["protocol"] == 1
             a.close()
             wait_until(lambda: observer.peers["a"]["state"] == "offline", what="offline")
 
@@ -196,6 +199,19 @@ def test_malformed_and_refused_messages_are_ignored_and_counted(broker):
         assert plane.changes_due(1) == {}
         assert plane.changes_due(2) == {"sync_every": 10}
         assert plane.changes_due(3) == {}  # once
+
+
+def test_a_run_whose_broker_is_unreachable_stops_and_names_it(tmp_path):
+    port = free_port()
+    job = tmp_path / "j.yaml"
+    job.write_text(
+        "name: j\nsites: [{name: a}, {name: b}]\ntrain: {steps: 4, sync_every: 2}\n"
+        f"control: {{broker: 'mqtt://127.0.0.1:{port}', wait_s: 0.5}}\n"
+    )
+    done = isthmus("run", str(job), "--out", str(tmp_path / "run"), cwd=tmp_path)
+    assert done.returncode == 1
+    assert f"no MQTT broker answered at mqtt://127.0.0.1:{port}" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_an_unreachable_broker_is_named():
