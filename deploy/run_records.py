@@ -15,7 +15,8 @@ state       ``state``: ``computing``, ``waiting`` (for other sites to reach the 
 blocked     ``what`` (``waiting`` or ``syncing``), ``started`` (wall clock), ``seconds``
 round       ``step``, ``outer_steps``, ``wan_bytes_sent``, ``wan_bytes_received``,
             ``wan_bytes_sent_to`` (site -> bytes); cumulative, all the site's ranks
-eval        ``step``, ``tokens``, ``eval_loss`` (held-out split); ``final`` on the last
+eval        ``step``, ``tokens``, ``eval_loss`` (held-out split), ``seconds`` it took;
+            ``final`` on the last
 config      ``round``, ``step``, ``settings``: live settings applied from here on
 ==========  ===========================================================================
 

@@ -223,8 +223,15 @@ def _train(
         # Held-out loss every sync_every steps (after DiLoCo's round: the global
         # model), whatever the strategy, so runs compare at the same points.
         if (step + 1) % settings.sync_every == 0 and site.layout.pp == 1:
+            eval_started = time.perf_counter()
             eval_loss = evaluate(part.model, held_out, loss_fn)  # a stage is not a model
-            records.write("eval", step=step + 1, tokens=tokens, eval_loss=eval_loss)
+            records.write(
+                "eval",
+                step=step + 1,
+                tokens=tokens,
+                eval_loss=eval_loss,
+                seconds=time.perf_counter() - eval_started,
+            )
 
     # Every run ends with a final synchronisation: the same model on every site.
     records.write("state", state="syncing")

@@ -1,0 +1,225 @@
+"""The performance model against emulated runs on this machine: predicted vs measured.
+
+    python benchmarks/perf_model_validation.py [--out DIR] [--write-docs]
+
+1. Calibration (not part of the validation): the compute time of a step at
+   each concurrency used below (2, 3, 4 processes training at once,
+   ``isthmus.deploy.calibrate``), and the fixed cost of one exchange beyond
+   the wire, from a 2-site DiLoCo run on a 1 ms, 1 Gbit/s link (its measured
+   syncing time per round minus the model's wire time).
+2. Validation: emulated runs (``isthmus run``) of 2-4 sites, sync, DiLoCo and
+   Streaming DiLoCo, two bandwidths; each run's measured time per inner step
+   and compute utilisation (evaluation time left out, as the model has none)
+   against the model's prediction; the error of each. Target: within 10%.
+
+Prints the table; with ``--write-docs`` rewrites the table in
+docs/performance-model.md between its markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from isthmus.deploy.calibrate import step_seconds
+from isthmus.deploy.run_records import read_records
+from isthmus.deploy.sim_commands import CODEC_BYTES_PER_S, ENGINE_EFFICIENCY
+from isthmus.intra.model import config_for
+from isthmus.sim.perf_model import Scenario, exchange_seconds, predict_run, uniform_links
+
+BATCH = 8
+MARKERS = ("<!-- validation:start -->", "<!-- validation:end -->")
+
+
+@dataclass(frozen=True)
+class Case:
+    sites: int
+    bandwidth_mbit: float
+    rtt_ms: float
+    strategy: str
+    sync_every: int
+    steps: int
+
+    @property
+    def name(self) -> str:
+        h = f", H={self.sync_every}" if self.strategy != "sync" else ""
+        return (
+            f"{self.sites} sites, {self.bandwidth_mbit:g} Mbit/s, {self.rtt_ms:g} ms, "
+            f"{self.strategy}{h}"
+        )
+
+
+CALIBRATION = Case(2, 1000, 1, "diloco", 10, 60)
+CASES = [
+    Case(2, 100, 40, "sync", 10, 40),
+    Case(2, 100, 40, "diloco", 20, 120),
+    Case(3, 200, 80, "diloco", 20, 120),
+    Case(3, 20, 80, "diloco", 20, 120),
+    Case(3, 20, 80, "streaming", 20, 120),
+    Case(4, 20, 60, "sync", 10, 20),
+    Case(4, 100, 60, "streaming", 20, 120),
+]
+
+
+def job_text(case: Case) -> str:
+    names = [f"s{i}" for i in range(case.sites)]
+    return (
+        "name: validation\n"
+        f"sites: [{', '.join('{name: ' + n + '}' for n in names)}]\n"
+        f"wan: {{default: {{rtt_ms: {case.rtt_ms}, bandwidth_mbit: {case.bandwidth_mbit}}}}}\n"
+        f"train: {{strategy: {case.strategy}, steps: {case.steps}, "
+        f"sync_every: {case.sync_every}, batch_size: {BATCH}}}\n"
+    )
+
+
+def run(case: Case, folder: Path) -> dict[str, float]:
+    """Run the case; its measured step time, utilisation and syncing time per round."""
+    job = folder / "job.yaml"
+    job.write_text(job_text(case))
+    out = folder / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if done.returncode:
+        raise RuntimeError(f"{case.name}: run failed: {done.stderr[-2000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    records = read_records(out / "metrics.jsonl")
+    steps, utilisation, syncing = [], [], []
+    for name, site in summary["sites"].items():
+        evals = sum(
+            r.get("seconds", 0.0) for r in records if r["site"] == name and r["kind"] == "eval"
+        )
+        wall = site["wall_seconds"] - evals
+        steps.append(wall / site["inner_steps"])
+        utilisation.append(site["compute_seconds"] / wall)
+        spans = [
+            r["seconds"]
+            for r in records
+            if r["site"] == name and r["kind"] == "blocked" and r["what"] == "syncing"
+        ]
+        if spans:
+            syncing.append(statistics.median(spans))
+    return {
+        "step_s": statistics.fmean(steps),
+        "utilization": statistics.fmean(utilisation),
+        "syncing_s": statistics.fmean(syncing) if syncing else 0.0,
+    }
+
+
+def scenario(case: Case, step_s: float, overhead_s: float) -> Scenario:
+    names = [f"s{i}" for i in range(case.sites)]
+    config = config_for("tiny")
+    return Scenario(
+        params=float(config.parameter_count()),
+        step_s=step_s,
+        tokens_per_step=case.sites * BATCH * config.seq_len,
+        sites=names,
+        links=uniform_links(names, bandwidth_mbit=case.bandwidth_mbit, rtt_ms=case.rtt_ms),
+        strategy=case.strategy,
+        sync_every=case.sync_every,
+        fragments=2,
+        overlap_steps=1,
+        codec_bytes_per_s=CODEC_BYTES_PER_S,
+        efficiency=ENGINE_EFFICIENCY,
+        exchange_overhead_s=overhead_s,
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, help="keep the runs here (default: a temp dir)")
+    parser.add_argument("--write-docs", action="store_true")
+    args = parser.parse_args()
+    root = args.out or Path(tempfile.mkdtemp(prefix="isthmus-validation-"))
+    root.mkdir(parents=True, exist_ok=True)
+
+    step_at: dict[int, float] = {}
+    for sites in sorted({c.sites for c in [CALIBRATION, *CASES]}):
+        job = root / f"calibrate-{sites}.yaml"
+        job.write_text(job_text(Case(sites, 100, 10, "diloco", 10, 10)))
+        step_at[sites] = step_seconds(job, ranks=sites, batch_size=BATCH)
+        print(f"calibration: step {step_at[sites] * 1e3:.1f} ms with {sites} processes", flush=True)
+    measured = run(CALIBRATION, root / "calibration")
+    wire_only, _ = exchange_seconds(scenario(CALIBRATION, step_at[2], 0.0), 4 * 471_000)
+    overhead = max(0.0, measured["syncing_s"] - wire_only)
+    print(
+        f"calibration: {CALIBRATION.name}: syncing {measured['syncing_s'] * 1e3:.0f} ms per "
+        f"round, wire {wire_only * 1e3:.0f} ms -> exchange overhead {overhead * 1e3:.0f} ms",
+        flush=True,
+    )
+
+    rows = []
+    for index, case in enumerate(CASES):
+        measured = run(case, root / f"case-{index}")
+        predicted = predict_run(scenario(case, step_at[case.sites], overhead))
+        row = {
+            "case": case.name,
+            "steps": case.steps,
+            "measured_step_ms": measured["step_s"] * 1e3,
+            "predicted_step_ms": predicted.step_s * 1e3,
+            "step_error": predicted.step_s / measured["step_s"] - 1,
+            "measured_utilization": measured["utilization"],
+            "predicted_utilization": predicted.utilization,
+            "utilization_error": predicted.utilization / measured["utilization"] - 1,
+        }
+        rows.append(row)
+        print(
+            f"{case.name:48s} step {row['measured_step_ms']:7.1f} ms measured, "
+            f"{row['predicted_step_ms']:7.1f} predicted ({row['step_error']:+.1%}); "
+            f"utilisation {row['measured_utilization']:.1%} vs "
+            f"{row['predicted_utilization']:.1%} ({row['utilization_error']:+.1%})",
+            flush=True,
+        )
+    result = {
+        "calibration": {
+            "step_ms": {str(k): v * 1e3 for k, v in step_at.items()},
+            "exchange_overhead_ms": overhead * 1e3,
+        },
+        "rows": rows,
+    }
+    (root / "validation.json").write_text(json.dumps(result, indent=2))
+    worst = max(max(abs(r["step_error"]), abs(r["utilization_error"])) for r in rows)
+    print(f"largest error: {worst:.1%} (target <= 10%); runs and JSON in {root}")
+    if args.write_docs:
+        write_docs(result)
+    return 0
+
+
+def write_docs(result: dict) -> None:
+    doc = Path(__file__).resolve().parent.parent / "docs" / "performance-model.md"
+    cal = result["calibration"]
+    lines = [
+        MARKERS[0],
+        "",
+        "Calibration: step "
+        + ", ".join(f"{v:.1f} ms with {k} processes" for k, v in cal["step_ms"].items())
+        + f"; exchange overhead {cal['exchange_overhead_ms']:.0f} ms.",
+        "",
+        "| run | steps | step measured | step predicted | error | utilisation measured "
+        "| predicted | error |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['case']} | {r['steps']} | {r['measured_step_ms']:.1f} ms | "
+            f"{r['predicted_step_ms']:.1f} ms | {r['step_error']:+.1%} | "
+            f"{r['measured_utilization']:.1%} | {r['predicted_utilization']:.1%} | "
+            f"{r['utilization_error']:+.1%} |"
+        )
+    lines += ["", MARKERS[1]]
+    text = doc.read_text()
+    start, end = text.index(MARKERS[0]), text.index(MARKERS[1]) + len(MARKERS[1])
+    doc.write_text(text[:start] + "\n".join(lines) + text[end:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

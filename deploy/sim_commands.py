@@ -1,0 +1,235 @@
+"""``isthmus sim``: predict a job's step time, utilisation and WAN bytes for every strategy."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from isthmus.deploy.cli import UsageError, add_command
+from isthmus.deploy.jobfile import Job, load_job
+from isthmus.sim.cost import LinkCost
+from isthmus.sim.perf_model import (
+    CODEC_BYTES_PER_VALUE,
+    GPU_FLOPS,
+    STRATEGIES,
+    Scenario,
+    ScenarioError,
+    predict_run,
+    step_seconds_from_flops,
+    uniform_links,
+)
+
+ENGINE_EFFICIENCY = 0.88
+"""The direct all-reduce's measured fraction of its bound (``isthmus bench allreduce``,
+3 sites, 200 Mbit/s: 0.88-0.90)."""
+CODEC_BYTES_PER_S = 1.45e9
+"""int8 encode + decode per core on this machine (``isthmus bench codec``)."""
+EXCHANGE_OVERHEAD_S = 0.05
+"""Fixed cost of one exchange beyond the wire here (round start, vote bookkeeping,
+outer step on CPU copies); see docs/performance-model.md for how it was measured."""
+
+
+def register(commands: Any) -> None:
+    sim = add_command(
+        commands,
+        "sim",
+        _sim,
+        help="predict step time, compute utilisation and WAN bytes per token for each strategy",
+    )
+    sim.add_argument("job", metavar="JOB.yaml", nargs="?", help="the job (or give flags only)")
+    sim.add_argument("--json", action="store_true", help="print JSON")
+    what = sim.add_argument_group("scenario (overrides the job file)")
+    what.add_argument("--params", type=float, help="model parameters, e.g. 340e9")
+    what.add_argument("--sites", type=int, help="number of sites")
+    what.add_argument("--gpus-per-site", type=int, default=1)
+    what.add_argument("--gpu", choices=sorted(GPU_FLOPS), help="compute from FLOPs at --mfu")
+    what.add_argument("--mfu", type=float, default=0.4, help="with --gpu (default 0.4)")
+    what.add_argument(
+        "--tokens-per-gpu", type=float, default=4096 * 2, help="tokens per step per GPU"
+    )
+    what.add_argument("--step-ms", type=float, help="compute time of one inner step")
+    what.add_argument("--rtt-ms", type=float, help="every link's round trip")
+    what.add_argument("--bandwidth-mbit", type=float, help="every link's bandwidth")
+    what.add_argument("--strategy", choices=STRATEGIES, help="mark this strategy")
+    what.add_argument("--sync-every", type=int)
+    what.add_argument("--fragments", type=int)
+    what.add_argument("--overlap-steps", type=int)
+    what.add_argument("--codec", choices=sorted(CODEC_BYTES_PER_VALUE))
+    what.add_argument("--efficiency", type=float, default=ENGINE_EFFICIENCY, help="engine vs bound")
+    what.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure the step time on this machine at the job's concurrency",
+    )
+
+
+def _sim(args: argparse.Namespace) -> int:
+    try:
+        scenario = scenario_from(args)
+    except ScenarioError as exc:
+        raise UsageError(f"--{exc.field.replace('_', '-')}: {str(exc).split(': ', 1)[1]}") from None
+    rows = []
+    for strategy in STRATEGIES:
+        try:
+            prediction = predict_run(_with(scenario, strategy=strategy))
+        except ScenarioError as exc:  # e.g. fragments > sync_every for sync's H = 1
+            raise UsageError(str(exc)) from None
+        rows.append(prediction.to_dict())
+    out = {
+        "scenario": {
+            "params": scenario.params,
+            "sites": list(scenario.sites),
+            "step_s": scenario.step_s,
+            "tokens_per_step": scenario.tokens_per_step,
+            "sync_every": scenario.sync_every,
+            "fragments": scenario.fragments,
+            "overlap_steps": scenario.overlap_steps,
+            "codec": scenario.codec,
+            "efficiency": scenario.efficiency,
+            "chosen": scenario.strategy,
+        },
+        "predictions": rows,
+        "validated_range": _range_note(scenario),
+    }
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    sc = out["scenario"]
+    print(
+        f"{sc['params']:.3g} parameters, {len(sc['sites'])} sites, compute "
+        f"{sc['step_s'] * 1e3:.1f} ms per inner step, {sc['tokens_per_step']:,.0f} tokens per "
+        f"step (all sites), H={sc['sync_every']}, codec {sc['codec']}"
+    )
+    print(f"{'strategy':10s} {'step':>10s} {'round':>10s} {'exchange':>10s} "
+          f"{'utilisation':>12s} {'WAN B/token':>12s}")  # fmt: skip
+    for row in rows:
+        mark = " <" if row["strategy"] == sc["chosen"] else ""
+        print(
+            f"{row['strategy']:10s} {row['step_s'] * 1e3:8.1f}ms {row['round_s']:9.2f}s "
+            f"{row['exchange_s']:9.2f}s {row['utilization']:11.1%} "
+            f"{row['wan_bytes_per_token']:12.1f}{mark}"
+        )
+    if out["validated_range"]:
+        print(f"note: {out['validated_range']}")
+    return 0
+
+
+def _with(scenario: Scenario, **changes: Any) -> Scenario:
+    import dataclasses
+
+    return dataclasses.replace(scenario, **changes)
+
+
+def _range_note(scenario: Scenario) -> str:
+    if scenario.params > 1e8 or len(scenario.sites) > 4:
+        return (
+            "outside the validated range (emulated runs of the tiny model, 2-4 sites, on this "
+            "machine; docs/performance-model.md): an extrapolation of the same formulas"
+        )
+    return ""
+
+
+def scenario_from(args: argparse.Namespace) -> Scenario:
+    job = load_job(args.job) if args.job else None
+    train = job.train if job else None
+    sites = _sites(job, args)
+    if args.rtt_ms is not None or args.bandwidth_mbit is not None or job is None or job.wan is None:
+        if args.rtt_ms is None or args.bandwidth_mbit is None:
+            raise ScenarioError(
+                "bandwidth_mbit", "give --rtt-ms and --bandwidth-mbit (the job has no wan:)"
+            )
+        links = uniform_links(sites, bandwidth_mbit=args.bandwidth_mbit, rtt_ms=args.rtt_ms)
+    else:
+        links = _job_links(job, sites)
+    params = args.params or (_job_params(job) if job else None)
+    if params is None:
+        raise ScenarioError("params", "give --params (no job file)")
+    gpus = args.gpus_per_site
+    if gpus < 1:
+        raise ScenarioError("gpus_per_site", f"must be >= 1, got {gpus}")
+    if args.job and job is not None and args.gpu is None and args.params is None:
+        seq_len, batch = _job_tokens(job)
+        tokens = sum(s.layout.dp for s in job.sites) * batch * seq_len
+    else:
+        tokens = len(sites) * gpus * args.tokens_per_gpu
+    step_s = _step_seconds(args, job, params, tokens / len(sites) / gpus)
+    strategy = args.strategy or (train.strategy if train else "diloco")
+    return Scenario(
+        params=params,
+        step_s=step_s,
+        tokens_per_step=tokens,
+        sites=sites,
+        links=links,
+        strategy=strategy,
+        sync_every=_given(args.sync_every, train.sync_every if train else 50),
+        fragments=_given(args.fragments, train.fragments if train else 2),
+        overlap_steps=_given(args.overlap_steps, train.overlap_steps if train else 1),
+        codec=args.codec or (train.codec if train else "none"),
+        codec_bytes_per_s=CODEC_BYTES_PER_S,
+        efficiency=args.efficiency,
+        exchange_overhead_s=EXCHANGE_OVERHEAD_S,
+    )
+
+
+def _given(flag: Any, default: Any) -> Any:
+    return default if flag is None else flag
+
+
+def _sites(job: Job | None, args: argparse.Namespace) -> list[str]:
+    if args.sites is not None:
+        if args.sites < 1:
+            raise ScenarioError("sites", f"must be >= 1, got {args.sites}")
+        return [f"site{i}" for i in range(args.sites)]
+    if job is None:
+        raise ScenarioError("sites", "give --sites (no job file)")
+    return [s.name for s in job.sites]
+
+
+def _job_links(job: Job, sites: list[str]) -> dict[frozenset[str], LinkCost]:
+    topology = job.topology({s.name: [("127.0.0.1", 1)] * s.ranks for s in job.sites})
+    links = {}
+    for a, b in topology.pairs():
+        params = topology.link_params(a, b)
+        rate = min(
+            d.bandwidth_mbit if d.bandwidth_mbit is not None else 1e6
+            for d in (params.a_to_b, params.b_to_a)
+        )
+        links[frozenset((a, b))] = LinkCost.of(bandwidth_mbit=rate, rtt_ms=params.rtt_ms)
+    return links
+
+
+def _job_params(job: Job) -> float:
+    if ":" in job.model:
+        from isthmus.intra.plugins import load_model
+
+        return float(sum(p.numel() for p in load_model(job.model).parameters()))
+    from isthmus.intra.model import config_for
+
+    return float(config_for(job.model).parameter_count())
+
+
+def _job_tokens(job: Job) -> tuple[int, int]:
+    from isthmus.intra.model import config_for
+
+    seq_len = config_for(job.model).seq_len if ":" not in job.model else 64
+    return seq_len, job.train.batch_size
+
+
+def _step_seconds(args: argparse.Namespace, job: Job | None, params: float, tokens: float) -> float:
+    if args.step_ms is not None:
+        if args.step_ms <= 0:
+            raise ScenarioError("step_ms", f"must be > 0, got {args.step_ms}")
+        return args.step_ms / 1e3
+    if args.gpu is not None:
+        return step_seconds_from_flops(params, tokens, args.gpu, args.mfu)
+    if job is not None and args.calibrate:
+        from isthmus.deploy.calibrate import step_seconds
+
+        ranks = sum(s.ranks for s in job.sites)
+        print(f"calibrating: {ranks} processes train the job's model at once ...", flush=True)
+        return step_seconds(Path(args.job), ranks=ranks, batch_size=job.train.batch_size)
+    raise ScenarioError(
+        "step_ms", "give --step-ms, --gpu (FLOPs at --mfu), or --calibrate (measure here)"
+    )

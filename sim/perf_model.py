@@ -1,0 +1,248 @@
+"""The training performance model: step time, round time, utilisation and WAN bytes per strategy.
+
+A scenario is the model size, the compute time of one inner step, the sites
+and the links between them, the strategy's settings and the codec. The
+exchange of ``n`` bytes costs what :mod:`isthmus.sim.cost` predicts for the
+better of the direct and ring all-reduce on those links, its bandwidth part
+divided by the engine's measured efficiency against that bound; plus one more
+one-way latency (a round ends when the peers' acknowledgements of the last
+chunks are back), the codec's own time, and a fixed per-exchange overhead
+(starting the round, the outer step, the Python data path). Then, per
+strategy, with ``t`` the compute of one inner step, ``H`` the sync interval
+and ``X(n)`` an exchange of n bytes:
+
+* ``sync``: every step exchanges the gradient in buckets as the backward pass
+  (a fraction ``b`` of ``t``) produces them; all but the last bucket's share
+  of the backward pass can hide it: step = t + max(0, X(N) - h) with
+  h = b t (1 - bucket / N) (no overlap, or one bucket: h = 0);
+* ``diloco``: a round is H steps, a vote (a tiny exchange) and X(N):
+  round = H t + X(0) + X(N);
+* ``streaming``: P fragments each exchange N / P, overlapping tau inner
+  steps: round = H t + P max(0, X(N / P) - tau t);
+* ``async``: the exchange overlaps the whole next round:
+  round = H t + max(0, X(N) - H t).
+
+Utilisation is H t / round. ``sim`` imports nothing from ``intra`` or
+``inter``: the scenario holds plain numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from isthmus.sim.cost import LinkCost, LinkLookup, predict
+
+STRATEGIES = ("sync", "diloco", "streaming", "async")
+
+CODEC_BYTES_PER_VALUE = {
+    "none": 4.0,
+    "fp16": 2.0,
+    "bf16": 2.0,
+    "int8": 1.0 + 4 / 256,
+    "int4": 0.5 + 4 / 256,
+}
+"""Wire bytes per float32 value (int8/int4: one float32 scale per block of 256)."""
+
+GPU_FLOPS = {"h100": 989e12, "h200": 989e12, "a100": 312e12, "b200": 2250e12, "cpu": 1e11}
+"""Dense BF16 peak FLOP/s per accelerator (vendor data sheets; cpu: a rough core)."""
+
+
+class ScenarioError(ValueError):
+    """A scenario that cannot exist; ``field`` names the flag or job-file key."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    params: float
+    """Parameters of the model (what crosses the WAN: 4 bytes each before the codec)."""
+    step_s: float
+    """Compute seconds of one inner step at a site (all its ranks in parallel)."""
+    tokens_per_step: float
+    """Tokens one inner step trains on, summed over every site."""
+    sites: Sequence[str]
+    links: Mapping[frozenset[str], LinkCost]
+    uplink_bytes_per_s: Mapping[str, float] = field(default_factory=dict)
+    strategy: str = "diloco"
+    sync_every: int = 50
+    fragments: int = 2
+    overlap_steps: int = 1
+    codec: str = "none"
+    codec_bytes_per_s: float = math.inf
+    """Encode plus decode speed of the codec, bytes of float32 per second."""
+    efficiency: float = 1.0
+    """The engine's measured fraction of the all-reduce bound it reaches."""
+    exchange_overhead_s: float = 0.0
+    """Fixed seconds per exchange beyond the wire: start, vote, outer step, Python."""
+    backward_fraction: float = 2 / 3
+    """Share of a step's compute that Sync's bucketed exchange can hide behind."""
+    sync_overlap: bool = True
+    bucket_bytes: float = 25 * 2**20
+    """Sync's bucket size (its ``bucket_mb``): the last bucket starts after backward."""
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ScenarioError("strategy", f"use one of {', '.join(STRATEGIES)}")
+        if not (self.params > 0):
+            raise ScenarioError("params", f"must be > 0, got {self.params}")
+        if not (self.step_s > 0):
+            raise ScenarioError("step_s", f"compute time per step must be > 0, got {self.step_s}")
+        if self.sync_every < 1:
+            raise ScenarioError("sync_every", f"must be >= 1, got {self.sync_every}")
+        if self.fragments < 1 or self.fragments > self.sync_every:
+            raise ScenarioError("fragments", f"must be in [1, sync_every], got {self.fragments}")
+        if self.codec not in CODEC_BYTES_PER_VALUE:
+            raise ScenarioError("codec", f"use one of {', '.join(CODEC_BYTES_PER_VALUE)}")
+        if not (0 < self.efficiency <= 1):
+            raise ScenarioError("efficiency", f"must be in (0, 1], got {self.efficiency}")
+        for pair, cost in self.links.items():
+            if not (cost.bandwidth_bytes_per_s > 0):
+                raise ScenarioError(
+                    "bandwidth_mbit", f"link {'<->'.join(sorted(pair))} has no bandwidth"
+                )
+
+    def link(self, a: str, b: str) -> LinkCost:
+        return self.links[frozenset((a, b))]
+
+    @property
+    def wan_bytes(self) -> float:
+        """Bytes of one full exchange of the model, as encoded."""
+        return self.params * CODEC_BYTES_PER_VALUE[self.codec]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    strategy: str
+    step_s: float
+    """Mean wall seconds per inner step, exchanges included."""
+    round_s: float
+    """Wall seconds per sync interval (one step for sync)."""
+    exchange_s: float
+    """Seconds one exchange of the whole model takes (wire, codec, overhead)."""
+    exposed_s: float
+    """Seconds per round the compute waits for exchanges."""
+    utilization: float
+    wan_bytes_per_token: float
+    """Bytes sent over the WAN, all sites, per token trained."""
+    algorithm: str
+
+    def seconds_to_tokens(self, tokens: float, tokens_per_step: float) -> float:
+        return tokens / tokens_per_step * self.step_s
+
+    def to_dict(self) -> dict[str, float | str]:
+        return {
+            "strategy": self.strategy,
+            "step_s": self.step_s,
+            "round_s": self.round_s,
+            "exchange_s": self.exchange_s,
+            "exposed_s": self.exposed_s,
+            "utilization": self.utilization,
+            "wan_bytes_per_token": self.wan_bytes_per_token,
+            "algorithm": self.algorithm,
+        }
+
+
+def exchange_seconds(scenario: Scenario, nbytes: float) -> tuple[float, str]:
+    """One all-reduce of ``nbytes`` (encoded) across the sites, and the algorithm."""
+    sites = list(scenario.sites)
+    if len(sites) < 2:
+        return 0.0, "none"
+    costs = predict(nbytes, sites, scenario.link, scenario.uplink_bytes_per_s)
+    algorithm = min(costs, key=lambda name: (costs[name], name != "direct"))
+    latency = predict(0.0, sites, scenario.link, scenario.uplink_bytes_per_s)[algorithm]
+    ack = max(scenario.link(a, b).one_way_s for a in sites for b in sites if a != b)
+    raw_bytes = nbytes / CODEC_BYTES_PER_VALUE[scenario.codec] * 4
+    codec_s = raw_bytes / scenario.codec_bytes_per_s if scenario.codec != "none" else 0.0
+    wire_s = (costs[algorithm] - latency) / scenario.efficiency + latency + ack
+    return wire_s + codec_s + scenario.exchange_overhead_s, algorithm
+
+
+def predict_run(scenario: Scenario) -> Prediction:
+    s, t, h = scenario, scenario.step_s, scenario.sync_every
+    sites = len(s.sites)
+    full, algorithm = exchange_seconds(s, s.wan_bytes)
+    # What one site sends in one exchange of n bytes: 2 (S-1)/S n, both algorithms.
+    sent_per_exchange = 2 * (sites - 1) / sites * s.wan_bytes * sites if sites > 1 else 0.0
+    if s.strategy == "sync":
+        model_bytes = 4 * s.params
+        hideable = max(0.0, 1 - s.bucket_bytes / model_bytes) if s.sync_overlap else 0.0
+        hidden = s.backward_fraction * t * hideable
+        exposed = max(0.0, full - hidden)
+        round_s = t + exposed
+        return Prediction(
+            "sync",
+            round_s,
+            round_s,
+            full,
+            exposed,
+            t / round_s,
+            sent_per_exchange / s.tokens_per_step,
+            algorithm,
+        )
+    compute = h * t
+    if s.strategy == "diloco":
+        vote, _ = exchange_seconds(s, 64.0)
+        exposed = vote + full
+    elif s.strategy == "async":
+        exposed = max(0.0, full - compute)
+    else:  # streaming
+        part, algorithm = exchange_seconds(s, s.wan_bytes / s.fragments)
+        exposed = s.fragments * max(0.0, part - s.overlap_steps * t)
+    round_s = compute + exposed
+    return Prediction(
+        s.strategy,
+        round_s / h,
+        round_s,
+        full,
+        exposed,
+        compute / round_s,
+        sent_per_exchange / (h * s.tokens_per_step),
+        algorithm,
+    )
+
+
+def uniform_links(
+    sites: Sequence[str], *, bandwidth_mbit: float, rtt_ms: float
+) -> dict[frozenset[str], LinkCost]:
+    """Every pair of sites on the same link."""
+    if bandwidth_mbit <= 0:
+        raise ScenarioError("bandwidth_mbit", f"must be > 0, got {bandwidth_mbit}")
+    if rtt_ms < 0:
+        raise ScenarioError("rtt_ms", f"must be >= 0, got {rtt_ms}")
+    cost = LinkCost.of(bandwidth_mbit=bandwidth_mbit, rtt_ms=rtt_ms)
+    return {frozenset((a, b)): cost for i, a in enumerate(sites) for b in sites[i + 1 :]}
+
+
+def step_seconds_from_flops(
+    params: float, tokens_per_step_per_gpu: float, gpu: str, mfu: float
+) -> float:
+    """6 N FLOPs per token (forward and backward) at ``mfu`` of the GPU's peak."""
+    try:
+        peak = GPU_FLOPS[gpu]
+    except KeyError:
+        raise ScenarioError(
+            "gpu", f"unknown GPU {gpu!r}; use one of {', '.join(GPU_FLOPS)}"
+        ) from None
+    if not (0 < mfu <= 1):
+        raise ScenarioError("mfu", f"must be in (0, 1], got {mfu}")
+    return 6 * params * tokens_per_step_per_gpu / (peak * mfu)
+
+
+__all__ = [
+    "CODEC_BYTES_PER_VALUE",
+    "GPU_FLOPS",
+    "STRATEGIES",
+    "LinkLookup",
+    "Prediction",
+    "Scenario",
+    "ScenarioError",
+    "exchange_seconds",
+    "predict_run",
+    "step_seconds_from_flops",
+    "uniform_links",
+]

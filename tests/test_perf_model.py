@@ -1,0 +1,157 @@
+"""The performance model's formulas against hand-computed cases, and ``isthmus sim``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from isthmus.sim.cost import LinkCost
+from isthmus.sim.perf_model import (
+    Scenario,
+    ScenarioError,
+    exchange_seconds,
+    predict_run,
+    step_seconds_from_flops,
+    uniform_links,
+)
+
+SITES = ["a", "b"]
+# 80 Mbit/s = 10 MB/s, 100 ms RTT = 50 ms one way.
+LINKS = uniform_links(SITES, bandwidth_mbit=80, rtt_ms=100)
+
+
+def scenario(**changes) -> Scenario:
+    base = {
+        "params": 1e6,  # 4 MB of float32
+        "step_s": 0.1,
+        "tokens_per_step": 1000.0,
+        "sites": SITES,
+        "links": LINKS,
+        "sync_every": 10,
+        "fragments": 2,
+        "overlap_steps": 1,
+    }
+    return Scenario(**{**base, **changes})
+
+
+def test_an_exchange_costs_wire_plus_latencies_plus_overhead():
+    # Direct, 2 sites: each phase puts N/2 = 2 MB on the link (0.2 s) plus 50 ms;
+    # two phases, then the acknowledgement's 50 ms: 0.4 + 0.1 + 0.05 = 0.55 s.
+    seconds, algorithm = exchange_seconds(scenario(), 4e6)
+    assert algorithm == "direct" and seconds == pytest.approx(0.55)
+    # Efficiency divides the bandwidth part only; overhead adds once.
+    slower, _ = exchange_seconds(scenario(efficiency=0.5, exchange_overhead_s=0.02), 4e6)
+    assert slower == pytest.approx(0.8 + 0.1 + 0.05 + 0.02)
+    # A codec shrinks the bytes and adds its own time (4 MB of float32 at 4 MB/s).
+    int8, _ = exchange_seconds(scenario(codec="int8", codec_bytes_per_s=4e6), 1e6 * (1 + 4 / 256))
+    assert int8 == pytest.approx(2 * (0.5078125e6 / 1e7 + 0.05) + 0.05 + 1.0)
+
+
+def test_the_ring_is_chosen_when_it_avoids_a_slow_link():
+    sites = ["a", "b", "c"]
+    fast, slow = LinkCost.of(bandwidth_mbit=800, rtt_ms=2), LinkCost.of(bandwidth_mbit=8, rtt_ms=2)
+    links = {
+        frozenset("ab"): fast,
+        frozenset("bc"): fast,
+        frozenset("ac"): slow,  # the ring a->b->c->a still uses it; direct does too
+    }
+    _, algorithm = exchange_seconds(scenario(sites=sites, links=links), 30e6)
+    assert algorithm == "direct"  # both touch a-c; direct moves less over it
+
+
+def test_strategies_by_hand():
+    x = 0.55  # the exchange of the whole model, as above
+    sync = predict_run(scenario(strategy="sync"))
+    # One 25 MiB bucket holds the whole 4 MB model: nothing overlaps.
+    assert sync.step_s == pytest.approx(0.1 + x) and sync.utilization == pytest.approx(0.1 / 0.65)
+    bucketed = predict_run(scenario(strategy="sync", bucket_bytes=1e6))
+    hidden = 2 / 3 * 0.1 * (1 - 1e6 / 4e6)
+    assert bucketed.step_s == pytest.approx(0.1 + x - hidden)
+    diloco = predict_run(scenario(strategy="diloco"))
+    vote, _ = exchange_seconds(scenario(), 64.0)
+    assert diloco.round_s == pytest.approx(10 * 0.1 + vote + x)
+    assert diloco.utilization == pytest.approx(1.0 / diloco.round_s)
+    # Async hides the exchange behind the next round's 1 s of compute.
+    assert predict_run(scenario(strategy="async")).utilization == pytest.approx(1.0)
+    # Streaming: 2 fragments of 2 MB, each exposed beyond one step of overlap.
+    part, _ = exchange_seconds(scenario(), 2e6)
+    streaming = predict_run(scenario(strategy="streaming"))
+    assert streaming.round_s == pytest.approx(1.0 + 2 * (part - 0.1))
+    # Bytes: every site sends 2 (S-1)/S of the model per exchange.
+    assert diloco.wan_bytes_per_token == pytest.approx(2 * 4e6 / (10 * 1000))
+    assert sync.wan_bytes_per_token == pytest.approx(2 * 4e6 / 1000)
+
+
+def test_flops_and_bad_scenarios_are_named():
+    assert step_seconds_from_flops(1e9, 1000, "h100", 0.5) == pytest.approx(6e12 / (989e12 * 0.5))
+    for changes, name in [
+        ({"sync_every": 0}, "sync_every"),
+        ({"strategy": "fast"}, "strategy"),
+        ({"params": 0}, "params"),
+        ({"fragments": 20}, "fragments"),
+        ({"codec": "int3"}, "codec"),
+    ]:
+        with pytest.raises(ScenarioError) as caught:
+            scenario(**changes)
+        assert caught.value.field == name
+    with pytest.raises(ScenarioError, match="bandwidth_mbit"):
+        uniform_links(SITES, bandwidth_mbit=0, rtt_ms=10)
+    with pytest.raises(ScenarioError, match="gpu"):
+        step_seconds_from_flops(1e9, 1, "tpu", 0.5)
+
+
+def isthmus(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "isthmus", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_sim_command_for_a_job_and_for_flags():
+    done = isthmus("sim", "deploy/examples/three-continents.yaml", "--step-ms", "100", "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert [p["strategy"] for p in out["predictions"]] == ["sync", "diloco", "streaming", "async"]
+    assert out["scenario"]["sites"] == ["us-east", "eu-west", "asia-east"]
+    assert out["scenario"]["sync_every"] == 50 and out["validated_range"] == ""
+    big = isthmus(
+        "sim", "--params", "340e9", "--sites", "2", "--gpus-per-site", "1024", "--gpu", "h100",
+        "--rtt-ms", "10", "--bandwidth-mbit", "100000", "--strategy", "sync",
+    )  # fmt: skip
+    assert big.returncode == 0, big.stderr
+    assert "outside the validated range" in big.stdout and "sync" in big.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--params", "1e9", "--sites", "2", "--step-ms", "10"], "--bandwidth-mbit: give --rtt-ms"),
+        (
+            [
+                "--params",
+                "1e9",
+                "--sites",
+                "2",
+                "--step-ms",
+                "10",
+                "--rtt-ms",
+                "10",
+                "--bandwidth-mbit",
+                "0",
+            ],
+            "--bandwidth-mbit: must be > 0",
+        ),
+        (["--params", "1e9", "--sites", "0", "--step-ms", "10"], "--sites: must be >= 1"),
+        (["deploy/examples/two-sites.yaml"], "--step-ms: give --step-ms"),
+        (
+            ["deploy/examples/two-sites.yaml", "--step-ms", "10", "--sync-every", "0"],
+            "--sync-every: must be >= 1",
+        ),
+    ],
+)
+def test_sim_refuses_impossible_scenarios_naming_the_flag(args, message):
+    done = isthmus("sim", *args)
+    assert done.returncode == 2
+    assert message in done.stderr, done.stderr
