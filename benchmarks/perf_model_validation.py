@@ -80,6 +80,7 @@ def job_text(case: Case) -> str:
 
 def run(case: Case, folder: Path) -> dict[str, float]:
     """Run the case; its measured step time, utilisation and syncing time per round."""
+    folder.mkdir(parents=True, exist_ok=True)
     job = folder / "job.yaml"
     job.write_text(job_text(case))
     out = folder / "run"
