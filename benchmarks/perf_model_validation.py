@@ -3,8 +3,9 @@
     python benchmarks/perf_model_validation.py [--out DIR] [--write-docs]
 
 1. Calibration (not part of the validation): the compute time of a step at
-   each concurrency used below (2, 3, 4 processes training at once,
-   ``isthmus.deploy.calibrate``), and the fixed cost of one exchange beyond
+   each concurrency used below (a short run of 2, 3, 4 sites that do not
+   synchronise, ``isthmus.deploy.calibrate.run_step_seconds``: emulator,
+   launcher and broker running as in the runs), and the fixed cost of one exchange beyond
    the wire, from a 2-site DiLoCo run on a 1 ms, 1 Gbit/s link (its measured
    syncing time per round minus the model's wire time).
 2. Validation: emulated runs (``isthmus run``) of 2-4 sites, sync, DiLoCo and
@@ -27,7 +28,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from isthmus.deploy.calibrate import step_seconds
+from isthmus.deploy.calibrate import run_step_seconds
 from isthmus.deploy.run_records import read_records
 from isthmus.deploy.sim_commands import CODEC_BYTES_PER_S, ENGINE_EFFICIENCY
 from isthmus.intra.model import config_for
@@ -147,8 +148,8 @@ def main() -> int:
     for sites in sorted({c.sites for c in [CALIBRATION, *CASES]}):
         job = root / f"calibrate-{sites}.yaml"
         job.write_text(job_text(Case(sites, 100, 10, "diloco", 10, 10)))
-        step_at[sites] = step_seconds(job, ranks=sites, batch_size=BATCH)
-        print(f"calibration: step {step_at[sites] * 1e3:.1f} ms with {sites} processes", flush=True)
+        step_at[sites] = run_step_seconds(job)
+        print(f"calibration: step {step_at[sites] * 1e3:.1f} ms with {sites} sites", flush=True)
     measured = run(CALIBRATION, root / "calibration")
     wire_only, _ = exchange_seconds(scenario(CALIBRATION, step_at[2], 0.0), 4 * 471_000)
     overhead = max(0.0, measured["syncing_s"] - wire_only)
@@ -202,7 +203,7 @@ def write_docs(result: dict) -> None:
         MARKERS[0],
         "",
         "Calibration: step "
-        + ", ".join(f"{v:.1f} ms with {k} processes" for k, v in cal["step_ms"].items())
+        + ", ".join(f"{v:.1f} ms with {k} sites" for k, v in cal["step_ms"].items())
         + f"; exchange overhead {cal['exchange_overhead_ms']:.0f} ms.",
         "",
         "| run | steps | step measured | step predicted | error | utilisation measured "

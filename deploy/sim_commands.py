@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -225,11 +226,11 @@ def _step_seconds(args: argparse.Namespace, job: Job | None, params: float, toke
     if args.gpu is not None:
         return step_seconds_from_flops(params, tokens, args.gpu, args.mfu)
     if job is not None and args.calibrate:
-        from isthmus.deploy.calibrate import step_seconds
+        from isthmus.deploy.calibrate import run_step_seconds
 
-        ranks = sum(s.ranks for s in job.sites)
-        print(f"calibrating: {ranks} processes train the job's model at once ...", flush=True)
-        return step_seconds(Path(args.job), ranks=ranks, batch_size=job.train.batch_size)
+        # On stderr: stdout is the prediction (JSON with --json).
+        print("calibrating: a short run of the job without synchronisation ...", file=sys.stderr)
+        return run_step_seconds(Path(args.job))
     raise ScenarioError(
         "step_ms", "give --step-ms, --gpu (FLOPs at --mfu), or --calibrate (measure here)"
     )

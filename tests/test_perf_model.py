@@ -155,3 +155,19 @@ def test_sim_refuses_impossible_scenarios_naming_the_flag(args, message):
     done = isthmus("sim", *args)
     assert done.returncode == 2
     assert message in done.stderr, done.stderr
+
+
+@pytest.mark.slow
+def test_sim_calibrates_the_step_with_a_short_run_of_the_job(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "name: cal\nsites: [{name: a}, {name: b}]\n"
+        "wan: {default: {rtt_ms: 20, bandwidth_mbit: 100}}\ntrain: {sync_every: 10}\n"
+    )
+    done = isthmus("sim", str(job), "--calibrate", "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert "calibrating" in done.stderr
+    assert 0.001 < out["scenario"]["step_s"] < 5
+    diloco = next(p for p in out["predictions"] if p["strategy"] == "diloco")
+    assert 0 < diloco["utilization"] <= 1
