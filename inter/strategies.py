@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -89,9 +90,9 @@ class Strategy:
         self.wan_bytes_sent = 0
         self.wan_bytes_received = 0
         self.last_report: StepReport | None = None
-        self.blocked: list[Blocked] = []
-        """Every span the training loop spent blocked in the strategy, in order; a
-        caller that reports them may clear the list."""
+        self.blocked: deque[Blocked] = deque(maxlen=4096)
+        """The spans the training loop spent blocked in the strategy, in order (the
+        latest 4096: a caller that reports them clears it as it goes)."""
         self.observer: Callable[[str, bool], None] | None = None
         """Called with (kind, True) when a blocked span starts and (kind, False) when it
         ends: live status for a progress display."""
