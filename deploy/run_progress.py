@@ -102,30 +102,34 @@ class LiveProgress:
             f"{time.time() - state.started:.0f} s, ETA {_eta(state)}",
             title_justify="left",
         )
-        for column in (
-            "site",
-            "progress",
-            "step",
-            "loss",
-            "eval",
-            "tok/s",
-            "outer",
-            "WAN sent",
-            "state",
-        ):
-            sites.add_column(column, justify="left" if column in ("site", "state") else "right")
+        # A progress bar only where there is room for every figure beside it.
+        bar = self.console.width >= 100
+        columns = ["site", *(["progress"] if bar else []), "step", "loss", "eval", "tok/s"]
+        columns += ["outer", "WAN MB", "state"]
+        for column in columns:
+            # Which site and its state are what a person looks for: never cut short.
+            widths = {"site": max(len(n) for n in state.sites), "state": 9}
+            sites.add_column(
+                column,
+                justify="left" if column in ("site", "state") else "right",
+                min_width=widths.get(column),
+                no_wrap=column in widths,
+            )
         colours = {"computing": "green", "syncing": "cyan", "waiting": "yellow", "finished": "bold"}
         for site in state.sites.values():
             colour = colours.get(site.status, "red" if site.status in ("failed", "lost") else "")
+            progress = (
+                [ProgressBar(total=state.steps, completed=site.step, width=16)] if bar else []
+            )
             sites.add_row(
                 site.name,
-                ProgressBar(total=state.steps, completed=site.step, width=20),
+                *progress,
                 f"{site.step}/{state.steps}",
                 f"{site.loss:.3f}" if site.loss is not None else "-",
                 f"{site.eval_loss:.3f}" if site.eval_loss is not None else "-",
                 f"{site.tokens_per_s:,.0f}",
                 str(site.outer_steps),
-                _mb(site.wan_bytes_sent),
+                f"{site.wan_bytes_sent / 1e6:.1f}",
                 f"[{colour}]{site.status}[/]" if colour else site.status,
             )
         parts: list[Any] = [sites]
