@@ -30,6 +30,7 @@ from pathlib import Path
 
 from isthmus.deploy.calibrate import run_step_seconds
 from isthmus.deploy.run_records import read_records
+from isthmus.deploy.run_summary import training_figures
 from isthmus.deploy.sim_commands import CODEC_BYTES_PER_S, ENGINE_EFFICIENCY
 from isthmus.intra.model import config_for
 from isthmus.sim.perf_model import Scenario, exchange_seconds, predict_run, uniform_links
@@ -95,14 +96,11 @@ def run(case: Case, folder: Path) -> dict[str, float]:
         raise RuntimeError(f"{case.name}: run failed: {done.stderr[-2000:]}")
     summary = json.loads((out / "summary.json").read_text())
     records = read_records(out / "metrics.jsonl")
-    steps, utilisation, syncing = [], [], []
-    for name, site in summary["sites"].items():
-        evals = sum(
-            r.get("seconds", 0.0) for r in records if r["site"] == name and r["kind"] == "eval"
-        )
-        wall = site["wall_seconds"] - evals
-        steps.append(wall / site["inner_steps"])
-        utilisation.append(site["compute_seconds"] / wall)
+    figures = training_figures(out, summary)
+    steps = [f["step_s"] for f in figures.values()]
+    utilisation = [f["utilization"] for f in figures.values()]
+    syncing = []
+    for name in summary["sites"]:
         spans = [
             r["seconds"]
             for r in records

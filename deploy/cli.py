@@ -47,12 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
         job_commands,
         run_commands,
         sim_commands,
+        tune_commands,
         wan_commands,
     )
 
     run_commands.register(commands)
     control_commands.register(commands)
     sim_commands.register(commands)
+    tune_commands.register(commands)
     job_commands.register(commands)
     wan_commands.register(commands)
     bench_commands.register(commands)

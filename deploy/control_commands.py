@@ -14,7 +14,7 @@ import yaml
 from isthmus.deploy.cli import UsageError, add_command
 from isthmus.deploy.jobfile import Job, load_job
 from isthmus.inter.control import Broker, ControlPlane
-from isthmus.inter.control_topics import LIVE_SETTINGS, PROTOCOL, config_topic, encode, parse_config
+from isthmus.inter.control_topics import LIVE_SETTINGS, parse_config
 
 CONNECT_S = 5.0
 SILENT_S = 3.0
@@ -104,30 +104,15 @@ def _config(args: argparse.Namespace) -> int:
         online = {n: s for n, s in plane.peers.items() if s.get("state") == "online"}
         furthest = max((s.get("round", 0) for s in online.values()), default=0)
         from_round = args.from_round if args.from_round is not None else furthest + 2
-        version = (plane.config.version if plane.config else 0) + 1
-        message = {
-            "protocol": PROTOCOL,
-            "settings": settings,
-            "from_round": from_round,
-            "version": version,
-            "t": time.time(),
-        }
-        _publish_retained(broker, config_topic(job.name), encode(message))
+        try:
+            version = plane.publish_config(settings, from_round)
+        except ConnectionError as exc:
+            raise UsageError(str(exc)) from None
     changes = ", ".join(f"{k}={v}" for k, v in settings.items())
     where = ", ".join(f"{n} at round {s.get('round', 0)}" for n, s in sorted(online.items()))
     print(f"published config v{version}: {changes} from outer round {from_round}")
     print(f"sites online: {where or 'none yet (they apply it when they reach that round)'}")
     return 0
-
-
-def _publish_retained(broker: Broker, topic: str, payload: bytes) -> None:
-    import asyncio
-
-    async def publish() -> None:
-        async with broker.client(f"isthmus-config-{time.time_ns():x}", timeout=CONNECT_S) as c:
-            await c.publish(topic, payload, qos=1, retain=True)
-
-    asyncio.run(publish())
 
 
 class _observer:

@@ -19,6 +19,7 @@ Shape (every section but ``name`` and ``sites`` is optional)::
         - {at_s: 30, link: [us-east, eu-west], action: partition, for_s: 10}
     train: {strategy: diloco, steps: 600, sync_every: 50, codec: int8}
     control: {broker: mqtt://broker.example:1883}     # else an embedded broker
+    tune: {target_utilization: 0.9, codecs: [none, int8], online: true}   # isthmus tune
     model: tiny            # a built-in size, or package.module:function
     data: stdlib           # the built-in corpus, a text or .pt file, or package.module:function
 """
@@ -50,9 +51,10 @@ from isthmus.sim.link import (
 )
 from isthmus.sim.presets import PRESETS
 from isthmus.sim.topology import Fault, Site, Topology, validate_fault
+from isthmus.sim.tuner import LIVE_SYNC_EVERY, TUNE_KEYS, TuneError, TuneSettings
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-TOP_LEVEL_KEYS = ("name", "seed", "sites", "wan", "train", "model", "data", "control")
+TOP_LEVEL_KEYS = ("name", "seed", "sites", "wan", "train", "model", "data", "control", "tune")
 CONTROL_KEYS = ("broker", "username", "password", "password_env", "tls", "wait_s")
 TLS_KEYS = ("ca", "cert", "key")
 SITE_KEYS = ("name", "ranks", "address", "advertise", "uplink_mbit", "parallel")
@@ -160,6 +162,8 @@ class Job:
     or ``package.module:function``."""
     control: ControlSpec | None = None
     """The control plane's broker; None: ``isthmus run`` starts an embedded one."""
+    tune: TuneSettings = field(default_factory=TuneSettings)
+    """What ``isthmus tune`` aims for, and ``isthmus run``'s online H controller."""
     source: str = "<job>"
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -322,6 +326,7 @@ class _Validator:
         model = self.model(data.get("model", "tiny"), sites)
         control = self.control(data["control"]) if data.get("control") is not None else None
         data_source = self.data(data.get("data", "stdlib"))
+        tune = self.tune(data.get("tune") or {}, train)
         if self.problems:
             raise JobFileError(self.source, self.problems)
         assert train is not None
@@ -334,6 +339,7 @@ class _Validator:
             model=model,
             data=data_source,
             control=control,
+            tune=tune or TuneSettings(),
             source=self.source,
             raw=data,
         )
@@ -735,6 +741,27 @@ class _Validator:
         except SettingError as exc:
             self.fail(f"train.{exc.field}", exc.reason)
             return None
+
+    # -- tune ----------------------------------------------------------------------------
+    def tune(self, raw: Any, train: TrainSettings | None) -> TuneSettings | None:
+        raw = self.mapping(raw, "tune", TUNE_KEYS)
+        if raw is None:
+            return None
+        known = {k: v for k, v in raw.items() if k in TUNE_KEYS}
+        if isinstance(known.get("codecs"), list):
+            known["codecs"] = tuple(known["codecs"])
+        try:
+            tune = TuneSettings(**known)
+        except TuneError as exc:
+            self.fail(f"tune.{exc.field}", exc.reason)
+            return None
+        if tune.online and train is not None and train.strategy not in LIVE_SYNC_EVERY:
+            self.fail(
+                "tune.online",
+                f"the {train.strategy} strategy fixes sync_every at the start; the online "
+                f"controller needs {' or '.join(LIVE_SYNC_EVERY)} (or set online: false)",
+            )
+        return tune
 
 
 def parse_address(value: Any) -> tuple[str, int] | str:

@@ -83,8 +83,6 @@ def run_job(job: Any, raw: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     """One run, start to report; prints progress and where the report is."""
     from isthmus.deploy.run_progress import progress_for
     from isthmus.deploy.run_report import write_report
-    from isthmus.deploy.run_summary import build_summary
-    from isthmus.deploy.run_tensorboard import TensorBoardWriter
 
     prepare_run_dir(run_dir)
     print(
@@ -93,12 +91,26 @@ def run_job(job: Any, raw: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         flush=True,
     )
     progress = progress_for(sys.stdout)
-    launcher = Launcher(job, raw, run_dir, on_update=progress.update)
+    with progress:
+        summary = execute_run(job, raw, run_dir, on_update=progress.update)
+    report = write_report(run_dir)
+    _print_outcome(summary, report)
+    return summary
+
+
+def execute_run(
+    job: Any, raw: dict[str, Any], run_dir: Path, *, on_update: Any = None
+) -> dict[str, Any]:
+    """Launch, follow and stop one run in a prepared directory; write its TensorBoard
+    events and summary.json and return the summary. Prints nothing."""
+    from isthmus.deploy.run_summary import build_summary
+    from isthmus.deploy.run_tensorboard import TensorBoardWriter
+
+    launcher = Launcher(job, raw, run_dir, on_update=on_update)
     launcher.tensorboard = TensorBoardWriter(run_dir / "tensorboard", [s.name for s in job.sites])
     try:
-        with progress:
-            launcher.start()
-            launcher.follow()
+        launcher.start()
+        launcher.follow()
     except KeyboardInterrupt:
         launcher.state.status = "interrupted"
     finally:
@@ -108,8 +120,6 @@ def run_job(job: Any, raw: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         launcher.state.status = "failed"
     summary = build_summary(launcher.state)
     write_json_atomic(run_dir / "summary.json", summary)
-    report = write_report(run_dir)
-    _print_outcome(summary, report)
     return summary
 
 

@@ -83,6 +83,8 @@ class RunState:
     links: dict[str, dict[str, float]] = field(default_factory=dict)
     """``a<->b`` -> {bytes: emulator wire bytes both ways, mbit_s: current throughput}."""
     status: str = "running"
+    sync_every_changes: list[dict[str, Any]] = field(default_factory=list)
+    """What the online H controller (``tune: {online: true}``) published, in order."""
 
     @property
     def steps(self) -> int:
@@ -101,18 +103,24 @@ class RunState:
 
 
 def resolve_job(
-    path: Path, *, strategy: str | None = None, steps: int | None = None
+    path: Path,
+    *,
+    strategy: str | None = None,
+    steps: int | None = None,
+    train: dict[str, Any] | None = None,
+    tune: dict[str, Any] | None = None,
 ) -> tuple[Job, dict[str, Any]]:
     """The job file with the command line's overrides and every default filled in:
-    what ``job.yaml`` in the run directory holds and every site reads."""
+    what ``job.yaml`` in the run directory holds and every site reads. ``train`` and
+    ``tune``: more overrides of those sections' keys (``isthmus tune``'s trials)."""
     job = load_job(path)
-    changes: dict[str, Any] = {}
+    changes: dict[str, Any] = dict(train or {})
     if strategy is not None:
         changes["strategy"] = strategy
     if steps is not None:
         changes["steps"] = steps
     try:
-        train = dataclasses.replace(job.train, **changes)
+        settings = dataclasses.replace(job.train, **changes)
     except SettingError as exc:
         raise RunError(f"--{exc.field}: {exc.reason}") from None
     if ":" in job.model:
@@ -126,7 +134,9 @@ def resolve_job(
         except ValueError as exc:
             raise RunError(f"{path}: {exc}") from None
     raw = dict(job.raw)
-    raw["train"] = train.to_dict()
+    raw["train"] = settings.to_dict()
+    if tune:
+        raw["tune"] = {**(raw.get("tune") or {}), **tune}
     raw["model"] = job.model
     raw["data"] = job.data
     raw["seed"] = job.seed
@@ -194,6 +204,7 @@ class Launcher:
         self._last_link_poll = 0.0
         self._link_bytes: dict[str, tuple[float, float]] = {}
         self.tensorboard: Any = None
+        self.tuner: Any = None
 
     # -- start ---------------------------------------------------------------------
     def start(self) -> None:
@@ -207,6 +218,8 @@ class Launcher:
             self._start_broker()
         if self.job.wan is not None:
             self._start_emulator()
+        if self.job.tune.online:
+            self._start_tuner()
         total_ranks = sum(s.ranks for s in self.job.sites)
         threads = max(1, (os.cpu_count() or 1) // total_ranks)
         env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
@@ -235,6 +248,31 @@ class Launcher:
         write_json_atomic(self.run_dir / "control.json", state)
         self._control_state = control_state_path(self.job)
         write_json_atomic(self._control_state, state)
+
+    def _start_tuner(self) -> None:
+        """The online H controller, a client of the run's broker like any site."""
+        from isthmus.deploy.online_tuner import OnlineTuner
+        from isthmus.inter.control import Broker
+
+        if self.job.control is not None:
+            broker, wait_s = self.job.control.broker_for(None), self.job.control.wait_s
+        else:
+            broker, wait_s = Broker.from_url(self.broker.address.url), 10.0
+        try:
+            self.tuner = OnlineTuner(broker, self.job).start(wait_s)
+        except ConnectionError as exc:
+            raise RunError(f"tune.online: {exc}") from None
+
+    def _poll_tuner(self) -> None:
+        if self.tuner is None:
+            return
+        decision = self.tuner.poll()
+        if decision is None:
+            return
+        change = decision.to_dict()
+        self.state.sync_every_changes.append(change)
+        assert self._metrics is not None
+        self._metrics.write(json.dumps({**change, "site": None, "kind": "tune"}) + "\n")
 
     def _start_emulator(self) -> None:
         log = (self.run_dir / "logs" / "wan.log").open("ab")
@@ -272,6 +310,7 @@ class Launcher:
             while True:
                 self._read_records()
                 self._poll_links()
+                self._poll_tuner()
                 if self._stop_signal is not None:
                     outcome = "interrupted"
                     break
@@ -362,6 +401,9 @@ class Launcher:
         if self.emulator is not None:
             self._final_link_stats()
         _terminate([*children, *([self.emulator] if self.emulator else [])])
+        if self.tuner is not None:
+            self.tuner.close()
+            self.tuner = None
         if self.broker is not None:
             self.broker.stop()
             self.broker = None

@@ -71,6 +71,8 @@ def build_summary(state: RunState, *, ended: float | None = None) -> dict[str, A
             k: int(v["bytes"]) for k, v in state.links.items()
         }
     summary["settings"] = state.job.train.to_dict()
+    if state.job.tune.online:
+        summary["sync_every_changes"] = state.sync_every_changes
     summary["model"] = state.job.model
     summary["data"] = state.job.data
     summary["sites"] = sites
@@ -82,3 +84,26 @@ def _read_result(path: Path) -> dict[str, Any] | None:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def training_figures(run_dir: Path, summary: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per site: wall seconds per inner step and compute utilisation with the held-out
+    evaluations left out (what the performance model predicts; it has no evaluation)."""
+    from isthmus.deploy.run_records import read_records
+
+    records = read_records(run_dir / "metrics.jsonl")
+    figures = {}
+    for name, site in summary["sites"].items():
+        if not site.get("inner_steps") or not site.get("wall_seconds"):
+            continue
+        evals = sum(
+            r.get("seconds") or 0.0
+            for r in records
+            if r.get("site") == name and r.get("kind") == "eval"
+        )
+        wall = site["wall_seconds"] - evals
+        figures[name] = {
+            "step_s": wall / site["inner_steps"],
+            "utilization": site["compute_seconds"] / wall if wall > 0 else 0.0,
+        }
+    return figures

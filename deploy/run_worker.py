@@ -43,6 +43,7 @@ from isthmus.intra.data import Dataset, ShardSpec, load_corpus
 from isthmus.intra.model import GPT, config_for, lm_loss
 from isthmus.intra.parallelize import GPT_PLAN, ModelPlan, SiteModel
 from isthmus.intra.plugins import DataContext, load_callable, load_model
+from isthmus.sim.tuner import LIVE_SYNC_EVERY
 
 EVAL_BATCHES = 8
 """Held-out batches of 16 sequences (or samples) for each evaluation."""
@@ -174,7 +175,8 @@ def _train(
     loss = float("nan")
     train_started = time.time()
     outer_seen = 0
-    round_started, round_tokens, waiting_s = time.perf_counter(), 0, 0.0
+    round_started, round_tokens, waiting_s, blocked_s = time.perf_counter(), 0, 0.0, 0.0
+    round_compute_s, round_step = 0.0, 0
     for step in range(settings.steps):
         x, y = first if step == 0 else next(batches)
         step_started = time.perf_counter()
@@ -193,6 +195,7 @@ def _train(
         tokens += y.numel() * site.layout.dp
         loss = _site_mean(rank_loss, site)
         waiting_s += sum(b.seconds for b in strategy.blocked if b.kind == "waiting")
+        blocked_s += sum(b.seconds for b in strategy.blocked)
         _write_blocked(records, strategy)
         records.write(
             "step",
@@ -203,7 +206,8 @@ def _train(
             lr=optimizer.param_groups[0]["lr"],
         )
         control.step(step + 1, strategy.outer_steps)
-        if strategy.outer_steps != outer_seen:
+        round_ended = strategy.outer_steps != outer_seen
+        if round_ended:
             outer_seen = strategy.outer_steps
             totals = _write_round(records, strategy, site, step + 1)
             round_s = time.perf_counter() - round_started
@@ -215,14 +219,27 @@ def _train(
                 wan_bytes_sent=totals["wan_bytes_sent"],
                 round_s=round_s,
                 waiting_s=waiting_s,
+                blocked_s=blocked_s,
+                compute_s=compute_s - round_compute_s,
+                round_steps=step + 1 - round_step,
+                sync_every=settings.sync_every,
             )
-            round_started, round_tokens, waiting_s = time.perf_counter(), tokens, 0.0
+            round_started, round_tokens, waiting_s, blocked_s = (
+                time.perf_counter(),
+                tokens,
+                0.0,
+                0.0,
+            )
+            round_compute_s, round_step = compute_s, step + 1
             if changes:
                 settings = apply_settings(changes, settings, strategy, site.name)
                 records.write("config", round=outer_seen, step=step + 1, settings=changes)
         # Held-out loss every sync_every steps (after DiLoCo's round: the global
-        # model), whatever the strategy, so runs compare at the same points.
-        if (step + 1) % settings.sync_every == 0 and site.layout.pp == 1:
+        # model), whatever the strategy, so runs compare at the same points; where
+        # sync_every can change live, after every round.
+        live_h = settings.strategy in LIVE_SYNC_EVERY
+        eval_due = round_ended if live_h else (step + 1) % settings.sync_every == 0
+        if eval_due and site.layout.pp == 1:
             eval_started = time.perf_counter()
             eval_loss = evaluate(part.model, held_out, loss_fn)  # a stage is not a model
             records.write(

@@ -92,7 +92,7 @@ def _sim(args: argparse.Namespace) -> int:
             "chosen": scenario.strategy,
         },
         "predictions": rows,
-        "validated_range": _range_note(scenario),
+        "validated_range": range_note(scenario),
     }
     if args.json:
         print(json.dumps(out, indent=2))
@@ -123,7 +123,7 @@ def _with(scenario: Scenario, **changes: Any) -> Scenario:
     return dataclasses.replace(scenario, **changes)
 
 
-def _range_note(scenario: Scenario) -> str:
+def range_note(scenario: Scenario) -> str:
     if scenario.params > 1e8 or len(scenario.sites) > 4:
         return (
             "outside the validated range (emulated runs of the tiny model, 2-4 sites, on this "
@@ -234,3 +234,28 @@ def _step_seconds(args: argparse.Namespace, job: Job | None, params: float, toke
     raise ScenarioError(
         "step_ms", "give --step-ms, --gpu (FLOPs at --mfu), or --calibrate (measure here)"
     )
+
+
+def job_scenario(job_path: Path, step_s: float) -> Scenario:
+    """The job file's scenario with a known compute time per inner step (what
+    ``isthmus sim JOB --step-ms`` predicts from)."""
+    args = argparse.Namespace(
+        job=str(job_path),
+        params=None,
+        sites=None,
+        gpus_per_site=1,
+        gpu=None,
+        mfu=0.4,
+        tokens_per_gpu=4096 * 2,
+        step_ms=step_s * 1e3,
+        rtt_ms=None,
+        bandwidth_mbit=None,
+        strategy=None,
+        sync_every=None,
+        fragments=None,
+        overlap_steps=None,
+        codec=None,
+        efficiency=ENGINE_EFFICIENCY,
+        calibrate=False,
+    )
+    return scenario_from(args)

@@ -229,6 +229,39 @@ class ControlPlane:
             )
         return dict(config.settings)
 
+    def publish_config(
+        self, settings: dict[str, Any], from_round: int, timeout_s: float = 5.0
+    ) -> int:
+        """Publish live settings (retained, QoS 1) that every site applies from outer
+        round ``from_round``; returns the new version. Raises ``ConnectionError`` if the
+        broker does not take it within ``timeout_s``."""
+        version = (self.config.version if self.config else 0) + 1
+        message = {
+            "protocol": PROTOCOL,
+            "settings": settings,
+            "from_round": from_round,
+            "version": version,
+            "t": time.time(),
+        }
+
+        async def send() -> None:
+            client = self._client
+            if client is None:
+                raise ConnectionError(f"control plane: not connected to {self.broker.url}")
+            await client.publish(config_topic(self.job), encode(message), qos=1, retain=True)
+
+        future = asyncio.run_coroutine_threadsafe(send(), self._loop)
+        try:
+            future.result(timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise ConnectionError(
+                f"control plane: {self.broker.url} did not take the config in {timeout_s:g} s"
+            ) from None
+        except Exception as exc:
+            raise ConnectionError(f"control plane: config not published: {exc}") from None
+        return version
+
     # -- the client's own loop -------------------------------------------------------
     def _call(self, fn: Any, *args: Any) -> None:
         if self._thread.is_alive() and not self._stopping:

@@ -15,7 +15,9 @@ topic                                       retained  payload (JSON object)
 ``isthmus/<job>/metrics/<site>``            no        one per round: ``round``, ``step``,
                                                       ``loss``, ``tokens_per_s``,
                                                       ``wan_bytes_sent``, ``round_s``,
-                                                      ``waiting_s``, ``t``
+                                                      ``waiting_s``, ``blocked_s``,
+                                                      ``compute_s``, ``round_steps``,
+                                                      ``sync_every``, ``t``
 ==========================================  ========  =====================================
 
 Parsing never raises: a malformed message is returned as an error string,
@@ -139,7 +141,11 @@ def parse_metrics(message: dict[str, Any]) -> dict[str, Any] | str:
     for key in ("round", "step"):
         if not isinstance(message.get(key), int):
             return f"{key!r} must be an integer, got {message.get(key)!r}"
-    for key in ("loss", "tokens_per_s", "round_s", "waiting_s"):
+    for key in ("round_steps", "sync_every"):
+        value = message.get(key)
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool)):
+            return f"{key!r} must be an integer or null, got {value!r}"
+    for key in ("loss", "tokens_per_s", "round_s", "waiting_s", "blocked_s", "compute_s"):
         value = message.get(key)
         if value is not None and not (isinstance(value, int | float) and math.isfinite(value)):
             return f"{key!r} must be a finite number or null, got {value!r}"

@@ -272,6 +272,9 @@ class _LocalSteps(Strategy):
         outer_device: str,
     ) -> None:
         self.sync_every = _positive_int("sync_every", sync_every)
+        self.round_steps = 0
+        """Inner steps since the last exchange started: a round ends after exactly
+        ``sync_every`` of them, also when ``sync_every`` changes mid-run."""
         _check_outer(outer_lr, outer_momentum)
         super().__init__(site, model, inner_optimizer, codec=codec, tokens_per_step=tokens_per_step)
         self.outer = OuterOptimizer(
@@ -281,6 +284,14 @@ class _LocalSteps(Strategy):
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         raise NotImplementedError
+
+    def _round_due(self) -> bool:
+        """Count an inner step; True when it ends the round."""
+        self.round_steps += 1
+        if self.round_steps < self.sync_every:
+            return False
+        self.round_steps = 0
+        return True
 
     @property
     def global_parameters(self) -> Sequence[torch.Tensor]:
@@ -321,7 +332,7 @@ class DiLoCo(_LocalSteps):
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.inner_steps += 1
         self._tokens += self.tokens_per_step
-        if self.inner_steps % self.sync_every == 0:
+        if self._round_due():
             self.sync()
 
     def add_tokens(self, count: int) -> None:
@@ -528,7 +539,7 @@ class AsyncDiLoCo(_LocalSteps):
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.inner_steps += 1
-        if self.inner_steps % self.sync_every == 0:
+        if self._round_due():
             self._complete()
             deltas = self.outer.pseudo_gradients()
             anchor = [p.detach().clone() for p in self.params]
@@ -551,7 +562,7 @@ class AsyncDiLoCo(_LocalSteps):
         """Apply what is in flight, then one synchronous round for the steps taken
         since the last send, so every site ends with the same, global, parameters."""
         self._complete()
-        if self.inner_steps % self.sync_every == 0:
+        if self.round_steps == 0:
             # No steps since the last send: the model is the global one, up to
             # the rounding of global + (local - anchor); make it exact.
             self.outer.reset_model()
