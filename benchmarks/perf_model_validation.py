@@ -5,9 +5,11 @@
 1. Calibration (not part of the validation): the compute time of a step at
    each concurrency used below (a short run of 2, 3, 4 sites that do not
    synchronise, ``isthmus.deploy.calibrate.run_step_seconds``: emulator,
-   launcher and broker running as in the runs), and the fixed cost of one exchange beyond
-   the wire, from a 2-site DiLoCo run on a 1 ms, 1 Gbit/s link (its measured
-   syncing time per round minus the model's wire time).
+   launcher and broker running as in the runs), and the host cost of one
+   exchange beyond the wire, a + b (S - 1) for S sites, from DiLoCo runs of 2
+   and of 4 sites on a 1 ms, 1 Gbit/s link (their measured syncing time per
+   round minus the model's wire time). Host work that overlaps the other sites'
+   compute is slowed by processes per core (the runs share 2 cores).
 2. Validation: emulated runs (``isthmus run``) of 2-4 sites, sync, DiLoCo and
    Streaming DiLoCo, two bandwidths; each run's measured time per inner step
    and compute utilisation (evaluation time left out, as the model has none)
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -57,7 +60,7 @@ class Case:
         )
 
 
-CALIBRATION = Case(2, 1000, 1, "diloco", 10, 60)
+CALIBRATIONS = (Case(2, 1000, 1, "diloco", 10, 60), Case(4, 1000, 1, "diloco", 10, 60))
 CASES = [
     Case(2, 100, 40, "sync", 10, 40),
     Case(2, 100, 40, "diloco", 20, 120),
@@ -115,7 +118,7 @@ def run(case: Case, folder: Path) -> dict[str, float]:
     }
 
 
-def scenario(case: Case, step_s: float, overhead_s: float) -> Scenario:
+def scenario(case: Case, step_s: float, overhead_s: float, peer_s: float = 0.0) -> Scenario:
     names = [f"s{i}" for i in range(case.sites)]
     config = config_for("tiny")
     return Scenario(
@@ -131,6 +134,10 @@ def scenario(case: Case, step_s: float, overhead_s: float) -> Scenario:
         codec_bytes_per_s=CODEC_BYTES_PER_S,
         efficiency=ENGINE_EFFICIENCY,
         exchange_overhead_s=overhead_s,
+        peer_overhead_s=peer_s,
+        # One process per site on this machine's cores: host work that overlaps
+        # the other sites' compute shares the cores with it.
+        host_contention=max(1.0, case.sites / (os.cpu_count() or 1)),
     )
 
 
@@ -143,24 +150,34 @@ def main() -> int:
     root.mkdir(parents=True, exist_ok=True)
 
     step_at: dict[int, float] = {}
-    for sites in sorted({c.sites for c in [CALIBRATION, *CASES]}):
+    for sites in sorted({c.sites for c in [*CALIBRATIONS, *CASES]}):
         job = root / f"calibrate-{sites}.yaml"
         job.write_text(job_text(Case(sites, 100, 10, "diloco", 10, 10)))
         step_at[sites] = run_step_seconds(job)
         print(f"calibration: step {step_at[sites] * 1e3:.1f} ms with {sites} sites", flush=True)
-    measured = run(CALIBRATION, root / "calibration")
-    wire_only, _ = exchange_seconds(scenario(CALIBRATION, step_at[2], 0.0), 4 * 471_000)
-    overhead = max(0.0, measured["syncing_s"] - wire_only)
+    # Host overhead per exchange, a + b (S - 1), from DiLoCo on a fast link with 2 and
+    # with 4 sites: the syncing time per round beyond the model's wire time.
+    beyond = {}
+    for case in CALIBRATIONS:
+        measured = run(case, root / f"calibration-{case.sites}")
+        wire_only, _ = exchange_seconds(scenario(case, step_at[case.sites], 0.0), 4 * 471_000)
+        beyond[case.sites] = max(0.0, measured["syncing_s"] - wire_only)
+        print(
+            f"calibration: {case.name}: syncing {measured['syncing_s'] * 1e3:.0f} ms per "
+            f"round, wire {wire_only * 1e3:.0f} ms -> {beyond[case.sites] * 1e3:.0f} ms beyond",
+            flush=True,
+        )
+    peer = max(0.0, (beyond[4] - beyond[2]) / 2)
+    overhead = max(0.0, beyond[2] - peer)
     print(
-        f"calibration: {CALIBRATION.name}: syncing {measured['syncing_s'] * 1e3:.0f} ms per "
-        f"round, wire {wire_only * 1e3:.0f} ms -> exchange overhead {overhead * 1e3:.0f} ms",
+        f"calibration: exchange overhead {overhead * 1e3:.0f} ms + {peer * 1e3:.0f} ms per peer",
         flush=True,
     )
 
     rows = []
     for index, case in enumerate(CASES):
         measured = run(case, root / f"case-{index}")
-        predicted = predict_run(scenario(case, step_at[case.sites], overhead))
+        predicted = predict_run(scenario(case, step_at[case.sites], overhead, peer))
         row = {
             "case": case.name,
             "steps": case.steps,
@@ -183,6 +200,7 @@ def main() -> int:
         "calibration": {
             "step_ms": {str(k): v * 1e3 for k, v in step_at.items()},
             "exchange_overhead_ms": overhead * 1e3,
+            "peer_overhead_ms": peer * 1e3,
         },
         "rows": rows,
     }
@@ -202,7 +220,8 @@ def write_docs(result: dict) -> None:
         "",
         "Calibration: step "
         + ", ".join(f"{v:.1f} ms with {k} sites" for k, v in cal["step_ms"].items())
-        + f"; exchange overhead {cal['exchange_overhead_ms']:.0f} ms.",
+        + f"; exchange overhead {cal['exchange_overhead_ms']:.0f} ms + "
+        f"{cal['peer_overhead_ms']:.0f} ms per peer site.",
         "",
         "| run | steps | step measured | step predicted | error | utilisation measured "
         "| predicted | error |",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,8 @@ CODEC_BYTES_PER_S = 1.45e9
 EXCHANGE_OVERHEAD_S = 0.05
 """Fixed cost of one exchange beyond the wire here (round start, vote bookkeeping,
 outer step on CPU copies); see docs/performance-model.md for how it was measured."""
+PEER_OVERHEAD_S = 0.0
+"""Host cost of one exchange per peer site here (benchmarks/perf_model_validation.py)."""
 
 
 def register(commands: Any) -> None:
@@ -171,7 +174,18 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
         codec_bytes_per_s=CODEC_BYTES_PER_S,
         efficiency=args.efficiency,
         exchange_overhead_s=EXCHANGE_OVERHEAD_S,
+        peer_overhead_s=PEER_OVERHEAD_S,
+        host_contention=_host_contention(job),
     )
+
+
+def _host_contention(job: Job | None) -> float:
+    """An emulated job runs every rank on this machine's cores: host work that
+    overlaps the other sites' compute shares them. Real sites have their own."""
+    if job is None or job.wan is None:
+        return 1.0
+    ranks = sum(s.ranks for s in job.sites)
+    return max(1.0, ranks / (os.cpu_count() or 1))
 
 
 def _given(flag: Any, default: Any) -> Any:

@@ -123,8 +123,8 @@ def _tune(args: argparse.Namespace) -> int:
             [(t.candidate, t.utilization) for t in finished], settings.target_utilization
         )
         notes.append(
-            f"trials of {finished[0].steps} steps; their held-out losses rank convergence only "
-            "roughly: smaller H converges better per token in long runs"
+            f"trials of {finished[0].steps} steps: their held-out losses rank convergence only "
+            "roughly (the choice rests on measured utilisation)"
         )
     else:
         choice = pick

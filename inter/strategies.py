@@ -216,13 +216,17 @@ class Sync(Strategy):
             self._start(bucket)
 
     def _start(self, bucket: int) -> None:
-        grads = []
-        for p in self.buckets[bucket]:
-            if p.grad is None:  # every site must send the same vector
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-        in_site = not any(isinstance(g, DTensor) for g in grads)
-        self._pending.append((bucket, self._exchange(grads, self.weights, in_site_reduce=in_site)))
+        # Starting an exchange (in-site reduce, flattening, handing it to the engine)
+        # runs on the training thread: time it as syncing, not compute.
+        with self._blocking("syncing"):
+            grads = []
+            for p in self.buckets[bucket]:
+                if p.grad is None:  # every site must send the same vector
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+            in_site = not any(isinstance(g, DTensor) for g in grads)
+            pending = self._exchange(grads, self.weights, in_site_reduce=in_site)
+        self._pending.append((bucket, pending))
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         started = {b for b, _ in self._pending}
@@ -460,8 +464,9 @@ class StreamingDiLoCo(_LocalSteps):
 
     def _start(self, fragment: int) -> None:
         self._started_at[fragment] = self.inner_steps
-        deltas = self.outer.pseudo_gradients(self.members[fragment])
-        pending = self._exchange(deltas, self.weights)
+        with self._blocking("syncing"):  # host work on the training thread
+            deltas = self.outer.pseudo_gradients(self.members[fragment])
+            pending = self._exchange(deltas, self.weights)
         if self.overlap_steps == 0:
             self._complete(fragment, deltas, pending)
         else:
@@ -472,8 +477,8 @@ class StreamingDiLoCo(_LocalSteps):
     def _complete(self, fragment: int, deltas: list[torch.Tensor], pending: PendingAverage) -> None:
         with self._blocking("syncing"):
             self._account(pending.wait())
+            self.outer.step(deltas, self.members[fragment], mix=self.alpha)
         self._in_flight = [entry for entry in self._in_flight if entry[3] is not pending]
-        self.outer.step(deltas, self.members[fragment], mix=self.alpha)
         self.outer_steps += 1
 
     def finish(self) -> None:
@@ -541,9 +546,10 @@ class AsyncDiLoCo(_LocalSteps):
         self.inner_steps += 1
         if self._round_due():
             self._complete()
-            deltas = self.outer.pseudo_gradients()
-            anchor = [p.detach().clone() for p in self.params]
-            self._pending = (self._exchange(deltas, self.weights), deltas, anchor)
+            with self._blocking("syncing"):  # host work on the training thread
+                deltas = self.outer.pseudo_gradients()
+                anchor = [p.detach().clone() for p in self.params]
+                self._pending = (self._exchange(deltas, self.weights), deltas, anchor)
 
     @torch.no_grad()
     def _complete(self) -> None:
@@ -553,9 +559,9 @@ class AsyncDiLoCo(_LocalSteps):
         self._pending = None
         with self._blocking("syncing"):
             self._account(pending.wait())
-        self.outer.step(deltas, reset=False)
-        for p, g, a in zip(self.params, self.outer.global_params, anchor, strict=True):
-            p.add_(g.to(p.device, p.dtype) - a)  # local = global + progress since the send
+            self.outer.step(deltas, reset=False)
+            for p, g, a in zip(self.params, self.outer.global_params, anchor, strict=True):
+                p.add_(g.to(p.device, p.dtype) - a)  # local = global + progress since the send
         self.outer_steps += 1
 
     def finish(self) -> None:

@@ -2,25 +2,33 @@
 
 A scenario is the model size, the compute time of one inner step, the sites
 and the links between them, the strategy's settings and the codec. The
-exchange of ``n`` bytes costs what :mod:`isthmus.sim.cost` predicts for the
-better of the direct and ring all-reduce on those links, its bandwidth part
-divided by the engine's measured efficiency against that bound; plus one more
-one-way latency (a round ends when the peers' acknowledgements of the last
-chunks are back), the codec's own time, and a fixed per-exchange overhead
-(starting the round, the outer step, the Python data path). Then, per
-strategy, with ``t`` the compute of one inner step, ``H`` the sync interval
-and ``X(n)`` an exchange of n bytes:
+exchange of ``n`` bytes has two parts:
+
+* wire: what :mod:`isthmus.sim.cost` predicts for the better of the direct and
+  ring all-reduce on those links, its bandwidth part divided by the engine's
+  measured efficiency against that bound, plus one more one-way latency (a
+  round ends when the peers' acknowledgements of the last chunks are back);
+* host: the codec's time, a fixed overhead per exchange (starting the round,
+  the outer step, the Python data path) and an overhead per peer site. Host
+  work runs in the training process, so it never hides behind that process's
+  compute; when it overlaps the other sites' compute on a shared machine it
+  runs ``host_contention`` times slower (processes per core).
+
+Then, per strategy, with ``t`` the compute of one inner step, ``H`` the sync
+interval, ``W(n)`` and ``C(n)`` the wire and host parts and ``c`` the
+contention:
 
 * ``sync``: every step exchanges the gradient in buckets as the backward pass
   (a fraction ``b`` of ``t``) produces them; all but the last bucket's share
-  of the backward pass can hide it: step = t + max(0, X(N) - h) with
-  h = b t (1 - bucket / N) (no overlap, or one bucket: h = 0);
-* ``diloco``: a round is H steps, a vote (a tiny exchange) and X(N):
-  round = H t + X(0) + X(N);
-* ``streaming``: P fragments each exchange N / P, overlapping tau inner
-  steps: round = H t + P max(0, X(N / P) - tau t);
+  of the backward pass can hide the wire: step = t + max(0, W(N) - h) + c C(N)
+  with h = b t (1 - bucket / N); with no overlap (or one bucket) step =
+  t + W(N) + C(N);
+* ``diloco``: a round is H steps, a vote (a tiny exchange) and the exchange:
+  round = H t + X(0) + X(N), X = W + C (nobody computes meanwhile);
+* ``streaming``: P fragments each exchange N / P, the wire overlapping tau
+  inner steps: round = H t + P (max(0, W(N / P) - tau t) + c C(N / P));
 * ``async``: the exchange overlaps the whole next round:
-  round = H t + max(0, X(N) - H t).
+  round = H t + max(0, W(N) - H t) + c C(N).
 
 Utilisation is H t / round. ``sim`` imports nothing from ``intra`` or
 ``inter``: the scenario holds plain numbers.
@@ -78,7 +86,12 @@ class Scenario:
     efficiency: float = 1.0
     """The engine's measured fraction of the all-reduce bound it reaches."""
     exchange_overhead_s: float = 0.0
-    """Fixed seconds per exchange beyond the wire: start, vote, outer step, Python."""
+    """Fixed host seconds per exchange beyond the wire: start, vote, outer step, Python."""
+    peer_overhead_s: float = 0.0
+    """Host seconds per exchange for each peer site (the messages handled per peer)."""
+    host_contention: float = 1.0
+    """How much slower host work runs while the sites compute: processes per core on a
+    shared machine (an emulated run); 1 where every process has its own cores."""
     backward_fraction: float = 2 / 3
     """Share of a step's compute that Sync's bucketed exchange can hide behind."""
     sync_overlap: bool = True
@@ -98,6 +111,10 @@ class Scenario:
             raise ScenarioError("fragments", f"must be in [1, sync_every], got {self.fragments}")
         if self.codec not in CODEC_BYTES_PER_VALUE:
             raise ScenarioError("codec", f"use one of {', '.join(CODEC_BYTES_PER_VALUE)}")
+        if not (self.host_contention >= 1):
+            raise ScenarioError(
+                "host_contention", f"must be >= 1 (processes per core), got {self.host_contention}"
+            )
         if not (0 < self.efficiency <= 1):
             raise ScenarioError("efficiency", f"must be in (0, 1], got {self.efficiency}")
         for pair, cost in self.links.items():
@@ -147,11 +164,26 @@ class Prediction:
         }
 
 
-def exchange_seconds(scenario: Scenario, nbytes: float) -> tuple[float, str]:
-    """One all-reduce of ``nbytes`` (encoded) across the sites, and the algorithm."""
+@dataclass(frozen=True)
+class ExchangeCost:
+    """One all-reduce across the sites, in its two parts."""
+
+    wire_s: float
+    """Network time: transfer at the engine's efficiency, latencies, acknowledgements."""
+    host_s: float
+    """Host work in the training process: codec, fixed and per-peer overheads."""
+    algorithm: str
+
+    @property
+    def seconds(self) -> float:
+        return self.wire_s + self.host_s
+
+
+def exchange_cost(scenario: Scenario, nbytes: float) -> ExchangeCost:
+    """One all-reduce of ``nbytes`` (encoded) across the sites."""
     sites = list(scenario.sites)
     if len(sites) < 2:
-        return 0.0, "none"
+        return ExchangeCost(0.0, 0.0, "none")
     costs = predict(nbytes, sites, scenario.link, scenario.uplink_bytes_per_s)
     algorithm = min(costs, key=lambda name: (costs[name], name != "direct"))
     latency = predict(0.0, sites, scenario.link, scenario.uplink_bytes_per_s)[algorithm]
@@ -159,26 +191,40 @@ def exchange_seconds(scenario: Scenario, nbytes: float) -> tuple[float, str]:
     raw_bytes = nbytes / CODEC_BYTES_PER_VALUE[scenario.codec] * 4
     codec_s = raw_bytes / scenario.codec_bytes_per_s if scenario.codec != "none" else 0.0
     wire_s = (costs[algorithm] - latency) / scenario.efficiency + latency + ack
-    return wire_s + codec_s + scenario.exchange_overhead_s, algorithm
+    host_s = codec_s + scenario.exchange_overhead_s + scenario.peer_overhead_s * (len(sites) - 1)
+    return ExchangeCost(wire_s, host_s, algorithm)
+
+
+def exchange_seconds(scenario: Scenario, nbytes: float) -> tuple[float, str]:
+    """One all-reduce of ``nbytes`` (encoded) across the sites, and the algorithm."""
+    cost = exchange_cost(scenario, nbytes)
+    return cost.seconds, cost.algorithm
+
+
+def _overlapped(cost: ExchangeCost, hidden_s: float, contention: float) -> float:
+    """Seconds an exchange holds the compute when its wire overlaps ``hidden_s`` of
+    compute: the wire beyond that, and all host work, slowed by the contention."""
+    return max(0.0, cost.wire_s - hidden_s) + contention * cost.host_s
 
 
 def predict_run(scenario: Scenario) -> Prediction:
     s, t, h = scenario, scenario.step_s, scenario.sync_every
     sites = len(s.sites)
-    full, algorithm = exchange_seconds(s, s.wan_bytes)
+    full = exchange_cost(s, s.wan_bytes)
+    algorithm = full.algorithm
     # What one site sends in one exchange of n bytes: 2 (S-1)/S n, both algorithms.
     sent_per_exchange = 2 * (sites - 1) / sites * s.wan_bytes * sites if sites > 1 else 0.0
     if s.strategy == "sync":
         model_bytes = 4 * s.params
         hideable = max(0.0, 1 - s.bucket_bytes / model_bytes) if s.sync_overlap else 0.0
         hidden = s.backward_fraction * t * hideable
-        exposed = max(0.0, full - hidden)
+        exposed = _overlapped(full, hidden, s.host_contention) if hidden > 0 else full.seconds
         round_s = t + exposed
         return Prediction(
             "sync",
             round_s,
             round_s,
-            full,
+            full.seconds,
             exposed,
             t / round_s,
             sent_per_exchange / s.tokens_per_step,
@@ -186,19 +232,24 @@ def predict_run(scenario: Scenario) -> Prediction:
         )
     compute = h * t
     if s.strategy == "diloco":
-        vote, _ = exchange_seconds(s, 64.0)
-        exposed = vote + full
+        exposed = exchange_cost(s, 64.0).seconds + full.seconds
     elif s.strategy == "async":
-        exposed = max(0.0, full - compute)
+        exposed = _overlapped(full, compute, s.host_contention)
     else:  # streaming
-        part, algorithm = exchange_seconds(s, s.wan_bytes / s.fragments)
-        exposed = s.fragments * max(0.0, part - s.overlap_steps * t)
+        part = exchange_cost(s, s.wan_bytes / s.fragments)
+        algorithm = part.algorithm
+        per_fragment = (
+            _overlapped(part, s.overlap_steps * t, s.host_contention)
+            if s.overlap_steps > 0
+            else part.seconds
+        )
+        exposed = s.fragments * per_fragment
     round_s = compute + exposed
     return Prediction(
         s.strategy,
         round_s / h,
         round_s,
-        full,
+        full.seconds,
         exposed,
         compute / round_s,
         sent_per_exchange / (h * s.tokens_per_step),
@@ -237,10 +288,12 @@ __all__ = [
     "CODEC_BYTES_PER_VALUE",
     "GPU_FLOPS",
     "STRATEGIES",
+    "ExchangeCost",
     "LinkLookup",
     "Prediction",
     "Scenario",
     "ScenarioError",
+    "exchange_cost",
     "exchange_seconds",
     "predict_run",
     "step_seconds_from_flops",

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -171,3 +173,24 @@ def test_sim_calibrates_the_step_with_a_short_run_of_the_job(tmp_path):
     assert 0.001 < out["scenario"]["step_s"] < 5
     diloco = next(p for p in out["predictions"] if p["strategy"] == "diloco")
     assert 0 < diloco["utilization"] <= 1
+
+
+RECORDED = Path(__file__).parent / "data" / "recorded-diloco-run"
+
+
+def test_the_model_against_a_recorded_emulated_run():
+    """A real emulated run, recorded (2 sites, 20 Mbit/s, 80 ms, DiLoCo H=20, 300 steps,
+    benchmarks/tuner_grid.py): the model, given the run's own compute time per step
+    and its job file, predicts its wall time per step and utilisation within 10%."""
+    from isthmus.deploy.run_summary import training_figures
+    from isthmus.deploy.sim_commands import job_scenario
+
+    summary = json.loads((RECORDED / "summary.json").read_text())
+    sites = summary["sites"].values()
+    step_s = statistics.median(s["compute_seconds"] / s["inner_steps"] for s in sites)
+    prediction = predict_run(job_scenario(RECORDED / "job.yaml", step_s))
+    figures = training_figures(RECORDED, summary).values()
+    measured_step = statistics.fmean(f["step_s"] for f in figures)
+    measured_utilization = statistics.fmean(f["utilization"] for f in figures)
+    assert prediction.step_s == pytest.approx(measured_step, rel=0.10)
+    assert prediction.utilization == pytest.approx(measured_utilization, rel=0.10)
