@@ -2,14 +2,16 @@
 
     python benchmarks/perf_model_validation.py [--out DIR] [--write-docs]
 
-1. Calibration (not part of the validation): the compute time of a step at
-   each concurrency used below (a short run of 2, 3, 4 sites that do not
-   synchronise, ``isthmus.deploy.calibrate.run_step_seconds``: emulator,
-   launcher and broker running as in the runs), and the host cost of one
-   exchange beyond the wire, a + b (S - 1) for S sites, from DiLoCo runs of 2
-   and of 4 sites on a 1 ms, 1 Gbit/s link (their measured syncing time per
-   round minus the model's wire time). Host work that overlaps the other sites'
-   compute is slowed by processes per core (the runs share 2 cores).
+1. Calibration (not part of the validation): the compute time of a step
+   right before each run, on its job file (``isthmus.deploy.calibrate.
+   run_step_seconds``, as ``isthmus sim --calibrate``: a short lockstep run
+   with the emulator, launcher and broker running as in the runs; this
+   machine's speed drifts too much over minutes for one calibration at the
+   start), and the host work of one
+   exchange, (a + b (S - 1)) x processes per core for S sites (a: DiLoCo's
+   outer step; b: per peer), from DiLoCo runs of 2 and of 4 sites on a 1 ms,
+   1 Gbit/s link (their measured syncing time per round minus the model's
+   wire time).
 2. Validation: emulated runs (``isthmus run``) of 2-4 sites, sync, DiLoCo and
    Streaming DiLoCo, two bandwidths; each run's measured time per inner step
    and compute utilisation (evaluation time left out, as the model has none)
@@ -118,7 +120,12 @@ def run(case: Case, folder: Path) -> dict[str, float]:
     }
 
 
-def scenario(case: Case, step_s: float, overhead_s: float, peer_s: float = 0.0) -> Scenario:
+def contention(sites: int) -> float:
+    """One process per site on this machine's cores."""
+    return max(1.0, sites / (os.cpu_count() or 1))
+
+
+def scenario(case: Case, step_s: float, outer_s: float, peer_s: float = 0.0) -> Scenario:
     names = [f"s{i}" for i in range(case.sites)]
     config = config_for("tiny")
     return Scenario(
@@ -133,11 +140,9 @@ def scenario(case: Case, step_s: float, overhead_s: float, peer_s: float = 0.0) 
         overlap_steps=1,
         codec_bytes_per_s=CODEC_BYTES_PER_S,
         efficiency=ENGINE_EFFICIENCY,
-        exchange_overhead_s=overhead_s,
+        outer_step_s=outer_s,
         peer_overhead_s=peer_s,
-        # One process per site on this machine's cores: host work that overlaps
-        # the other sites' compute shares the cores with it.
-        host_contention=max(1.0, case.sites / (os.cpu_count() or 1)),
+        host_contention=contention(case.sites),
     )
 
 
@@ -149,19 +154,14 @@ def main() -> int:
     root = args.out or Path(tempfile.mkdtemp(prefix="isthmus-validation-"))
     root.mkdir(parents=True, exist_ok=True)
 
-    step_at: dict[int, float] = {}
-    for sites in sorted({c.sites for c in [*CALIBRATIONS, *CASES]}):
-        job = root / f"calibrate-{sites}.yaml"
-        job.write_text(job_text(Case(sites, 100, 10, "diloco", 10, 10)))
-        step_at[sites] = run_step_seconds(job)
-        print(f"calibration: step {step_at[sites] * 1e3:.1f} ms with {sites} sites", flush=True)
-    # Host overhead per exchange, a + b (S - 1), from DiLoCo on a fast link with 2 and
-    # with 4 sites: the syncing time per round beyond the model's wire time.
+    # Host work of a DiLoCo exchange, (a + b (S - 1)) x processes per core: the outer
+    # step a and b per peer, from DiLoCo on a fast link with 2 and with 4 sites (the
+    # syncing time per round beyond the model's wire time).
     beyond = {}
     for case in CALIBRATIONS:
         measured = run(case, root / f"calibration-{case.sites}")
-        wire_only, _ = exchange_seconds(scenario(case, step_at[case.sites], 0.0), 4 * 471_000)
-        beyond[case.sites] = max(0.0, measured["syncing_s"] - wire_only)
+        wire_only, _ = exchange_seconds(scenario(case, 0.1, 0.0), 4 * 471_000)
+        beyond[case.sites] = max(0.0, measured["syncing_s"] - wire_only) / contention(case.sites)
         print(
             f"calibration: {case.name}: syncing {measured['syncing_s'] * 1e3:.0f} ms per "
             f"round, wire {wire_only * 1e3:.0f} ms -> {beyond[case.sites] * 1e3:.0f} ms beyond",
@@ -170,17 +170,26 @@ def main() -> int:
     peer = max(0.0, (beyond[4] - beyond[2]) / 2)
     overhead = max(0.0, beyond[2] - peer)
     print(
-        f"calibration: exchange overhead {overhead * 1e3:.0f} ms + {peer * 1e3:.0f} ms per peer",
+        f"calibration: outer step {overhead * 1e3:.0f} ms + {peer * 1e3:.0f} ms per peer, "
+        "times processes per core",
         flush=True,
     )
 
     rows = []
     for index, case in enumerate(CASES):
-        measured = run(case, root / f"case-{index}")
-        predicted = predict_run(scenario(case, step_at[case.sites], overhead, peer))
+        # This machine's speed drifts (the same 2-site step measured 83 and 130 ms
+        # twenty minutes apart): calibrate each case's step right before it, on its
+        # own job file, as `isthmus sim --calibrate` would.
+        folder = root / f"case-{index}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "calibrate.yaml").write_text(job_text(case))
+        step_s = run_step_seconds(folder / "calibrate.yaml")
+        measured = run(case, folder)
+        predicted = predict_run(scenario(case, step_s, overhead, peer))
         row = {
             "case": case.name,
             "steps": case.steps,
+            "calibrated_step_ms": step_s * 1e3,
             "measured_step_ms": measured["step_s"] * 1e3,
             "predicted_step_ms": predicted.step_s * 1e3,
             "step_error": predicted.step_s / measured["step_s"] - 1,
@@ -198,8 +207,7 @@ def main() -> int:
         )
     result = {
         "calibration": {
-            "step_ms": {str(k): v * 1e3 for k, v in step_at.items()},
-            "exchange_overhead_ms": overhead * 1e3,
+            "outer_step_ms": overhead * 1e3,
             "peer_overhead_ms": peer * 1e3,
         },
         "rows": rows,
@@ -218,18 +226,18 @@ def write_docs(result: dict) -> None:
     lines = [
         MARKERS[0],
         "",
-        "Calibration: step "
-        + ", ".join(f"{v:.1f} ms with {k} sites" for k, v in cal["step_ms"].items())
-        + f"; exchange overhead {cal['exchange_overhead_ms']:.0f} ms + "
-        f"{cal['peer_overhead_ms']:.0f} ms per peer site.",
+        "Calibration: each run's compute per step just before it (column 'calibrated'); "
+        f"host work per exchange: outer step {cal['outer_step_ms']:.0f} ms + "
+        f"{cal['peer_overhead_ms']:.0f} ms per peer site, times processes per core.",
         "",
-        "| run | steps | step measured | step predicted | error | utilisation measured "
-        "| predicted | error |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| run | steps | calibrated | step measured | step predicted | error "
+        "| utilisation measured | predicted | error |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["rows"]:
         lines.append(
-            f"| {r['case']} | {r['steps']} | {r['measured_step_ms']:.1f} ms | "
+            f"| {r['case']} | {r['steps']} | {r['calibrated_step_ms']:.1f} ms | "
+            f"{r['measured_step_ms']:.1f} ms | "
             f"{r['predicted_step_ms']:.1f} ms | {r['step_error']:+.1%} | "
             f"{r['measured_utilization']:.1%} | {r['predicted_utilization']:.1%} | "
             f"{r['utilization_error']:+.1%} |"

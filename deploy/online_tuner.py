@@ -70,6 +70,8 @@ class OnlineTuner:
         """Round -> site -> its metrics for that round (rounds at the current H only)."""
         self._sent_before: dict[str, tuple[int, float]] = {}
         self._last_round = 0
+        self._pending_from: int | None = None
+        """The round from which our last change applies, until every site is past it."""
 
     def start(self, wait_s: float) -> OnlineTuner:
         self.plane.start(wait_s=wait_s)
@@ -80,6 +82,7 @@ class OnlineTuner:
 
     def poll(self) -> Decision | None:
         """Take in the newest metrics; publish and return a decision when one is due."""
+        self._follow_outside_changes()
         for site, metrics in list(self.plane.metrics.items()):
             if site not in self.sites or not isinstance(metrics.get("round"), int):
                 continue
@@ -95,6 +98,23 @@ class OnlineTuner:
         for r in [r for r in self._rounds if r <= self._last_round]:
             del self._rounds[r]
         return self._decide(fresh[-1], rounds)
+
+    def _follow_outside_changes(self) -> None:
+        """When every site runs an H this controller did not set (``isthmus config set``
+        by an operator), take it as the current H instead of waiting for rounds at the
+        old one forever."""
+        latest = [m for site, m in self.plane.metrics.items() if site in self.sites]
+        if len(latest) < len(self.sites):
+            return
+        if self._pending_from is not None:
+            if min(m["round"] for m in latest) < self._pending_from:
+                return  # our own change is not in effect everywhere yet
+            self._pending_from = None
+        running = {m.get("sync_every") for m in latest}
+        if len(running) == 1 and isinstance(h := running.pop(), int) and h != self.sync_every:
+            log.info("online tuner: the sites run sync_every %d (set from outside)", h)
+            self.sync_every = h
+            self._rounds.clear()
 
     def _decide(self, latest: int, rounds: list[dict[str, dict[str, Any]]]) -> Decision | None:
         per_site = [m for by_site in rounds for m in by_site.values()]
@@ -152,6 +172,7 @@ class OnlineTuner:
         )
         self.decisions.append(decision)
         self.sync_every = wanted
+        self._pending_from = from_round
         self._rounds.clear()
         return decision
 

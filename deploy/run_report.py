@@ -73,7 +73,8 @@ def _plot_loss(by_site: dict[str, list[dict[str, Any]]], started: float, path: P
     by_tokens.set_xlabel("tokens, all sites")
     by_time.set_xlabel("wall time (s)")
     by_tokens.set_ylabel("loss (train: moving average)")
-    by_tokens.legend(fontsize=8)
+    if by_tokens.get_legend_handles_labels()[0]:  # a run that failed at once has none
+        by_tokens.legend(fontsize=8)
     for axes in (by_tokens, by_time):
         axes.grid(alpha=0.3)
     return _save(fig, path)

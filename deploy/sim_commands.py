@@ -28,11 +28,18 @@ ENGINE_EFFICIENCY = 0.88
 3 sites, 200 Mbit/s: 0.88-0.90)."""
 CODEC_BYTES_PER_S = 1.45e9
 """int8 encode + decode per core on this machine (``isthmus bench codec``)."""
-EXCHANGE_OVERHEAD_S = 0.05
-"""Fixed cost of one exchange beyond the wire here (round start, vote bookkeeping,
-outer step on CPU copies); see docs/performance-model.md for how it was measured."""
-PEER_OVERHEAD_S = 0.0
-"""Host cost of one exchange per peer site here (benchmarks/perf_model_validation.py)."""
+OUTER_STEP_S = 0.02
+PEER_OVERHEAD_S = 0.015
+"""Host work of one exchange here: DiLoCo's outer step over the tiny model, and the
+share per peer site; both times processes per core in an emulated job. Fitted to
+DiLoCo runs of 2 and 4 sites on a fast link (benchmarks/perf_model_validation.py:
+17-20 ms and 11-19 ms over two calibrations, 2026-11-22)."""
+GLOO_LOOPBACK_BYTES_PER_S = 60e6
+GLOO_LOOPBACK_LATENCY_S = 1e-3
+"""The in-site step here (Gloo over loopback, a 2-rank site): 18-42 ms for the tiny
+model's 1.9 MB (``python benchmarks/hierarchical_step.py``)."""
+DEFAULT_FABRIC_GBIT = 400.0
+"""In-site bandwidth per rank for real sites when not given: one 400G NIC per GPU."""
 
 
 def register(commands: Any) -> None:
@@ -61,6 +68,12 @@ def register(commands: Any) -> None:
     what.add_argument("--fragments", type=int)
     what.add_argument("--overlap-steps", type=int)
     what.add_argument("--codec", choices=sorted(CODEC_BYTES_PER_VALUE))
+    what.add_argument(
+        "--fabric-gbit",
+        type=float,
+        help="in-site bandwidth per rank for the hierarchical step (default: measured Gloo "
+        f"over loopback for an emulated job, else {DEFAULT_FABRIC_GBIT:g})",
+    )
     what.add_argument("--efficiency", type=float, default=ENGINE_EFFICIENCY, help="engine vs bound")
     what.add_argument(
         "--calibrate",
@@ -173,19 +186,43 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
         codec=args.codec or (train.codec if train else "none"),
         codec_bytes_per_s=CODEC_BYTES_PER_S,
         efficiency=args.efficiency,
-        exchange_overhead_s=EXCHANGE_OVERHEAD_S,
-        peer_overhead_s=PEER_OVERHEAD_S,
-        host_contention=_host_contention(job),
+        **_host_work(job, params),
+        **_fabric(job, args),
     )
 
 
-def _host_contention(job: Job | None) -> float:
-    """An emulated job runs every rank on this machine's cores: host work that
-    overlaps the other sites' compute shares them. Real sites have their own."""
+def _fabric(job: Job | None, args: argparse.Namespace) -> dict[str, Any]:
+    """The hierarchical step's in-site part: the job's data-parallel ranks per site,
+    each moving its tensor- and pipeline-parallel shard of the values."""
+    given = getattr(args, "fabric_gbit", None)
+    if given is not None and not (given > 0):
+        raise ScenarioError("fabric_gbit", f"must be > 0, got {given}")
+    if job is None:
+        return {}
+    dp = max(s.layout.dp for s in job.sites)
+    shards = min(s.layout.tp * s.layout.pp for s in job.sites)
+    if given is not None:
+        rate, latency = given * 1e9 / 8, 10e-6
+    elif job.wan is not None:
+        rate, latency = GLOO_LOOPBACK_BYTES_PER_S, GLOO_LOOPBACK_LATENCY_S
+    else:
+        rate, latency = DEFAULT_FABRIC_GBIT * 1e9 / 8, 10e-6
+    return {"site_ranks": dp, "fabric_bytes_per_s": rate * shards, "fabric_latency_s": latency}
+
+
+def _host_work(job: Job | None, params: float) -> dict[str, float]:
+    """Host work as measured here, for a job emulated on this machine: every rank on
+    its cores (host work overlapping the others' compute shares them), and the outer
+    step on CPU copies scaling with the values it updates (measured on the tiny model,
+    0.47 M parameters). Real sites have their own cores and accelerators: not counted."""
     if job is None or job.wan is None:
-        return 1.0
+        return {}
     ranks = sum(s.ranks for s in job.sites)
-    return max(1.0, ranks / (os.cpu_count() or 1))
+    return {
+        "outer_step_s": OUTER_STEP_S * params / 471_000,
+        "peer_overhead_s": PEER_OVERHEAD_S,
+        "host_contention": max(1.0, ranks / (os.cpu_count() or 1)),
+    }
 
 
 def _given(flag: Any, default: Any) -> Any:
@@ -269,6 +306,7 @@ def job_scenario(job_path: Path, step_s: float) -> Scenario:
         fragments=None,
         overlap_steps=None,
         codec=None,
+        fabric_gbit=None,
         efficiency=ENGINE_EFFICIENCY,
         calibrate=False,
     )

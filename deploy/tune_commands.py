@@ -190,7 +190,8 @@ def _plan(
             return SYNC_TRIAL_STEPS
         return MIN_TRIAL_ROUNDS * c.sync_every
 
-    planned = list(candidates)
+    # A neighbour that needs more steps than the whole job is not worth a trial.
+    planned = [c for c in candidates if c is candidates[0] or needed(c) <= job.train.steps]
     while planned:
         slowest = max(c.prediction.step_s for c in planned)
         least = max(needed(c) for c in planned)

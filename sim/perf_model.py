@@ -8,27 +8,31 @@ exchange of ``n`` bytes has two parts:
   ring all-reduce on those links, its bandwidth part divided by the engine's
   measured efficiency against that bound, plus one more one-way latency (a
   round ends when the peers' acknowledgements of the last chunks are back);
-* host: the codec's time, a fixed overhead per exchange (starting the round,
-  the outer step, the Python data path) and an overhead per peer site. Host
-  work runs in the training process, so it never hides behind that process's
-  compute; when it overlaps the other sites' compute on a shared machine it
-  runs ``host_contention`` times slower (processes per core).
+* in-site: with ``d`` data-parallel ranks per site, the hierarchical step's
+  reduce-scatter before and all-gather after the WAN, over the site's fabric,
+  2 (d - 1) / d of the float32 values at the fabric's bandwidth plus 2 (d - 1)
+  latencies (counted with the wire: it is communication, not host work);
+* host: work in the training process: the codec's time, a fixed overhead per
+  exchange, an overhead per peer site (the messages handled per peer), and
+  for the DiLoCo family the outer step (pseudo-gradients, the outer
+  optimizer on CPU copies) over the values exchanged. Host work never hides
+  behind that process's compute, and on a shared machine (an emulated run)
+  it runs ``host_contention`` times slower: processes per core, since every
+  site does it at the same time or while the others compute.
 
 Then, per strategy, with ``t`` the compute of one inner step, ``H`` the sync
-interval, ``W(n)`` and ``C(n)`` the wire and host parts and ``c`` the
-contention:
+interval, and ``W(n)`` and ``C(n)`` the wire and host parts:
 
 * ``sync``: every step exchanges the gradient in buckets as the backward pass
   (a fraction ``b`` of ``t``) produces them; all but the last bucket's share
-  of the backward pass can hide the wire: step = t + max(0, W(N) - h) + c C(N)
-  with h = b t (1 - bucket / N); with no overlap (or one bucket) step =
-  t + W(N) + C(N);
+  of the backward pass can hide the wire: step = t + max(0, W(N) - h) + C(N)
+  with h = b t (1 - bucket / N) (no overlap, or one bucket: h = 0);
 * ``diloco``: a round is H steps, a vote (a tiny exchange) and the exchange:
-  round = H t + X(0) + X(N), X = W + C (nobody computes meanwhile);
+  round = H t + X(0) + X(N), X = W + C;
 * ``streaming``: P fragments each exchange N / P, the wire overlapping tau
-  inner steps: round = H t + P (max(0, W(N / P) - tau t) + c C(N / P));
+  inner steps: round = H t + P (max(0, W(N / P) - tau t) + C(N / P));
 * ``async``: the exchange overlaps the whole next round:
-  round = H t + max(0, W(N) - H t) + c C(N).
+  round = H t + max(0, W(N) - H t) + C(N).
 
 Utilisation is H t / round. ``sim`` imports nothing from ``intra`` or
 ``inter``: the scenario holds plain numbers.
@@ -89,9 +93,16 @@ class Scenario:
     """Fixed host seconds per exchange beyond the wire: start, vote, outer step, Python."""
     peer_overhead_s: float = 0.0
     """Host seconds per exchange for each peer site (the messages handled per peer)."""
+    outer_step_s: float = 0.0
+    """DiLoCo family: host seconds of the outer step over the whole model."""
+    site_ranks: int = 1
+    """Data-parallel ranks per site that share its WAN traffic (the hierarchical step)."""
+    fabric_bytes_per_s: float = math.inf
+    """In-site bandwidth per rank (NVLink or InfiniBand; Gloo over loopback here)."""
+    fabric_latency_s: float = 0.0
     host_contention: float = 1.0
-    """How much slower host work runs while the sites compute: processes per core on a
-    shared machine (an emulated run); 1 where every process has its own cores."""
+    """How much slower host work runs: processes per core on a shared machine (an
+    emulated run); 1 where every process has its own cores."""
     backward_fraction: float = 2 / 3
     """Share of a step's compute that Sync's bucketed exchange can hide behind."""
     sync_overlap: bool = True
@@ -111,6 +122,10 @@ class Scenario:
             raise ScenarioError("fragments", f"must be in [1, sync_every], got {self.fragments}")
         if self.codec not in CODEC_BYTES_PER_VALUE:
             raise ScenarioError("codec", f"use one of {', '.join(CODEC_BYTES_PER_VALUE)}")
+        if self.site_ranks < 1:
+            raise ScenarioError("site_ranks", f"must be >= 1, got {self.site_ranks}")
+        if not (self.fabric_bytes_per_s > 0):
+            raise ScenarioError("fabric_gbit", f"must be > 0, got {self.fabric_bytes_per_s}")
         if not (self.host_contention >= 1):
             raise ScenarioError(
                 "host_contention", f"must be >= 1 (processes per core), got {self.host_contention}"
@@ -179,8 +194,9 @@ class ExchangeCost:
         return self.wire_s + self.host_s
 
 
-def exchange_cost(scenario: Scenario, nbytes: float) -> ExchangeCost:
-    """One all-reduce of ``nbytes`` (encoded) across the sites."""
+def exchange_cost(scenario: Scenario, nbytes: float, *, outer: float = 0.0) -> ExchangeCost:
+    """One all-reduce of ``nbytes`` (encoded) across the sites; ``outer``: the share
+    of the model whose outer step follows it (DiLoCo family)."""
     sites = list(scenario.sites)
     if len(sites) < 2:
         return ExchangeCost(0.0, 0.0, "none")
@@ -191,8 +207,17 @@ def exchange_cost(scenario: Scenario, nbytes: float) -> ExchangeCost:
     raw_bytes = nbytes / CODEC_BYTES_PER_VALUE[scenario.codec] * 4
     codec_s = raw_bytes / scenario.codec_bytes_per_s if scenario.codec != "none" else 0.0
     wire_s = (costs[algorithm] - latency) / scenario.efficiency + latency + ack
-    host_s = codec_s + scenario.exchange_overhead_s + scenario.peer_overhead_s * (len(sites) - 1)
-    return ExchangeCost(wire_s, host_s, algorithm)
+    d = scenario.site_ranks
+    if d > 1:
+        wire_s += 2 * (d - 1) / d * raw_bytes / scenario.fabric_bytes_per_s
+        wire_s += 2 * (d - 1) * scenario.fabric_latency_s
+    host_s = (
+        codec_s
+        + scenario.exchange_overhead_s
+        + scenario.peer_overhead_s * (len(sites) - 1)
+        + scenario.outer_step_s * outer
+    )
+    return ExchangeCost(wire_s, host_s * scenario.host_contention, algorithm)
 
 
 def exchange_seconds(scenario: Scenario, nbytes: float) -> tuple[float, str]:
@@ -201,10 +226,10 @@ def exchange_seconds(scenario: Scenario, nbytes: float) -> tuple[float, str]:
     return cost.seconds, cost.algorithm
 
 
-def _overlapped(cost: ExchangeCost, hidden_s: float, contention: float) -> float:
+def _overlapped(cost: ExchangeCost, hidden_s: float) -> float:
     """Seconds an exchange holds the compute when its wire overlaps ``hidden_s`` of
-    compute: the wire beyond that, and all host work, slowed by the contention."""
-    return max(0.0, cost.wire_s - hidden_s) + contention * cost.host_s
+    compute: the wire beyond that, and all of its host work."""
+    return max(0.0, cost.wire_s - hidden_s) + cost.host_s
 
 
 def predict_run(scenario: Scenario) -> Prediction:
@@ -218,7 +243,7 @@ def predict_run(scenario: Scenario) -> Prediction:
         model_bytes = 4 * s.params
         hideable = max(0.0, 1 - s.bucket_bytes / model_bytes) if s.sync_overlap else 0.0
         hidden = s.backward_fraction * t * hideable
-        exposed = _overlapped(full, hidden, s.host_contention) if hidden > 0 else full.seconds
+        exposed = _overlapped(full, hidden)
         round_s = t + exposed
         return Prediction(
             "sync",
@@ -231,19 +256,15 @@ def predict_run(scenario: Scenario) -> Prediction:
             algorithm,
         )
     compute = h * t
+    full = exchange_cost(s, s.wan_bytes, outer=1.0)
     if s.strategy == "diloco":
         exposed = exchange_cost(s, 64.0).seconds + full.seconds
     elif s.strategy == "async":
-        exposed = _overlapped(full, compute, s.host_contention)
+        exposed = _overlapped(full, compute)
     else:  # streaming
-        part = exchange_cost(s, s.wan_bytes / s.fragments)
+        part = exchange_cost(s, s.wan_bytes / s.fragments, outer=1 / s.fragments)
         algorithm = part.algorithm
-        per_fragment = (
-            _overlapped(part, s.overlap_steps * t, s.host_contention)
-            if s.overlap_steps > 0
-            else part.seconds
-        )
-        exposed = s.fragments * per_fragment
+        exposed = s.fragments * _overlapped(part, s.overlap_steps * t)
     round_s = compute + exposed
     return Prediction(
         s.strategy,

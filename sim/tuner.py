@@ -128,8 +128,11 @@ def sweep(scenario: Scenario, tune: TuneSettings) -> list[Candidate]:
     )
     candidates = []
     for h in values:
+        # Streaming: each fragment's exchange must end before the next starts.
         fragment_choices = (
-            [f for f in FRAGMENT_CHOICES if f <= h] if strategy == "streaming" else [1]
+            [f for f in FRAGMENT_CHOICES if f <= h and scenario.overlap_steps < h / f]
+            if strategy == "streaming"
+            else [1]
         )
         for codec in tune.codecs:
             for fragments in fragment_choices:

@@ -219,6 +219,7 @@ def test_proxy_names_an_unreachable_upstream():
     assert "upstream_failures=1" in out
 
 
+@pytest.mark.slow
 def test_wan_up_serves_a_job_and_obeys_control_commands(tmp_path, probe):
     job = tmp_path / "job.yaml"
     host, port = probe.address

@@ -201,6 +201,7 @@ def test_malformed_and_refused_messages_are_ignored_and_counted(broker):
         assert plane.changes_due(3) == {}  # once
 
 
+@pytest.mark.slow
 def test_a_run_whose_broker_is_unreachable_stops_and_names_it(tmp_path):
     port = free_port()
     job = tmp_path / "j.yaml"

@@ -100,7 +100,8 @@ CASES["tp+fsdp2"] = ({"a": 2, "b": 4}, {"a": "{tp: 2}", "b": "{dp_shard: 2, tp: 
 
 @pytest.mark.parametrize(
     "case",
-    [pytest.param(c, marks=pytest.mark.slow) if c == "tp+fsdp2" else c for c in CASES],
+    # Replicas stay in the fast set; the other layouts are slow (15-20 s each).
+    [c if c == "replicas" else pytest.param(c, marks=pytest.mark.slow) for c in CASES],
 )
 def test_sites_of_any_shape_match_a_single_process(tmp_path, case):
     sites, parallel = CASES[case]
@@ -152,7 +153,10 @@ def test_checkpoint_and_resume_continue_bit_for_bit(tmp_path):
 
 @pytest.mark.parametrize(
     ("case", "parallel"),
-    [("fsdp2", {"b": "{dp_shard: 2}"}), ("tp", {"a": "{tp: 2}", "b": "{tp: 2}"})],
+    [
+        ("fsdp2", {"b": "{dp_shard: 2}"}),
+        pytest.param("tp", {"a": "{tp: 2}", "b": "{tp: 2}"}, marks=pytest.mark.slow),
+    ],
 )
 def test_a_users_own_model_and_data_by_import_path(tmp_path, case, parallel):
     module = "isthmus.deploy.examples.custom_model"

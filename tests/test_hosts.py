@@ -158,6 +158,7 @@ def _namespaces() -> set[str]:
 THREE = "name: {name}\nsites: [{{name: a}}, {{name: b}}, {{name: c}}]\nwan:\n  default: {{rtt_ms: 40, bandwidth_mbit: 100}}\n"
 
 
+@pytest.mark.slow
 def test_hosts_reach_each_other_only_through_the_links(tmp_path):
     hosts = Hosts(tmp_path, THREE.format(name="reach"))
     try:
@@ -183,6 +184,7 @@ def test_hosts_reach_each_other_only_through_the_links(tmp_path):
     assert not {n for n in _namespaces() if n.startswith("isthmus-reach-")}
 
 
+@pytest.mark.slow
 def test_partition_blocks_traffic_and_heals(tmp_path):
     hosts = Hosts(tmp_path, THREE.format(name="cut"))
     try:
@@ -202,6 +204,7 @@ def _retransmits(hosts: Hosts, site: str) -> int:
     return int(values[names.index("RetransSegs")])
 
 
+@pytest.mark.slow
 def test_loss_makes_real_tcp_retransmit(tmp_path):
     hosts = Hosts(
         tmp_path,

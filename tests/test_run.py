@@ -10,6 +10,7 @@ import io
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -195,6 +196,7 @@ def test_ctrl_c_stops_every_process_and_leaves_whole_files(tmp_path, sig):
     assert "link a<->b" in (out / "logs" / "wan.log").read_text()
 
 
+@pytest.mark.slow
 def test_a_killed_site_stops_the_run_and_is_named(tmp_path):
     job = write_job(tmp_path, steps=100_000)
     out = tmp_path / "run"
@@ -215,6 +217,7 @@ def test_a_killed_site_stops_the_run_and_is_named(tmp_path):
     assert summary["sites"]["a"]["inner_steps"] >= 3
 
 
+@pytest.mark.slow
 def test_a_site_that_crashes_is_named_with_its_error_and_log(tmp_path):
     (tmp_path / "broken_model.py").write_text(
         "def model():\n    raise RuntimeError('out of GPU memory (simulated)')\n"
@@ -230,8 +233,10 @@ def test_a_site_that_crashes_is_named_with_its_error_and_log(tmp_path):
         env={**os.environ, "PYTHONPATH": str(tmp_path)},
     )
     assert env_run.returncode == 1
-    assert "failed: rank 0 exit status 1" in env_run.stderr
+    # Every rank fails; which one the launcher sees first is a matter of timing.
+    assert re.search(r"failed: rank \d exit status 1", env_run.stderr), env_run.stderr
     assert "out of GPU memory (simulated)" in env_run.stderr
+    assert "Warning" not in env_run.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert "failed" in {s["status"] for s in summary["sites"].values()}
 

@@ -80,6 +80,7 @@ def test_diloco_equals_the_papers_algorithm_in_one_process(tmp_path):
         torch.testing.assert_close(got[name], value, rtol=0, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 def test_diloco_with_a_lossy_codec_stays_identical_across_sites(tmp_path):
     reports = _run(tmp_path, ["a", "b", "c"], ("--codec", "int8"))
     assert len({r["param_sha256"] for r in reports.values()}) == 1
@@ -104,6 +105,7 @@ def test_bad_settings_are_refused_at_construction(kwargs, field):
     assert info.value.field == field
 
 
+@pytest.mark.slow
 def test_streaming_with_one_fragment_no_overlap_no_mixing_is_diloco(tmp_path):
     diloco, streaming = tmp_path / "diloco", tmp_path / "streaming"
     diloco.mkdir()
@@ -162,6 +164,7 @@ def test_bad_streaming_settings_are_refused(kwargs, field):
     assert info.value.field == field
 
 
+@pytest.mark.slow
 def test_diloco_through_the_emulated_wan(tmp_path):
     """`isthmus.join` finds the emulator's state file of the job and the sites'
     traffic crosses its links (counted there)."""
@@ -187,6 +190,7 @@ def test_diloco_through_the_emulated_wan(tmp_path):
     assert wire >= reports[0]["wan_bytes_sent"] + reports[1]["wan_bytes_sent"]
 
 
+@pytest.mark.slow
 def test_sync_overlapped_in_buckets_equals_sync_after_backward(tmp_path):
     overlapped, after = tmp_path / "overlapped", tmp_path / "after"
     overlapped.mkdir()

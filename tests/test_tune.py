@@ -103,6 +103,10 @@ def test_streaming_sweeps_fragments_too():
     assert all(c.fragments <= c.sync_every for c in candidates)
     pick, _ = model_pick(candidates, 0.9)
     assert pick.settings()["fragments"] == pick.fragments
+    # Only settings Streaming accepts: a fragment's exchange ends before the next.
+    overlapping = sweep(scenario(20, strategy="streaming", overlap_steps=3), tune)
+    assert all(c.sync_every / c.fragments > 3 for c in overlapping)
+    assert {(c.sync_every, c.fragments) for c in overlapping} >= {(10, 2), (100, 8)}
 
 
 def test_the_trials_choose_the_smallest_h_whose_measured_utilisation_reached_it():
@@ -352,3 +356,47 @@ def test_the_online_controller_moves_h_and_every_site_switches_at_the_same_round
     # The rounds after the change ran with the new H.
     rounds = [r for r in records if r["kind"] == "round" and r["site"] == "a"]
     assert len(rounds) < 200 / 5
+
+
+def test_the_online_controller_decides_from_rounds_at_the_current_h_only():
+    """The controller's bookkeeping, fed metrics as the control plane delivers them
+    (the end-to-end run above uses a real broker)."""
+    from isthmus.deploy.online_tuner import OnlineTuner
+    from isthmus.inter.control import Broker
+
+    job = parse_job(
+        "name: j\nsites: [{name: a}, {name: b}]\n"
+        "train: {strategy: diloco, sync_every: 5}\n"
+        "tune: {online: true, target_utilization: 0.8, online_every_rounds: 2}\n"
+    )
+    tuner = OnlineTuner(Broker.from_url("mqtt://127.0.0.1:1"), job)
+    published = []
+    tuner.plane.publish_config = lambda settings, from_round: (
+        published.append((settings, from_round)) or len(published)
+    )
+
+    def report(round_: int, h: int, blocked_s: float = 1.0) -> None:
+        for site in ("a", "b"):
+            tuner.plane.metrics[site] = {
+                "round": round_, "step": 5 * round_, "sync_every": h, "round_steps": h,
+                "compute_s": 0.07 * h, "blocked_s": blocked_s, "wan_bytes_sent": 1e6 * round_,
+            }  # fmt: skip
+            tuner.poll()
+
+    report(1, 5)  # the first round starts cold: ignored
+    report(2, 5)
+    assert published == []  # one round at H=5 so far
+    report(3, 5)
+    # 0.8 of the time computing needs H t >= 4 X: H = ceil(4 * 1.0 / 0.07) = 58.
+    assert published == [({"sync_every": 58}, 5)]
+    decision = tuner.decisions[0]
+    assert decision.sync_every_from == 5 and decision.sync_every_to == 58
+    assert decision.measured_utilization == pytest.approx(0.35 / 1.35)
+    report(4, 5)  # still the old H until round 5: neither a decision nor a revert
+    assert tuner.sync_every == 58 and len(published) == 1
+    report(5, 58, blocked_s=1.0)
+    report(6, 58, blocked_s=1.0)
+    assert len(published) == 1  # 58 reaches the target: no change
+    # An operator sets H=20 with `isthmus config set`: the controller follows it.
+    report(7, 20, blocked_s=1.0)
+    assert tuner.sync_every == 20
