@@ -54,7 +54,9 @@ def register(commands: Any) -> None:
     what = sim.add_argument_group("scenario (overrides the job file)")
     what.add_argument("--params", type=float, help="model parameters, e.g. 340e9")
     what.add_argument("--sites", type=int, help="number of sites")
-    what.add_argument("--gpus-per-site", type=int, default=1)
+    what.add_argument(
+        "--gpus-per-site", type=int, help="GPUs (ranks) per site, without a job file (default 1)"
+    )
     what.add_argument("--gpu", choices=sorted(GPU_FLOPS), help="compute from FLOPs at --mfu")
     what.add_argument("--mfu", type=float, default=0.4, help="with --gpu (default 0.4)")
     what.add_argument(
@@ -163,9 +165,18 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
     params = args.params or (_job_params(job) if job else None)
     if params is None:
         raise ScenarioError("params", "give --params (no job file)")
-    gpus = args.gpus_per_site
+    gpus = args.gpus_per_site if args.gpus_per_site is not None else 1
     if gpus < 1:
         raise ScenarioError("gpus_per_site", f"must be >= 1, got {gpus}")
+    if job is not None and args.gpus_per_site is not None and args.sites is None:
+        ranks = sorted({s.ranks for s in job.sites})
+        if ranks != [gpus]:
+            raise ScenarioError(
+                "gpus_per_site",
+                f"{gpus} GPUs per site, but the job's sites have "
+                f"{' and '.join(map(str, ranks))} ranks (one GPU each); change the sites' "
+                "ranks in the job file, or describe the scenario with --sites",
+            )
     if args.job and job is not None and args.gpu is None and args.params is None:
         seq_len, batch = _job_tokens(job)
         tokens = sum(s.layout.dp for s in job.sites) * batch * seq_len
@@ -294,7 +305,7 @@ def job_scenario(job_path: Path, step_s: float) -> Scenario:
         job=str(job_path),
         params=None,
         sites=None,
-        gpus_per_site=1,
+        gpus_per_site=None,
         gpu=None,
         mfu=0.4,
         tokens_per_gpu=4096 * 2,

@@ -151,6 +151,10 @@ def test_sim_command_for_a_job_and_for_flags():
             ["deploy/examples/two-sites.yaml", "--step-ms", "10", "--sync-every", "0"],
             "--sync-every: must be >= 1",
         ),
+        (
+            ["deploy/examples/two-sites.yaml", "--step-ms", "10", "--gpus-per-site", "8"],
+            "--gpus-per-site: 8 GPUs per site, but the job's sites have 1 and 2 ranks",
+        ),
     ],
 )
 def test_sim_refuses_impossible_scenarios_naming_the_flag(args, message):
