@@ -193,17 +193,11 @@ class Job:
 
 
 def free_ports(host: str, count: int) -> list[tuple[str, int]]:
-    """``count`` ports the OS reports free on ``host`` right now."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-            sock.bind((host, 0))
-            sockets.append(sock)
-        return [(host, s.getsockname()[1]) for s in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+    """``count`` ports free on ``host`` now, where outgoing connections do not take
+    them (:func:`isthmus.intra.launch.free_ports`)."""
+    from isthmus.intra.launch import free_ports as pick
+
+    return [(host, port) for port in pick(host, count)]
 
 
 def free_port_blocks(host: str, sizes: list[int]) -> list[int]:

@@ -10,16 +10,16 @@ after the trial's tokens.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from isthmus.deploy.run_launcher import RunState, prepare_run_dir, resolve_job
+from isthmus.deploy.run_records import read_records
 from isthmus.sim.tuner import Candidate
 
 RUN_OVERHEAD_S = 12.0
@@ -108,7 +108,7 @@ def loss_curve(run_dir: Path, smoothing: int = 20) -> list[tuple[float, float]]:
     mean over sites of each step's loss, as a running mean over ``smoothing`` steps
     (a DiLoCo round resets the local model, so single steps jump)."""
     by_step: dict[int, list[tuple[float, float]]] = {}
-    for record in _records(run_dir / "metrics.jsonl"):
+    for record in read_records(run_dir / "metrics.jsonl"):
         if record.get("kind") == "step" and record.get("loss") is not None:
             by_step.setdefault(record["step"], []).append((record["t"], record["loss"]))
     if not by_step:
@@ -129,18 +129,6 @@ def time_to_loss(curve: list[tuple[float, float]], target: float) -> float | Non
         if loss <= target:
             return seconds
     return None
-
-
-def _records(path: Path) -> Iterator[dict[str, Any]]:
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return
-    for line in lines:
-        try:
-            yield json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a killed process
 
 
 class TrialProgress:
