@@ -246,6 +246,9 @@ def write_docs(result: dict) -> None:
     text = doc.read_text()
     start, end = text.index(MARKERS[0]), text.index(MARKERS[1]) + len(MARKERS[1])
     doc.write_text(text[:start] + "\n".join(lines) + text[end:])
+    (doc.parent / "performance-model-validation.json").write_text(
+        json.dumps(result, indent=2) + "\n"
+    )
 
 
 if __name__ == "__main__":
