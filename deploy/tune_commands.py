@@ -108,8 +108,9 @@ def _tune(args: argparse.Namespace) -> int:
     trials: list[Any] = []
     if args.budget_minutes > 0:
         budget_left = args.budget_minutes * 60 - (time.monotonic() - started)
-        planned, steps = _plan(job, neighbours(pick, candidates), budget_left, args.trial_steps)
-        if len(planned) < len(neighbours(pick, candidates)):
+        wanted = neighbours(pick, candidates)
+        planned, steps = _plan(job, wanted, budget_left, args.trial_steps)
+        if len(planned) < len(wanted):
             notes.append(
                 f"the budget fits {len(planned)} trial(s) of {steps} steps; "
                 "a larger --budget-minutes tries the neighbours too"
