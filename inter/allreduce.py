@@ -538,9 +538,11 @@ class CrossSiteAllReduce:
         unknown = [s for s in sites if s != me and s not in self.clients]
         if unknown:
             raise ValueError(f"no session with {unknown}; call connect() first")
-        missing = [s for s in sites if not (weights.get(s, 0) > 0)]
-        if missing:
-            raise ValueError(f"every participant needs a weight > 0; missing or <= 0: {missing}")
+        bad = [s for s in sites if not (math.isfinite(weights.get(s, -1)) and weights[s] >= 0)]
+        if bad:
+            raise ValueError(f"every participant needs a finite weight >= 0; missing or bad: {bad}")
+        if not any(weights[s] > 0 for s in sites):
+            raise ValueError(f"round {round}: no participant has a weight > 0")
         if tensor.dtype != torch.float32:
             raise ValueError(f"expected a float32 tensor, got {tensor.dtype}")
         flat = tensor.detach().reshape(-1).contiguous()
@@ -623,8 +625,11 @@ class CrossSiteAllReduce:
                 # order, and is exact up to float32 rounding in that order.
                 parts = {s: contributions[s].buffer[lo:hi] for _, s in others}  # type: ignore[index]
                 parts[me] = own_values[lo:hi]
-                reduced = torch.mul(parts[sites[0]], weights[sites[0]] / total)
-                for site in sites[1:]:
+                # Sites of weight 0 (left out of the round by its seal) send zeros
+                # and receive the average; their values are not even read.
+                counted = [s for s in sites if weights[s] > 0]
+                reduced = torch.mul(parts[counted[0]], weights[counted[0]] / total)
+                for site in counted[1:]:
                     reduced.add_(parts[site], alpha=weights[site] / total)
                 result = await self._encode(
                     reduced,

@@ -8,10 +8,15 @@ average over the sites, times their number, is every site's count. The engine
 gives every site bitwise-identical results, so every site reads the same
 decision, with no extra protocol and no leader.
 
-A site with no tokens this round does not take part in the data round (the
-engine needs weights > 0). A site that cannot be reached fails the vote by its
-deadline; excluding it and going on is the failure handling's job (a later
-issue), which will build on this same step.
+Besides its count, each site votes whether its contribution is usable: a rank
+whose values are not finite (a diverged step, a bad batch) refuses its site's
+contribution, and one refusing rank excludes its whole site, on every site
+alike. A site with no tokens, or refused, is left out of the round: it still
+takes part in the data round with weight 0 (sending zeros, receiving the
+average), so it ends the round with the same global parameters as the others.
+A site that cannot be reached fails the vote by its deadline; excluding it and
+going on is the failure handling's job (a later issue), which will build on
+this same step.
 """
 
 from __future__ import annotations
@@ -28,13 +33,19 @@ _PARTS = 4
 """Counts travel as four float32 digits in base 2^12: each digit times a site's
 rank count (up to 1024) stays below 2^22, exact through the averages (float32
 integers are exact to 2^24), and counts up to 2^48."""
+_SLOTS = _PARTS + 1
+"""Per site: the count's digits, then the number of its ranks that refused."""
 
 
 @dataclass(frozen=True)
 class Seal:
     round: int
     participants: list[str]
+    """Sites whose contributions count this round (tokens > 0, none refused)."""
     weights: dict[str, float]
+    """Every site's weight, 0 for those left out."""
+    refused: list[str]
+    """Sites left out because one of their ranks refused its contribution."""
     report: StepReport
     """What the vote itself cost (its bytes count as WAN traffic too)."""
 
@@ -47,22 +58,25 @@ def seal_round(
     me: str,
     tokens: int,
     dp_size: int = 1,
+    refuse: bool = False,
 ) -> Seal:
     """The round's participants and weights, identical on every site.
 
     ``tokens``: what this rank trained on since the last seal. Every rank of the
     site calls it; the site's count is the sum over its data-parallel ranks.
+    ``refuse``: this rank's contribution is unusable; its site is left out.
     ``round`` must be a round number of its own (not a data round's)."""
     if not 0 <= tokens < _BASE**_PARTS:
         raise ValueError(f"tokens must be in [0, 2^48), got {tokens}")
     if dp_size > 1024:
         raise ValueError(f"a site of {dp_size} data-parallel ranks is more than the vote carries")
-    vote = torch.zeros(_PARTS * len(sites))
+    vote = torch.zeros(_SLOTS * len(sites))
     i = list(sites).index(me)
     # Each rank votes its count times the site's size: the in-site average is
     # then the site's sum.
     for digit in range(_PARTS):
-        vote[_PARTS * i + digit] = float((tokens // _BASE**digit) % _BASE * dp_size)
+        vote[_SLOTS * i + digit] = float((tokens // _BASE**digit) % _BASE * dp_size)
+    vote[_SLOTS * i + _PARTS] = float(dp_size if refuse else 0)
     report = step.average(
         [vote],
         round=round,
@@ -70,10 +84,12 @@ def seal_round(
         weights={s: 1.0 for s in sites},
         in_site_reduce=dp_size > 1,
     )
-    digits = (vote * len(sites)).round().long().view(-1, _PARTS).tolist()
+    slots = (vote * len(sites)).round().long().view(-1, _SLOTS).tolist()
     totals = {
-        s: sum(d * _BASE**k for k, d in enumerate(row))
-        for s, row in zip(sites, digits, strict=True)
+        s: sum(d * _BASE**k for k, d in enumerate(row[:_PARTS]))
+        for s, row in zip(sites, slots, strict=True)
     }
-    participants = [s for s in sites if totals[s] > 0]
-    return Seal(round, participants, {s: float(totals[s]) for s in participants}, report)
+    refused = [s for s, row in zip(sites, slots, strict=True) if row[_PARTS] > 0]
+    participants = [s for s in sites if totals[s] > 0 and s not in refused]
+    weights = {s: float(totals[s]) if s in participants else 0.0 for s in sites}
+    return Seal(round, participants, weights, refused, report)

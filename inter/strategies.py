@@ -19,6 +19,7 @@ everywhere), so strategies can be switched between rounds.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -38,6 +39,8 @@ from isthmus.inter.hierarchical import PendingAverage, StepReport
 from isthmus.inter.join import SiteRuntime
 from isthmus.inter.outer import OuterOptimizer
 from isthmus.inter.settings import SettingError
+
+log = logging.getLogger(__name__)
 
 
 def _codec(value: str | Codec) -> Codec:
@@ -344,8 +347,17 @@ class DiLoCo(_LocalSteps):
         self._tokens += count
 
     def sync(self) -> None:
-        """Run one round now: seal, average the pseudo-gradients, outer step."""
+        """Run one round now: seal, average the pseudo-gradients, outer step.
+
+        A site whose pseudo-gradient is not finite (on any of its ranks) refuses
+        its contribution, and a site with no tokens since the last round has
+        none: the seal leaves both out, on every site alike, and they take the
+        round's average like the others. If no site has a contribution, the
+        global parameters stay as they were."""
         site = self.site
+        with self._blocking("syncing"):
+            deltas = self.outer.pseudo_gradients()
+            bad = _nonfinite(deltas)
         with self._blocking("waiting"):
             seal = seal_round(
                 site.step,
@@ -354,26 +366,50 @@ class DiLoCo(_LocalSteps):
                 me=site.name,
                 tokens=self._tokens,
                 dp_size=site.layout.dp,
+                refuse=bad > 0,
             )
-        if seal.participants != site.names:
-            idle = sorted(set(site.names) - set(seal.participants))
-            raise RuntimeError(
-                f"round {seal.round}: sites {idle} trained on no tokens since the last round; "
-                "every site must take inner steps between rounds"
-            )
-        with self._blocking("syncing"):
-            deltas = self.outer.pseudo_gradients()
-            report = self._exchange(deltas, seal.weights).wait()
-            self.outer.step(deltas)
         self._account(seal.report)
-        self._account(report)
         self.last_seal = seal
         self._tokens = 0
+        if bad:
+            log.warning(
+                "site %s: seal %d: this rank's pseudo-gradient holds %d NaN/Inf values; the "
+                "site's contribution is left out and its model reset to the global one",
+                site.name,
+                seal.round,
+                bad,
+            )
+        left_out = {
+            s: "refused its contribution (NaN/Inf)" if s in seal.refused else "trained no tokens"
+            for s in site.names
+            if s not in seal.participants
+        }
+        if left_out:
+            log.warning(
+                "site %s: seal %d: left out of the round: %s", site.name, seal.round, left_out
+            )
+        if not seal.participants:
+            # Nothing to average (every site took the same decision): start the
+            # next round from the global parameters as they were.
+            self.outer.reset_model()
+            return
+        with self._blocking("syncing"):
+            if site.name not in seal.participants:
+                for delta in deltas:
+                    delta.zero_()  # sent, but not counted: weight 0
+            report = self._exchange(deltas, seal.weights).wait()
+            self.outer.step(deltas)
+        self._account(report)
         self.outer_steps += 1
 
     def finish(self) -> None:
         if self._tokens:
             self.sync()
+
+
+def _nonfinite(tensors: Sequence[torch.Tensor]) -> int:
+    """How many values of ``tensors`` are NaN or infinite."""
+    return sum(int(t.numel() - torch.isfinite(t).sum()) for t in tensors)
 
 
 def _static_weights(site: SiteRuntime, tokens_per_step: int) -> dict[str, float]:

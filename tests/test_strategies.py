@@ -200,3 +200,79 @@ def test_sync_overlapped_in_buckets_equals_sync_after_backward(tmp_path):
     assert a["a"]["param_sha256"] == a["b"]["param_sha256"] == b["a"]["param_sha256"]
     # Every bucket's bytes counted, not the last one's several times.
     assert a["a"]["wan_bytes_sent"] == b["a"]["wan_bytes_sent"]
+
+
+def _scripted_rounds(tmp_path, flags: dict[str, list[str]]) -> dict[str, dict]:
+    """Run tests/workers/diloco_rounds.py once per site (separate processes)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).parent / "workers" / "diloco_rounds.py"
+    job = loopback_job(tmp_path / "job.yaml", "rounds", list(flags))
+    procs = {
+        site: subprocess.Popen(
+            [sys.executable, str(worker), str(job), site, str(tmp_path / f"{site}.json"), *extra],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for site, extra in flags.items()
+    }
+    logs = {}
+    for site, proc in procs.items():
+        _, logs[site] = proc.communicate(timeout=120)
+        assert proc.returncode == 0, f"site {site}:\n{logs[site][-2000:]}"
+    reports = {s: json.loads((tmp_path / f"{s}.json").read_text()) for s in flags}
+    for site, report in reports.items():
+        report["log"] = logs[site]
+    return reports
+
+
+def _close(a, b) -> bool:
+    return all(
+        torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-6)
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def test_a_site_with_nan_values_is_left_out_of_the_round_by_every_site(tmp_path):
+    reports = _scripted_rounds(tmp_path, {"a": [], "b": ["--poison", "1"], "c": []})
+    a, b, c = reports["a"], reports["b"], reports["c"]
+    for r in range(3):
+        afters = [site["rounds"][r]["after"] for site in (a, b, c)]
+        assert afters[0] == afters[1] == afters[2], f"round {r}: sites differ"
+        assert all(torch.isfinite(torch.tensor(p)).all() for p in afters[0])
+    poisoned = a["rounds"][1]
+    assert poisoned["participants"] == ["a", "c"] and poisoned["refused"] == ["b"]
+    assert poisoned["weights"]["b"] == 0.0
+    # Outer lr 1, no momentum: the new global model is the average of a's and c's
+    # local models (equal tokens), b's NaN nowhere in it.
+    expected = [
+        ((torch.tensor(x) + torch.tensor(y)) / 2).tolist()
+        for x, y in zip(poisoned["before"], c["rounds"][1]["before"], strict=True)
+    ]
+    assert _close(poisoned["after"], expected)
+    # Every site says which site was left out, and why; the next round counts b again.
+    for site in (a, b, c):
+        assert "left out of the round: {'b': 'refused its contribution (NaN/Inf)'}" in site["log"]
+    assert "NaN/Inf values" in b["log"]
+    assert a["rounds"][2]["participants"] == ["a", "b", "c"]
+    assert a["outer_steps"] == 3
+
+
+def test_a_site_that_trained_no_tokens_takes_the_average_without_counting(tmp_path):
+    reports = _scripted_rounds(tmp_path, {"a": [], "b": ["--steps-in", "0=0"]})
+    a, b = reports["a"], reports["b"]
+    first = a["rounds"][0]
+    assert first["participants"] == ["a"] and first["weights"] == {"a": 2.0, "b": 0.0}
+    assert first["after"] == b["rounds"][0]["after"]
+    assert _close(first["after"], first["before"])  # a's model alone, exactly averaged
+    assert "'b': 'trained no tokens'" in a["log"]
+
+
+def test_a_round_in_which_no_site_has_tokens_leaves_the_global_model_alone(tmp_path):
+    reports = _scripted_rounds(tmp_path, {"a": ["--steps-in", "1=0"], "b": ["--steps-in", "1=0"]})
+    a, b = reports["a"], reports["b"]
+    assert a["rounds"][1]["participants"] == []
+    assert a["rounds"][1]["after"] == a["rounds"][0]["after"] == b["rounds"][1]["after"]
+    assert a["outer_steps"] == 2

@@ -1,0 +1,76 @@
+"""One site of a DiLoCo job whose rounds the test scripts, through the public API.
+
+    python tests/workers/diloco_rounds.py JOB SITE OUT.json --rounds 3 [--steps-in ROUND=N]
+        [--poison ROUND]
+
+Every round the site takes a number of inner steps (default 2; ``--steps-in 1=0``
+makes it idle in round 1), then calls ``DiLoCo.sync()``. ``--poison R`` puts a NaN
+into the model just before round R's sync, as a diverged step would. The report
+holds, per round, the local parameters just before the sync and the model after
+it, so the test can check what the round averaged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+import torch
+
+import isthmus
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("job")
+    parser.add_argument("site")
+    parser.add_argument("out")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps-in", action="append", default=[], help="ROUND=STEPS")
+    parser.add_argument("--poison", type=int, default=-1)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    steps_in = {int(r): int(n) for r, n in (item.split("=") for item in args.steps_in)}
+    torch.manual_seed(0)  # the same initial model everywhere
+    model = torch.nn.Linear(8, 4)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(sum(map(ord, args.site)))  # each site its own data
+    site = isthmus.join(args.job, site=args.site)
+    rounds = []
+    with (
+        site,
+        isthmus.DiLoCo(
+            site, model, inner, sync_every=10_000, outer_lr=1.0, outer_momentum=0.0
+        ) as diloco,
+    ):
+        for r in range(args.rounds):
+            for _ in range(steps_in.get(r, 2)):
+                x = torch.randn(16, 8, generator=gen)
+                model(x).pow(2).mean().backward()
+                inner.step()
+                inner.zero_grad()
+            if r == args.poison:
+                with torch.no_grad():
+                    model.weight[0, 0] = float("nan")
+            before = [p.detach().clone().tolist() for p in model.parameters()]
+            diloco.sync()
+            seal = diloco.last_seal
+            rounds.append(
+                {
+                    "before": before,
+                    "after": [p.detach().tolist() for p in model.parameters()],
+                    "participants": seal.participants,
+                    "refused": seal.refused,
+                    "weights": seal.weights,
+                }
+            )
+        report = {"rounds": rounds, "outer_steps": diloco.outer_steps}
+    with open(args.out, "w") as f:
+        json.dump(report, f)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
