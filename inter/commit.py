@@ -33,8 +33,9 @@ _PARTS = 4
 """Counts travel as four float32 digits in base 2^12: each digit times a site's
 rank count (up to 1024) stays below 2^22, exact through the averages (float32
 integers are exact to 2^24), and counts up to 2^48."""
-_SLOTS = _PARTS + 1
-"""Per site: the count's digits, then the number of its ranks that refused."""
+_SLOTS = _PARTS + 2
+"""Per site: the count's digits, the number of its ranks that refused, and the
+number that say this is their last round."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,8 @@ class Seal:
     """Every site's weight, 0 for those left out."""
     refused: list[str]
     """Sites left out because one of their ranks refused its contribution."""
+    finished: list[str]
+    """Sites for which this is the last round: training is over for everyone."""
     report: StepReport
     """What the vote itself cost (its bytes count as WAN traffic too)."""
 
@@ -59,12 +62,16 @@ def seal_round(
     tokens: int,
     dp_size: int = 1,
     refuse: bool = False,
+    last: bool = False,
 ) -> Seal:
     """The round's participants and weights, identical on every site.
 
     ``tokens``: what this rank trained on since the last seal. Every rank of the
     site calls it; the site's count is the sum over its data-parallel ranks.
     ``refuse``: this rank's contribution is unusable; its site is left out.
+    ``last``: this site stops training after this round (its data or step budget
+    is spent); every site learns it from the seal and stops too, so all take
+    part in the same rounds even when their rounds hold different step counts.
     ``round`` must be a round number of its own (not a data round's)."""
     if not 0 <= tokens < _BASE**_PARTS:
         raise ValueError(f"tokens must be in [0, 2^48), got {tokens}")
@@ -77,6 +84,7 @@ def seal_round(
     for digit in range(_PARTS):
         vote[_SLOTS * i + digit] = float((tokens // _BASE**digit) % _BASE * dp_size)
     vote[_SLOTS * i + _PARTS] = float(dp_size if refuse else 0)
+    vote[_SLOTS * i + _PARTS + 1] = float(dp_size if last else 0)
     report = step.average(
         [vote],
         round=round,
@@ -90,6 +98,7 @@ def seal_round(
         for s, row in zip(sites, slots, strict=True)
     }
     refused = [s for s, row in zip(sites, slots, strict=True) if row[_PARTS] > 0]
+    finished = [s for s, row in zip(sites, slots, strict=True) if row[_PARTS + 1] > 0]
     participants = [s for s in sites if totals[s] > 0 and s not in refused]
     weights = {s: float(totals[s]) if s in participants else 0.0 for s in sites}
-    return Seal(round, participants, weights, refused, report)
+    return Seal(round, participants, weights, refused, finished, report)

@@ -307,7 +307,23 @@ class _LocalSteps(Strategy):
 
 class DiLoCo(_LocalSteps):
     """Local SGD across sites (Douillard et al., 2023): ``sync_every`` inner steps,
-    then an outer step on the averaged pseudo-gradient."""
+    then an outer step on the averaged pseudo-gradient.
+
+    With ``round_seconds``, a round also ends once that much time has passed
+    since the last one (``sync_every`` is then the most steps a round takes): a
+    slow site takes fewer steps instead of holding the others up, and each
+    site's contribution is weighted by the tokens it trained on. Sites then end
+    their loops at different steps, so the seal carries who is done: when one
+    site's loop ends (leaving the ``with`` block runs its last round), every
+    other site learns it at that round and :attr:`training_over` turns True;
+    stop the loop then::
+
+        for x, y in loader:
+            ...
+            inner_optimizer.step()
+            if diloco.training_over:
+                break
+    """
 
     def __init__(
         self,
@@ -321,9 +337,23 @@ class DiLoCo(_LocalSteps):
         codec: str | Codec = "none",
         tokens_per_step: int = 1,
         outer_device: str = "cpu",
+        round_seconds: float | None = None,
     ) -> None:
+        if round_seconds is not None and not (
+            isinstance(round_seconds, int | float)
+            and not isinstance(round_seconds, bool)
+            and math.isfinite(round_seconds)
+            and round_seconds > 0
+        ):
+            raise SettingError(
+                "round_seconds", f"must be a number of seconds > 0 or None, got {round_seconds!r}"
+            )
+        self.round_seconds = round_seconds
+        self.training_over = False
+        """True once a site has said, in a round's seal, that it stopped training."""
         self.last_seal: Seal | None = None
         self._tokens = 0
+        self._round_clock = time.perf_counter()
         super().__init__(
             site,
             model,
@@ -336,18 +366,33 @@ class DiLoCo(_LocalSteps):
             outer_device=outer_device,
         )
 
+    def __enter__(self) -> DiLoCo:
+        self._round_clock = time.perf_counter()  # the first round starts with training
+        return self
+
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.inner_steps += 1
         self._tokens += self.tokens_per_step
         if self._round_due():
             self.sync()
 
+    def _round_due(self) -> bool:
+        if super()._round_due():
+            return True
+        if self.round_seconds is None:
+            return False
+        if time.perf_counter() - self._round_clock < self.round_seconds:
+            return False
+        self.round_steps = 0
+        return True
+
     def add_tokens(self, count: int) -> None:
         """Count tokens beyond ``tokens_per_step`` (batches of varying size)."""
         self._tokens += count
 
-    def sync(self) -> None:
+    def sync(self, *, last: bool = False) -> None:
         """Run one round now: seal, average the pseudo-gradients, outer step.
+        ``last``: this site stops training after it (``finish`` says so).
 
         A site whose pseudo-gradient is not finite (on any of its ranks) refuses
         its contribution, and a site with no tokens since the last round has
@@ -355,6 +400,14 @@ class DiLoCo(_LocalSteps):
         round's average like the others. If no site has a contribution, the
         global parameters stay as they were."""
         site = self.site
+        if self.training_over:
+            seal = self.last_seal
+            assert seal is not None
+            raise RuntimeError(
+                f"site {site.name}: training is over (sites {seal.finished} stopped at seal "
+                f"{seal.round}) and the other sites have left; end the training loop when "
+                "training_over is True"
+            )
         with self._blocking("syncing"):
             deltas = self.outer.pseudo_gradients()
             bad = _nonfinite(deltas)
@@ -367,10 +420,12 @@ class DiLoCo(_LocalSteps):
                 tokens=self._tokens,
                 dp_size=site.layout.dp,
                 refuse=bad > 0,
+                last=last,
             )
         self._account(seal.report)
         self.last_seal = seal
         self._tokens = 0
+        self.training_over = bool(seal.finished)
         if bad:
             log.warning(
                 "site %s: seal %d: this rank's pseudo-gradient holds %d NaN/Inf values; the "
@@ -392,6 +447,7 @@ class DiLoCo(_LocalSteps):
             # Nothing to average (every site took the same decision): start the
             # next round from the global parameters as they were.
             self.outer.reset_model()
+            self._round_clock = time.perf_counter()
             return
         with self._blocking("syncing"):
             if site.name not in seal.participants:
@@ -401,10 +457,15 @@ class DiLoCo(_LocalSteps):
             self.outer.step(deltas)
         self._account(report)
         self.outer_steps += 1
+        self._round_clock = time.perf_counter()
 
     def finish(self) -> None:
-        if self._tokens:
-            self.sync()
+        """The last round, for the steps since the previous one. With time-budgeted
+        rounds it always runs: it tells the other sites that training is over."""
+        if self.training_over:
+            return  # the round that said so was the last one
+        if self._tokens or self.round_seconds is not None:
+            self.sync(last=True)
 
 
 def _nonfinite(tensors: Sequence[torch.Tensor]) -> int:

@@ -93,6 +93,8 @@ def test_diloco_with_a_lossy_codec_stays_identical_across_sites(tmp_path):
         ({"outer_lr": -1.0}, "outer_lr"),
         ({"outer_momentum": 1.0}, "outer_momentum"),
         ({"codec": "int3"}, "codec"),
+        ({"round_seconds": 0}, "round_seconds"),
+        ({"round_seconds": float("nan")}, "round_seconds"),
     ],
 )
 def test_bad_settings_are_refused_at_construction(kwargs, field):
@@ -276,3 +278,25 @@ def test_a_round_in_which_no_site_has_tokens_leaves_the_global_model_alone(tmp_p
     assert a["rounds"][1]["participants"] == []
     assert a["rounds"][1]["after"] == a["rounds"][0]["after"] == b["rounds"][1]["after"]
     assert a["outer_steps"] == 2
+
+
+def test_time_budgeted_rounds_let_a_slow_site_take_fewer_steps(tmp_path):
+    # b takes 5x longer per step than a; rounds end every 0.5 s on both.
+    reports = _scripted_rounds(
+        tmp_path,
+        {
+            "a": ["--round-seconds", "0.5", "--steps", "150", "--step-sleep", "0.01"],
+            "b": ["--round-seconds", "0.5", "--steps", "150", "--step-sleep", "0.05"],
+        },
+    )
+    a, b = reports["a"], reports["b"]
+    # a ran out of steps first; b learnt it from that round's seal and stopped.
+    assert a["inner_steps"] == 150 and b["inner_steps"] < 100
+    assert a["outer_steps"] == b["outer_steps"] >= 3
+    assert a["params"] == b["params"]
+    assert a["seals"] == b["seals"]
+    # Full rounds weigh each site by what it trained: a's steps outnumber b's.
+    full = a["seals"][:-1]
+    assert all(w["a"] >= 2 * w["b"] > 0 for w in full), full
+    assert sum(w["a"] for w in a["seals"]) == 150
+    assert sum(w["b"] for w in a["seals"]) == b["inner_steps"]

@@ -2,12 +2,19 @@
 
     python tests/workers/diloco_rounds.py JOB SITE OUT.json --rounds 3 [--steps-in ROUND=N]
         [--poison ROUND]
+    python tests/workers/diloco_rounds.py JOB SITE OUT.json --round-seconds T --steps N
+        [--step-sleep S]
 
-Every round the site takes a number of inner steps (default 2; ``--steps-in 1=0``
+Scripted rounds: every round the site takes a number of inner steps (default 2; ``--steps-in 1=0``
 makes it idle in round 1), then calls ``DiLoCo.sync()``. ``--poison R`` puts a NaN
 into the model just before round R's sync, as a diverged step would. The report
 holds, per round, the local parameters just before the sync and the model after
 it, so the test can check what the round averaged.
+
+Time-budgeted rounds: the site trains up to N steps, each taking at least S
+seconds (a slow site), rounds ending every T seconds, and stops when
+``training_over`` says a site has finished. The report holds every seal's
+weights and the final parameters.
 """
 
 from __future__ import annotations
@@ -16,28 +23,15 @@ import argparse
 import json
 import logging
 import sys
+import time
 
 import torch
 
 import isthmus
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("job")
-    parser.add_argument("site")
-    parser.add_argument("out")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps-in", action="append", default=[], help="ROUND=STEPS")
-    parser.add_argument("--poison", type=int, default=-1)
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+def scripted(args, site, model, inner, inner_step) -> dict:
     steps_in = {int(r): int(n) for r, n in (item.split("=") for item in args.steps_in)}
-    torch.manual_seed(0)  # the same initial model everywhere
-    model = torch.nn.Linear(8, 4)
-    inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    gen = torch.Generator().manual_seed(sum(map(ord, args.site)))  # each site its own data
-    site = isthmus.join(args.job, site=args.site)
     rounds = []
     with (
         site,
@@ -47,10 +41,7 @@ def main() -> int:
     ):
         for r in range(args.rounds):
             for _ in range(steps_in.get(r, 2)):
-                x = torch.randn(16, 8, generator=gen)
-                model(x).pow(2).mean().backward()
-                inner.step()
-                inner.zero_grad()
+                inner_step()
             if r == args.poison:
                 with torch.no_grad():
                     model.weight[0, 0] = float("nan")
@@ -66,7 +57,62 @@ def main() -> int:
                     "weights": seal.weights,
                 }
             )
-        report = {"rounds": rounds, "outer_steps": diloco.outer_steps}
+    return {"rounds": rounds, "outer_steps": diloco.outer_steps}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("job")
+    parser.add_argument("site")
+    parser.add_argument("out")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps-in", action="append", default=[], help="ROUND=STEPS")
+    parser.add_argument("--poison", type=int, default=-1)
+    parser.add_argument("--round-seconds", type=float)
+    parser.add_argument("--steps", type=int, default=0)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    torch.manual_seed(0)  # the same initial model everywhere
+    model = torch.nn.Linear(8, 4)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(sum(map(ord, args.site)))  # each site its own data
+    site = isthmus.join(args.job, site=args.site)
+
+    def inner_step() -> None:
+        x = torch.randn(16, 8, generator=gen)
+        model(x).pow(2).mean().backward()
+        time.sleep(args.step_sleep)
+        inner.step()
+        inner.zero_grad()
+
+    if args.round_seconds is not None:
+        seals = []
+        with (
+            site,
+            isthmus.DiLoCo(
+                site, model, inner, sync_every=10_000, round_seconds=args.round_seconds
+            ) as diloco,
+        ):
+            for _ in range(args.steps):
+                before = diloco.last_seal
+                inner_step()
+                if diloco.last_seal is not before:
+                    seals.append(diloco.last_seal.weights)
+                if diloco.training_over:
+                    break
+        if diloco.last_seal is not None and (
+            not seals or diloco.last_seal.weights is not seals[-1]
+        ):
+            seals.append(diloco.last_seal.weights)  # the last round, run by leaving the block
+        report = {
+            "seals": seals,
+            "inner_steps": diloco.inner_steps,
+            "outer_steps": diloco.outer_steps,
+            "params": [p.detach().tolist() for p in model.parameters()],
+        }
+    else:
+        report = scripted(args, site, model, inner, inner_step)
     with open(args.out, "w") as f:
         json.dump(report, f)
     return 0
