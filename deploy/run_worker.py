@@ -86,7 +86,11 @@ def build_strategy(
     optimizer: torch.optim.Optimizer,
     tokens_per_step: int,
 ) -> Strategy:
-    common: dict[str, Any] = {"codec": settings.codec, "tokens_per_step": tokens_per_step}
+    common: dict[str, Any] = {
+        "codec": settings.codec,
+        "error_feedback": settings.error_feedback,
+        "tokens_per_step": tokens_per_step,
+    }
     if settings.strategy == "sync":
         return Sync(site, model, optimizer, **common)
     outer: dict[str, Any] = {

@@ -199,6 +199,9 @@ class CrossSiteAllReduce:
         self.last: RoundStats | None = None
         self.bytes_sent_to: dict[str, int] = {}
         """Payload bytes sent to each site over this engine's life (per link, for telemetry)."""
+        self._residuals: dict[str, torch.Tensor] = {}
+        """Error feedback: per vector (the caller's key), what the codec lost of this
+        site's last contribution, added to the next one."""
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         return await self.server.start(host, port)
@@ -284,10 +287,17 @@ class CrossSiteAllReduce:
         return await asyncio.get_running_loop().run_in_executor(self._pool, encode)
 
     async def _encoded_chunks(
-        self, values: torch.Tensor, *, round: int, shard: int, sent: list[int]
+        self,
+        values: torch.Tensor,
+        *,
+        round: int,
+        shard: int,
+        sent: list[int],
+        lost: torch.Tensor | None = None,
     ) -> AsyncIterator[wire_pb2.Chunk]:
         """The chunks of ``values``, each encoded on the worker thread just before it
-        is needed; adds their payload sizes to ``sent``."""
+        is needed; adds their payload sizes to ``sent``. ``lost`` (as long as
+        ``values``) receives what the codec lost: ``values - decode(encode(values))``."""
         loop = asyncio.get_running_loop()
         ranges = chunk_ranges(
             values.numel(), values_per_chunk(self.codec, self.settings.max_chunk_bytes)
@@ -306,6 +316,8 @@ class CrossSiteAllReduce:
                 lane=self.lane,
             )
             chunk = await loop.run_in_executor(self._pool, encode)
+            if lost is not None:
+                await loop.run_in_executor(self._pool, _codec_loss, chunk, self.codec, values, lost)
             sent.append(_payload_size(chunk))
             yield chunk
 
@@ -480,8 +492,15 @@ class CrossSiteAllReduce:
         participants: Sequence[str],
         weights: Mapping[str, float],
         algorithm: str = "direct",
+        feedback: str | None = None,
     ) -> torch.Tensor:
         """The weighted average of ``tensor`` over ``participants`` (this site among them).
+
+        ``feedback``: error feedback for a lossy codec, keyed by this name (one per
+        vector the caller sends again and again, e.g. ``"model"`` or a fragment's
+        name): what the codec lost of this site's contribution is added to the
+        next contribution under the same key, so the losses do not accumulate
+        over rounds. The direct algorithm only; ignored with ``none``.
 
         ``algorithm``: ``direct`` (full mesh: every site owns a slice; a value is
         encoded twice), ``ring`` (each site talks to its successor only; partial
@@ -502,6 +521,7 @@ class CrossSiteAllReduce:
                 participants=participants,
                 weights=weights,
                 algorithm=algorithm,
+                feedback=feedback,
             )
         finally:
             self._active.remove(round)
@@ -517,6 +537,7 @@ class CrossSiteAllReduce:
         participants: Sequence[str],
         weights: Mapping[str, float],
         algorithm: str = "direct",
+        feedback: str | None = None,
     ) -> torch.Tensor:
         """One round of :meth:`allreduce`."""
         if algorithm not in ("direct", "ring", "auto"):
@@ -572,6 +593,15 @@ class CrossSiteAllReduce:
         others = [(j, s) for j, s in enumerate(sites) if s != me]
         sent: list[int] = []
         received = 0
+        # Error feedback: send this round's values plus what the codec lost last
+        # time; a site left out (weight 0) sent nothing that counts, so its
+        # residual waits for the next round it counts in.
+        lost: torch.Tensor | None = None
+        if feedback is not None and self.codec.name != "none" and weights[me] > 0:
+            residual = self._residuals.get(feedback)
+            if residual is not None and residual.numel() == flat.numel():
+                flat = flat + residual
+            lost = torch.zeros_like(flat)
 
         # Reduce-scatter: slice j streams to its owner sites[j], chunk by chunk,
         # while the contributions to this site's slice are decoded as they arrive.
@@ -579,7 +609,15 @@ class CrossSiteAllReduce:
         phase1 = [
             asyncio.ensure_future(
                 self._send(
-                    s, self._encoded_chunks(flat[lo:hi], round=round, shard=j, sent=sent), round
+                    s,
+                    self._encoded_chunks(
+                        flat[lo:hi],
+                        round=round,
+                        shard=j,
+                        sent=sent,
+                        lost=None if lost is None else lost[lo:hi],
+                    ),
+                    round,
                 )
             )
             for j, s in others
@@ -619,6 +657,8 @@ class CrossSiteAllReduce:
                         count=len(loop_ranges),
                     )
                     _own_chunk(own_chunk, self.codec).decode_into(own_values)
+                    if lost is not None:
+                        lost[a + lo : a + hi] = mine_flat[lo:hi] - own_values[lo:hi]
                 for _, s in others:
                     await self._wait_chunk(round, s, contributions[s], index, deadline)
                 # A fixed order (sorted sites): the result does not depend on arrival
@@ -662,8 +702,19 @@ class CrossSiteAllReduce:
             for _, s in others:
                 self._incoming.pop((round, mine, s), None)
             raise
+        if lost is not None:
+            self._residuals[feedback] = lost  # type: ignore[index]
         self.last = RoundStats(sum(sent), received, loop.time() - started)
         return out.view_as(tensor)
+
+
+def _codec_loss(
+    chunk: wire_pb2.Chunk, codec: Codec, values: torch.Tensor, lost: torch.Tensor
+) -> None:
+    """``lost[chunk] = values[chunk] - decode(chunk)``: what encoding lost there."""
+    encoded = to_encoded(chunk, chunk.payload)
+    span = slice(chunk.offset, chunk.offset + encoded.count)
+    torch.sub(values[span], codec.decode(encoded), out=lost[span])
 
 
 async def _drain(queue: asyncio.Queue[wire_pb2.Chunk | None]) -> AsyncIterator[wire_pb2.Chunk]:

@@ -124,11 +124,13 @@ class HierarchicalStep:
         rank_weight: float = 1.0,
         in_site_reduce: bool = True,
         algorithm: str = "direct",
+        feedback: str | None = None,
     ) -> PendingAverage:
         """:meth:`average` in two halves, for exchanges that overlap training: the
         in-site reduce-scatter runs now and the WAN part in the background; the
         returned :meth:`PendingAverage.wait` finishes it (every rank of the group
-        calls it at the same point). ``tensors`` must not change until then."""
+        calls it at the same point). ``tensors`` must not change until then.
+        ``feedback``: the engine's error-feedback key for this vector (None: off)."""
         local = [_dp_replicated(t) if isinstance(t, DTensor) else t for t in tensors]
         flat = (
             torch.cat([t.detach().reshape(-1).float() for t in local]) if local else torch.empty(0)
@@ -162,6 +164,7 @@ class HierarchicalStep:
                 participants=participants,
                 weights=weights,
                 algorithm=algorithm,
+                feedback=feedback,
             )
         )
         return PendingAverage(self, tensors, values, block, numel, lane_len, future, reduced_s)

@@ -147,6 +147,7 @@ class RankEndpoint:
         participants: Sequence[str],
         weights: Mapping[str, float],
         algorithm: str = "direct",
+        feedback: str | None = None,
     ) -> tuple[dict[int, torch.Tensor], RoundStats]:
         """:meth:`allreduce` and this round's WAN traffic, all lanes together (right
         even when several rounds are in flight at once)."""
@@ -166,6 +167,7 @@ class RankEndpoint:
                 participants=participants,
                 weights=weights,
                 algorithm=algorithm,
+                feedback=feedback,
             )
             # Read at once: no other task runs between the engine setting it
             # and this line, so it is this round's.

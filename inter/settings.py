@@ -53,6 +53,10 @@ class TrainSettings:
     """How values cross the WAN: ``none`` (exact float32), ``fp16``, ``bf16``, ``int8`` or
     ``int4``."""
 
+    error_feedback: bool = False
+    """With a lossy codec, carry what it lost of each site's values into the next
+    exchange of the same values (keeps ``int4`` and ``int8`` unbiased over rounds)."""
+
     fragments: int = 2
     """``streaming``: parts of the model that sync at staggered steps."""
 
@@ -87,6 +91,10 @@ class TrainSettings:
         if self.codec not in CODECS:
             raise SettingError(
                 "codec", f"unknown codec {self.codec!r}; use one of {', '.join(CODECS)}"
+            )
+        if not isinstance(self.error_feedback, bool):
+            raise SettingError(
+                "error_feedback", f"must be true or false, got {self.error_feedback!r}"
             )
         _positive_int("fragments", self.fragments)
         if not (isinstance(self.overlap_steps, int) and self.overlap_steps >= 0):

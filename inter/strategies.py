@@ -81,7 +81,13 @@ class Strategy:
         *,
         codec: str | Codec,
         tokens_per_step: int,
+        error_feedback: bool = False,
     ) -> None:
+        if not isinstance(error_feedback, bool):
+            raise SettingError("error_feedback", f"must be true or false, got {error_feedback!r}")
+        self.error_feedback = error_feedback
+        """With a lossy codec, what it lost of this site's values is sent with the
+        next exchange of the same values (the engine keeps it per vector)."""
         self.site = site
         self.model = model
         self.optimizer = optimizer
@@ -130,17 +136,21 @@ class Strategy:
         tensors: Sequence[torch.Tensor],
         weights: dict[str, float],
         *,
+        vector: str,
         in_site_reduce: bool = False,
     ) -> PendingAverage:
         """Start averaging ``tensors`` over every site, in the site's next round.
         The DiLoCo family's ranks hold one model per site (FSDP, or one rank), so
-        by default nothing is averaged inside the site first."""
+        by default nothing is averaged inside the site first. ``vector`` names what
+        is sent (the same name for the same values every round): error feedback
+        is kept per vector."""
         return self.site.step.start(
             tensors,
             round=self.site.next_round(),
             participants=self.site.names,
             weights=weights,
             in_site_reduce=in_site_reduce,
+            feedback=vector if self.error_feedback else None,
         )
 
     def _account(self, report: StepReport) -> None:
@@ -192,13 +202,21 @@ class Sync(Strategy):
         optimizer: torch.optim.Optimizer,
         *,
         codec: str | Codec = "none",
+        error_feedback: bool = False,
         tokens_per_step: int = 1,
         bucket_mb: float = 25.0,
         overlap: bool = True,
     ) -> None:
         if not (isinstance(bucket_mb, int | float) and bucket_mb > 0):
             raise SettingError("bucket_mb", f"must be a number > 0, got {bucket_mb!r}")
-        super().__init__(site, model, optimizer, codec=codec, tokens_per_step=tokens_per_step)
+        super().__init__(
+            site,
+            model,
+            optimizer,
+            codec=codec,
+            tokens_per_step=tokens_per_step,
+            error_feedback=error_feedback,
+        )
         self.weights = _static_weights(site, tokens_per_step)
         # FSDP sets its sharded gradients itself, after its own reduce-scatter:
         # per-parameter hooks would not see them, so DTensor models do not overlap.
@@ -228,7 +246,9 @@ class Sync(Strategy):
                     p.grad = torch.zeros_like(p)
                 grads.append(p.grad)
             in_site = not any(isinstance(g, DTensor) for g in grads)
-            pending = self._exchange(grads, self.weights, in_site_reduce=in_site)
+            pending = self._exchange(
+                grads, self.weights, vector=f"bucket{bucket}", in_site_reduce=in_site
+            )
         self._pending.append((bucket, pending))
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -277,13 +297,21 @@ class _LocalSteps(Strategy):
         codec: str | Codec,
         tokens_per_step: int,
         outer_device: str,
+        error_feedback: bool,
     ) -> None:
         self.sync_every = _positive_int("sync_every", sync_every)
         self.round_steps = 0
         """Inner steps since the last exchange started: a round ends after exactly
         ``sync_every`` of them, also when ``sync_every`` changes mid-run."""
         _check_outer(outer_lr, outer_momentum)
-        super().__init__(site, model, inner_optimizer, codec=codec, tokens_per_step=tokens_per_step)
+        super().__init__(
+            site,
+            model,
+            inner_optimizer,
+            codec=codec,
+            tokens_per_step=tokens_per_step,
+            error_feedback=error_feedback,
+        )
         self.outer = OuterOptimizer(
             self.params, lr=outer_lr, momentum=outer_momentum, device=outer_device
         )
@@ -335,6 +363,7 @@ class DiLoCo(_LocalSteps):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         codec: str | Codec = "none",
+        error_feedback: bool = False,
         tokens_per_step: int = 1,
         outer_device: str = "cpu",
         round_seconds: float | None = None,
@@ -364,6 +393,7 @@ class DiLoCo(_LocalSteps):
             codec=codec,
             tokens_per_step=tokens_per_step,
             outer_device=outer_device,
+            error_feedback=error_feedback,
         )
 
     def __enter__(self) -> DiLoCo:
@@ -453,7 +483,7 @@ class DiLoCo(_LocalSteps):
             if site.name not in seal.participants:
                 for delta in deltas:
                     delta.zero_()  # sent, but not counted: weight 0
-            report = self._exchange(deltas, seal.weights).wait()
+            report = self._exchange(deltas, seal.weights, vector="model").wait()
             self.outer.step(deltas)
         self._account(report)
         self.outer_steps += 1
@@ -502,6 +532,7 @@ class StreamingDiLoCo(_LocalSteps):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         codec: str | Codec = "none",
+        error_feedback: bool = False,
         tokens_per_step: int = 1,
         outer_device: str = "cpu",
     ) -> None:
@@ -538,6 +569,7 @@ class StreamingDiLoCo(_LocalSteps):
             codec=codec,
             tokens_per_step=tokens_per_step,
             outer_device=outer_device,
+            error_feedback=error_feedback,
         )
         self.overlap_steps = overlap_steps
         self.alpha = float(alpha)
@@ -563,7 +595,7 @@ class StreamingDiLoCo(_LocalSteps):
         self._started_at[fragment] = self.inner_steps
         with self._blocking("syncing"):  # host work on the training thread
             deltas = self.outer.pseudo_gradients(self.members[fragment])
-            pending = self._exchange(deltas, self.weights)
+            pending = self._exchange(deltas, self.weights, vector=f"fragment{fragment}")
         if self.overlap_steps == 0:
             self._complete(fragment, deltas, pending)
         else:
@@ -597,7 +629,7 @@ class StreamingDiLoCo(_LocalSteps):
             return
         with self._blocking("syncing"):
             deltas = self.outer.pseudo_gradients(everything)
-            self._account(self._exchange(deltas, self.weights).wait())
+            self._account(self._exchange(deltas, self.weights, vector="final").wait())
             self.outer.step(deltas, everything)
 
 
@@ -622,6 +654,7 @@ class AsyncDiLoCo(_LocalSteps):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         codec: str | Codec = "none",
+        error_feedback: bool = False,
         tokens_per_step: int = 1,
         outer_device: str = "cpu",
     ) -> None:
@@ -636,6 +669,7 @@ class AsyncDiLoCo(_LocalSteps):
             codec=codec,
             tokens_per_step=tokens_per_step,
             outer_device=outer_device,
+            error_feedback=error_feedback,
         )
         self.weights = _static_weights(site, tokens_per_step)
 
@@ -646,7 +680,11 @@ class AsyncDiLoCo(_LocalSteps):
             with self._blocking("syncing"):  # host work on the training thread
                 deltas = self.outer.pseudo_gradients()
                 anchor = [p.detach().clone() for p in self.params]
-                self._pending = (self._exchange(deltas, self.weights), deltas, anchor)
+                self._pending = (
+                    self._exchange(deltas, self.weights, vector="model"),
+                    deltas,
+                    anchor,
+                )
 
     @torch.no_grad()
     def _complete(self) -> None:
@@ -672,7 +710,7 @@ class AsyncDiLoCo(_LocalSteps):
             return
         with self._blocking("syncing"):
             deltas = self.outer.pseudo_gradients()
-            self._account(self._exchange(deltas, self.weights).wait())
+            self._account(self._exchange(deltas, self.weights, vector="final").wait())
             self.outer.step(deltas)
         self.outer_steps += 1
 

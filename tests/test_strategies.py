@@ -122,10 +122,14 @@ def test_streaming_with_one_fragment_no_overlap_no_mixing_is_diloco(tmp_path):
     "flags",
     [
         ("--strategy", "streaming", "--fragments", "2", "--overlap-steps", "1", "--codec", "int4"),
+        pytest.param(
+            ("--strategy", "diloco", "--codec", "int4", "--error-feedback"),
+            marks=pytest.mark.slow,
+        ),
         ("--strategy", "async"),
         ("--strategy", "sync"),
     ],
-    ids=["streaming-int4-overlap", "async", "sync"],
+    ids=["streaming-int4-overlap", "diloco-int4-error-feedback", "async", "sync"],
 )
 def test_every_strategy_ends_identical_on_every_site(tmp_path, flags):
     reports = _run(tmp_path, ["a", "b"], flags)

@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--codec", default="none")
+    parser.add_argument("--error-feedback", action="store_true", help="with a lossy codec")
     parser.add_argument("--inner", choices=("adamw", "sgd"), default="adamw")
     parser.add_argument("--lr", type=float, default=3e-3, help="inner learning rate")
     parser.add_argument("--batch", type=int, default=8)
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.batch * model.config.seq_len
     outer = {"sync_every": args.sync_every, "outer_lr": args.outer_lr}
     outer["outer_momentum"] = args.outer_momentum
-    common = {"codec": args.codec, "tokens_per_step": tokens}
+    common = {"codec": args.codec, "error_feedback": args.error_feedback, "tokens_per_step": tokens}
     strategy: Any
     if args.strategy == "none":
         strategy = _NoSync()
