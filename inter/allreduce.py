@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import logging
 import math
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ from isthmus.inter.peer import Identity, PeerClient, PeerError, PeerServer
 from isthmus.inter.transport import TransportSettings
 from isthmus.proto import wire_pb2
 from isthmus.sim.cost import LinkLookup, choose
+
+log = logging.getLogger(__name__)
 
 
 class RoundError(RuntimeError):
@@ -199,6 +202,7 @@ class CrossSiteAllReduce:
         self.last: RoundStats | None = None
         self.bytes_sent_to: dict[str, int] = {}
         """Payload bytes sent to each site over this engine's life (per link, for telemetry)."""
+        self._warned_ring = False
         self._residuals: dict[str, torch.Tensor] = {}
         """Error feedback: per vector (the caller's key), what the codec lost of this
         site's last contribution, added to the next one."""
@@ -500,7 +504,8 @@ class CrossSiteAllReduce:
         vector the caller sends again and again, e.g. ``"model"`` or a fragment's
         name): what the codec lost of this site's contribution is added to the
         next contribution under the same key, so the losses do not accumulate
-        over rounds. The direct algorithm only; ignored with ``none``.
+        over rounds. The direct algorithm only (the ring says once that it is off);
+        nothing to do with ``none``.
 
         ``algorithm``: ``direct`` (full mesh: every site owns a slice; a value is
         encoded twice), ``ring`` (each site talks to its successor only; partial
@@ -578,6 +583,11 @@ class CrossSiteAllReduce:
         n = len(sites)
         bounds = slice_bounds(flat.numel(), n)
         if algorithm == "ring" and n > 1:
+            if feedback is not None and self.codec.name != "none" and not self._warned_ring:
+                # The ring re-encodes partial sums at every hop: a site's own loss
+                # is not separable from the others'. Say so once, do not fail.
+                log.warning("round %d: error feedback is off with the ring algorithm", round)
+                self._warned_ring = True
             out = await self._ring(
                 flat,
                 round=round,
