@@ -755,6 +755,13 @@ class _Validator:
                 f"the {train.strategy} strategy fixes sync_every at the start; the online "
                 f"controller needs {' or '.join(LIVE_SYNC_EVERY)} (or set online: false)",
             )
+        if tune.online and train is not None and train.round_seconds is not None:
+            self.fail(
+                "tune.online",
+                "rounds are time-budgeted (train.round_seconds), so sync_every, what the "
+                "online controller moves, only caps them; set online: false or remove "
+                "train.round_seconds",
+            )
         return tune
 
 

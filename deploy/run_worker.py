@@ -99,7 +99,9 @@ def build_strategy(
         "outer_momentum": settings.outer_momentum,
     }
     if settings.strategy == "diloco":
-        return DiLoCo(site, model, optimizer, **outer, **common)
+        return DiLoCo(
+            site, model, optimizer, **outer, **common, round_seconds=settings.round_seconds
+        )
     if settings.strategy == "async":
         return AsyncDiLoCo(site, model, optimizer, **outer, **common)
     return StreamingDiLoCo(
@@ -181,6 +183,7 @@ def _train(
     outer_seen = 0
     round_started, round_tokens, waiting_s, blocked_s = time.perf_counter(), 0, 0.0, 0.0
     round_compute_s, round_step = 0.0, 0
+    steps_done = 0
     for step in range(settings.steps):
         x, y = first if step == 0 else next(batches)
         step_started = time.perf_counter()
@@ -241,7 +244,7 @@ def _train(
         # Held-out loss every sync_every steps (after DiLoCo's round: the global
         # model), whatever the strategy, so runs compare at the same points; where
         # sync_every can change live, after every round.
-        live_h = settings.strategy in LIVE_SYNC_EVERY
+        live_h = settings.strategy in LIVE_SYNC_EVERY or settings.round_seconds is not None
         eval_due = round_ended if live_h else (step + 1) % settings.sync_every == 0
         if eval_due and site.layout.pp == 1:
             eval_started = time.perf_counter()
@@ -253,6 +256,9 @@ def _train(
                 eval_loss=eval_loss,
                 seconds=time.perf_counter() - eval_started,
             )
+        steps_done = step + 1
+        if getattr(strategy, "training_over", False):
+            break  # time-budgeted rounds: a site has finished, so has everyone
 
     # Every run ends with a final synchronisation: the same model on every site.
     records.write("state", state="syncing")
@@ -260,7 +266,7 @@ def _train(
     strategy.close()
     _write_blocked(records, strategy)
     wall_s = time.time() - train_started
-    totals = _write_round(records, strategy, site, settings.steps)
+    totals = _write_round(records, strategy, site, steps_done)
     full = _full_state(part, site)
     if not leader:
         return 0
@@ -268,7 +274,7 @@ def _train(
     final, _, _ = build_model(job)
     final.load_state_dict(full)
     eval_loss = evaluate(final, held_out, loss_fn)
-    records.write("eval", step=settings.steps, tokens=tokens, eval_loss=eval_loss, final=True)
+    records.write("eval", step=steps_done, tokens=tokens, eval_loss=eval_loss, final=True)
     if site.site_index == 0:
         save_model(final, run_dir / "model.safetensors", job)
     result = {

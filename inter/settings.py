@@ -43,6 +43,12 @@ class TrainSettings:
     """Inner steps between synchronisations (DiLoCo's H). Larger sends fewer WAN bytes
     and converges slower; ``isthmus tune`` picks it for a link."""
 
+    round_seconds: float | None = None
+    """``diloco``: time-budgeted rounds. A round also ends after this many seconds, so a
+    slow site takes fewer inner steps (weighted by its tokens) instead of holding the
+    others up; ``sync_every`` is then the most steps a round takes, and the run ends
+    for every site when the first one has taken ``steps``."""
+
     outer_lr: float = 0.7
     """Outer learning rate (DiLoCo paper: 0.7)."""
 
@@ -92,6 +98,19 @@ class TrainSettings:
             raise SettingError(
                 "codec", f"unknown codec {self.codec!r}; use one of {', '.join(CODECS)}"
             )
+        if self.round_seconds is not None:
+            if not (_is_number(self.round_seconds) and self.round_seconds > 0):
+                raise SettingError(
+                    "round_seconds",
+                    f"must be a number of seconds > 0 (or null: rounds of sync_every steps), "
+                    f"got {self.round_seconds!r}",
+                )
+            if self.strategy != "diloco":
+                raise SettingError(
+                    "round_seconds",
+                    f"time-budgeted rounds are a diloco setting; strategy {self.strategy!r} "
+                    "keeps every site in step (remove round_seconds or use strategy: diloco)",
+                )
         if not isinstance(self.error_feedback, bool):
             raise SettingError(
                 "error_feedback", f"must be true or false, got {self.error_feedback!r}"

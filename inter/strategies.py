@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -340,7 +341,8 @@ class DiLoCo(_LocalSteps):
     With ``round_seconds``, a round also ends once that much time has passed
     since the last one (``sync_every`` is then the most steps a round takes): a
     slow site takes fewer steps instead of holding the others up, and each
-    site's contribution is weighted by the tokens it trained on. Sites then end
+    site's contribution is weighted by the tokens it trained on (the ranks of a
+    site agree on the step with a one-value all-reduce per step). Sites then end
     their loops at different steps, so the seal carries who is done: when one
     site's loop ends (leaving the ``with`` block runs its last round), every
     other site learns it at that round and :attr:`training_over` turns True;
@@ -411,7 +413,15 @@ class DiLoCo(_LocalSteps):
             return True
         if self.round_seconds is None:
             return False
-        if time.perf_counter() - self._round_clock < self.round_seconds:
+        over = time.perf_counter() - self._round_clock >= self.round_seconds
+        if self.site.site.ranks > 1:
+            # Every rank of the site must end the round at the same step, and their
+            # clocks differ: the site ends it when its first rank's time is up (a
+            # one-value all-reduce per step over the fast fabric).
+            flag = torch.tensor([1.0 if over else 0.0])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            over = bool(flag.item())
+        if not over:
             return False
         self.round_steps = 0
         return True

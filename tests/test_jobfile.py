@@ -167,6 +167,22 @@ def test_egress_overrides_one_direction():
             "name: x\nsites: [{name: a}]\ntrain: {codec: int3}\n",
             "train.codec: unknown codec 'int3'",
         ),
+        (
+            "name: x\nsites: [{name: a}]\ntrain: {strategy: async, round_seconds: 30}\n",
+            "train.round_seconds: time-budgeted rounds are a diloco setting",
+        ),
+        (
+            "name: x\nsites: [{name: a}]\ntrain: {round_seconds: -1}\n",
+            "train.round_seconds: must be a number of seconds > 0",
+        ),
+        (
+            "name: x\nsites: [{name: a}]\ntrain: {error_feedback: 1}\n",
+            "train.error_feedback: must be true or false",
+        ),
+        (
+            "name: x\nsites: [{name: a}]\ntrain: {round_seconds: 30}\ntune: {online: true}\n",
+            "tune.online: rounds are time-budgeted",
+        ),
         ("name: x\nsites: [{name: a}]\nextra: 1\n", "extra: unknown key"),
         (
             "name: x\nsites:\n  - {name: a, address: '127.0.0.1:7100', ranks: 2}\n  - {name: b, address: '127.0.0.1:7101'}\n",

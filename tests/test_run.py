@@ -155,6 +155,22 @@ def test_a_small_job_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
+def test_time_budgeted_rounds_end_every_site_at_the_same_round(tmp_path):
+    # Site b (two ranks, an in-site average every step) is the slower one here.
+    text = SMALL_JOB.replace("sync_every: 4,", "sync_every: 1000, round_seconds: 1.5,")
+    job = write_job(tmp_path, steps=40, text=text)
+    out = tmp_path / "run"
+    done = isthmus("run", str(job), "--out", str(out), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr + explain(out)
+    sites = json.loads((out / "summary.json").read_text())["sites"]
+    assert sites["a"]["param_sha256"] == sites["b"]["param_sha256"]
+    assert sites["a"]["outer_steps"] == sites["b"]["outer_steps"] >= 2
+    # The first site to take all its steps ended the run for both.
+    assert max(s["inner_steps"] for s in sites.values()) == 40
+    assert all(0 < s["inner_steps"] <= 40 for s in sites.values())
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["sync", "streaming", "async"])
 def test_every_strategy_runs_and_ends_identical(tmp_path, strategy):
     job = write_job(tmp_path, steps=8)
