@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -43,6 +42,7 @@ from isthmus.intra.data import Dataset, ShardSpec, load_corpus
 from isthmus.intra.model import GPT, config_for, lm_loss
 from isthmus.intra.parallelize import GPT_PLAN, ModelPlan, SiteModel
 from isthmus.intra.plugins import DataContext, load_callable, load_model
+from isthmus.intra.schedule import warmup_cosine
 from isthmus.sim.tuner import LIVE_SYNC_EVERY
 
 EVAL_BATCHES = 8
@@ -70,13 +70,8 @@ def builtin_dataset(job: Job, model: nn.Module) -> Dataset | None:
 
 
 def learning_rate(settings: TrainSettings, step: int) -> float:
-    """Linear warm-up, then cosine decay to 10% of ``inner_lr`` at the last step."""
-    peak = settings.inner_lr
-    if step < settings.warmup_steps:
-        return peak * (step + 1) / settings.warmup_steps
-    span = max(1, settings.steps - settings.warmup_steps)
-    progress = min(1.0, (step - settings.warmup_steps) / span)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    """The inner learning rate at ``step``: warm-up, then cosine decay to 10%."""
+    return warmup_cosine(settings.inner_lr, step, settings.warmup_steps, settings.steps)
 
 
 def build_strategy(

@@ -31,6 +31,7 @@ from isthmus.deploy.jobfile import free_port_blocks
 from isthmus.deploy.site_errors import run_site_main
 from isthmus.intra.data import Dataset, ShardSpec, stdlib_corpus
 from isthmus.intra.model import GPT, config_for, lm_loss
+from isthmus.intra.schedule import warmup_cosine
 
 
 @torch.no_grad()
@@ -120,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--error-feedback", action="store_true", help="with a lossy codec")
     parser.add_argument("--inner", choices=("adamw", "sgd"), default="adamw")
     parser.add_argument("--lr", type=float, default=3e-3, help="inner learning rate")
+    parser.add_argument(
+        "--warmup-steps", type=int, default=0, help="linear warm-up, then cosine decay to 10%%"
+    )
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--corpus-bytes", type=int, default=None)
@@ -162,7 +166,10 @@ def main(argv: list[str] | None = None) -> int:
         strategy = isthmus.Sync(site, model, inner, **overlap, **common)
     with site, strategy:
         started = time.perf_counter()
-        for _ in range(args.steps):
+        for step in range(args.steps):
+            if args.warmup_steps:
+                for group in inner.param_groups:
+                    group["lr"] = warmup_cosine(args.lr, step, args.warmup_steps, args.steps)
             x, y = next(batches)
             lm_loss(model(x), y).backward()
             inner.step()  # every sync_every steps the round runs here
