@@ -35,6 +35,29 @@ from isthmus.intra.schedule import warmup_cosine
 
 
 @torch.no_grad()
+def parse_schedule(text: str) -> list[tuple[int, int | None]]:
+    """'5:100,10:200,50' -> [(5, 100), (10, 200), (50, None)]."""
+    schedule: list[tuple[int, int | None]] = []
+    try:
+        for part in text.split(","):
+            h, _, until = part.partition(":")
+            schedule.append((int(h), int(until) if until else None))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: write H:UNTIL pairs and a last H, e.g. 5:100,10:200,50"
+        ) from None
+    if schedule[-1][1] is not None or any(u is None for _, u in schedule[:-1]):
+        raise argparse.ArgumentTypeError(f"{text!r}: only the last H goes without :UNTIL")
+    return schedule
+
+
+def sync_every_at(schedule: list[tuple[int, int | None]], step: int) -> int:
+    for h, until in schedule:
+        if until is None or step < until:
+            return h
+    raise AssertionError("the last entry has no end")
+
+
 def evaluate(model: torch.nn.Module, data: Dataset, batches: int = 8) -> float:
     losses = [lm_loss(model(x), y).item() for x, y in data.eval_batches(16, batches)]
     return sum(losses) / len(losses)
@@ -110,6 +133,12 @@ def main(argv: list[str] | None = None) -> int:
         default="diloco",
         help="none: every site trains alone (the baseline of throughput comparisons)",
     )
+    parser.add_argument(
+        "--sync-every-schedule",
+        type=parse_schedule,
+        help="H that grows: 'H1:UNTIL1,H2:UNTIL2,...,HLAST', e.g. 5:100,10:200,50 "
+        "(H=5 until step 100, then 10 until 200, then 50)",
+    )
     parser.add_argument("--fragments", type=int, default=2, help="streaming")
     parser.add_argument("--overlap-steps", type=int, default=0, help="streaming")
     parser.add_argument("--alpha", type=float, default=0.5, help="streaming")
@@ -170,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.warmup_steps:
                 for group in inner.param_groups:
                     group["lr"] = warmup_cosine(args.lr, step, args.warmup_steps, args.steps)
+            if args.sync_every_schedule:
+                strategy.sync_every = sync_every_at(args.sync_every_schedule, step)
             x, y = next(batches)
             lm_loss(model(x), y).backward()
             inner.step()  # every sync_every steps the round runs here
