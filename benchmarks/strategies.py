@@ -12,6 +12,9 @@ synchronisation), with the ratio to ``sync``'s.
 
     python benchmarks/strategies.py [--seeds 0 1 2] [--steps 600] [--only diloco-h50 ...]
         [--json FILE] [--plot FILE.png]
+
+With ``--json``, results already in FILE are kept and the configurations run
+now are added or replaced, so a long protocol can be measured in parts.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ SITES = ["s0", "s1", "s2", "s3"]
 # learning rate decays, int4 pseudo-gradients with error feedback.
 FEDAVG = ["--outer-lr", "1.0", "--outer-momentum", "0.0"]
 INT4_EF = ["--codec", "int4", "--error-feedback"]
-GROWING_H = "3:45,8:165,25:440,80"
+GROWING_H = "5:100,10:200,25:400,50"
 CONFIGS: dict[str, list[str]] = {
     "sync": ["--strategy", "sync"],
     "diloco-h50": ["--strategy", "diloco", "--sync-every", "50"],
@@ -90,6 +93,10 @@ def main() -> int:
     parser.add_argument("--plot", help="bar plot of loss gap and WAN bytes (PNG)")
     args = parser.parse_args()
     results: dict[str, dict] = {}
+    if args.json and Path(args.json).exists():
+        # Configurations measured by an earlier invocation stay (the table is
+        # printed for all of them); the ones run now replace theirs.
+        results = json.loads(Path(args.json).read_text())
     total = len(args.only) * len(args.seeds)
     done = 0
     for config in args.only:
