@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from isthmus.deploy import (
         bench_commands,
+        certs,
         control_commands,
         job_commands,
         run_commands,
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     job_commands.register(commands)
     wan_commands.register(commands)
     bench_commands.register(commands)
+    certs.register(commands)
     return parser
 
 

@@ -39,6 +39,7 @@ import yaml
 
 from isthmus.inter.control import Broker
 from isthmus.inter.settings import SETTING_NAMES, SettingError, TrainSettings
+from isthmus.inter.tls import SiteTls
 from isthmus.intra.layout import Layout, LayoutError, check_sites
 from isthmus.intra.model import SIZES
 from isthmus.sim.link import (
@@ -54,7 +55,18 @@ from isthmus.sim.topology import Fault, Site, Topology, validate_fault
 from isthmus.sim.tuner import LIVE_SYNC_EVERY, TUNE_KEYS, TuneError, TuneSettings
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-TOP_LEVEL_KEYS = ("name", "seed", "sites", "wan", "train", "model", "data", "control", "tune")
+TOP_LEVEL_KEYS = (
+    "name",
+    "seed",
+    "sites",
+    "wan",
+    "train",
+    "model",
+    "data",
+    "control",
+    "tune",
+    "tls",
+)
 CONTROL_KEYS = ("broker", "username", "password", "password_env", "tls", "wait_s")
 TLS_KEYS = ("ca", "cert", "key")
 SITE_KEYS = ("name", "ranks", "address", "advertise", "uplink_mbit", "parallel")
@@ -147,6 +159,26 @@ class ControlSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TlsSpec:
+    """The job file's ``tls:`` section: mutual TLS between sites (the data plane).
+
+    ``cert`` and ``key`` may hold ``{site}``, replaced by each site's name; paths
+    are relative to the job file. Only the files of the site being started must
+    exist where it runs."""
+
+    ca: str
+    cert: str
+    key: str
+    base: Path
+
+    def for_site(self, job: str, site: str) -> SiteTls:
+        def path(template: str) -> Path:
+            return self.base / template.replace("{site}", site)
+
+        return SiteTls.load(job, site, path(self.ca), path(self.cert), path(self.key))
+
+
+@dataclass(frozen=True, kw_only=True)
 class Job:
     """A validated job file."""
 
@@ -164,6 +196,8 @@ class Job:
     """The control plane's broker; None: ``isthmus run`` starts an embedded one."""
     tune: TuneSettings = field(default_factory=TuneSettings)
     """What ``isthmus tune`` aims for, and ``isthmus run``'s online H controller."""
+    tls: TlsSpec | None = None
+    """Mutual TLS between sites; None: plaintext (emulated runs, trusted networks)."""
     source: str = "<job>"
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -321,6 +355,7 @@ class _Validator:
         control = self.control(data["control"]) if data.get("control") is not None else None
         data_source = self.data(data.get("data", "stdlib"))
         tune = self.tune(data.get("tune") or {}, train)
+        tls = self.tls(data["tls"]) if data.get("tls") is not None else None
         if self.problems:
             raise JobFileError(self.source, self.problems)
         assert train is not None
@@ -334,9 +369,27 @@ class _Validator:
             data=data_source,
             control=control,
             tune=tune or TuneSettings(),
+            tls=tls,
             source=self.source,
             raw=data,
         )
+
+    # -- tls ---------------------------------------------------------------------------
+    def tls(self, value: Any) -> TlsSpec | None:
+        raw = self.mapping(value, "tls", TLS_KEYS)
+        if raw is None:
+            return None
+        for key in TLS_KEYS:
+            if not isinstance(raw.get(key), str) or not raw[key]:
+                self.fail(
+                    f"tls.{key}",
+                    f"missing or not a path, got {raw.get(key)!r}; 'isthmus certs JOB.yaml "
+                    "--out certs' makes the files and prints this section",
+                )
+        if self.problems:
+            return None
+        base = Path(self.source).parent if self.source != "<job>" else Path.cwd()
+        return TlsSpec(ca=raw["ca"], cert=raw["cert"], key=raw["key"], base=base.resolve())
 
     # -- sites -------------------------------------------------------------------------
     def sites(self, value: Any) -> list[SiteSpec]:

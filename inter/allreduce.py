@@ -214,7 +214,11 @@ class CrossSiteAllReduce:
         """Open a session with every peer (handshake checks job, protocol, layout)."""
         for site, address in self.peers.items():
             client = PeerClient(
-                self.identity, address, settings=self.settings, deadline_s=self.deadline_s
+                self.identity,
+                address,
+                settings=self.settings,
+                deadline_s=self.deadline_s,
+                peer_site=site,
             )
             try:
                 await client.hello()

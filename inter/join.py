@@ -23,6 +23,7 @@ from isthmus.inter.codecs import Codec
 from isthmus.inter.hierarchical import HierarchicalStep
 from isthmus.inter.lanes import RankEndpoint, lane_count, lane_owner, owned_lanes
 from isthmus.inter.peer import Identity
+from isthmus.inter.transport import TransportSettings
 from isthmus.intra.layout import Layout
 from isthmus.intra.process_group import SiteError, dp_group, init_site_group
 
@@ -136,10 +137,14 @@ def start_site(
     identity = Identity(
         job=job.name, site=site, rank=rank, layout_fingerprint=fingerprint, layout=words
     )
+    tls = job.tls.for_site(job.name, site) if job.tls is not None else None
+    settings = TransportSettings(tls=tls)
     loop = BackgroundLoop(name=f"isthmus-wan-{site}-{rank}")
     try:
         endpoint = loop.run(
-            _endpoint(identity, lane_peers, [s.name for s in job.sites], codec, deadline_s)
+            _endpoint(
+                identity, lane_peers, [s.name for s in job.sites], codec, deadline_s, settings
+            )
         )
         host, port = addresses.listen[rank]
         loop.run(endpoint.start(host, port))
@@ -177,6 +182,9 @@ async def _endpoint(
     sites: list[str],
     codec: Codec | None,
     deadline_s: float,
+    settings: TransportSettings,
 ) -> RankEndpoint:
     # Built on the loop that will run it: grpc.aio binds to the running loop.
-    return RankEndpoint(identity, lane_peers, sites, codec=codec, deadline_s=deadline_s)
+    return RankEndpoint(
+        identity, lane_peers, sites, codec=codec, deadline_s=deadline_s, settings=settings
+    )

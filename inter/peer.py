@@ -23,6 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from isthmus.inter.chunks import ChunkError, ReceivedChunk, to_encoded, verify
+from isthmus.inter.tls import certified_sites
 from isthmus.inter.transport import TransportSettings
 from isthmus.proto import wire_pb2, wire_pb2_grpc
 
@@ -58,10 +59,19 @@ class PeerError(RuntimeError):
 class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
     """Checks who calls and what they send; hands verified chunks to ``on_chunk``."""
 
-    def __init__(self, identity: Identity, sites: Collection[str], on_chunk: ChunkSink) -> None:
+    def __init__(
+        self,
+        identity: Identity,
+        sites: Collection[str],
+        on_chunk: ChunkSink,
+        *,
+        check_certificates: bool = False,
+    ) -> None:
         self.identity = identity
         self.sites = set(sites)
         self.on_chunk = on_chunk
+        self.check_certificates = check_certificates
+        """Under mutual TLS: a caller's certificate must name the site it claims."""
         self.refused: list[str] = []
         """Reasons of refused handshakes and chunks, newest last (for tests and metrics)."""
 
@@ -97,7 +107,7 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
     async def Hello(
         self, request: wire_pb2.Handshake, context: grpc.aio.ServicerContext
     ) -> wire_pb2.HandshakeReply:
-        error = self.check_handshake(request)
+        error = self.check_handshake(request) or self._check_certificate(request.site, context)
         me = self.identity
         reply = wire_pb2.HandshakeReply(
             accepted=error is None, site=me.site, rank=me.rank, protocol_version=PROTOCOL_VERSION
@@ -119,6 +129,9 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
             )
             self._refuse(message)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
+        impostor = self._check_certificate(site, context)
+        if impostor is not None:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, impostor.message)
         rank = int(metadata.get(META_RANK, "0") or 0)
         async for chunk in request_iterator:
             payload = chunk.payload  # each read of a bytes field copies it: read once
@@ -146,6 +159,24 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
                 continue
             yield _ack(chunk, None)
 
+    def _check_certificate(
+        self, site: str, context: grpc.aio.ServicerContext
+    ) -> wire_pb2.Error | None:
+        """Under mutual TLS, the caller's certificate (verified by the TLS handshake
+        against the job's CA) must name ``site``: a site cannot speak for another."""
+        if not self.check_certificates:
+            return None
+        named = certified_sites(context)
+        if site in named:
+            return None
+        error = wire_pb2.Error(
+            code=wire_pb2.WRONG_JOB,
+            message=f"{context.peer()} claims site {site!r} but its certificate names "
+            f"{sorted(named) or 'no site'}",
+        )
+        self._refuse(error.message)
+        return error
+
     def _refuse(self, reason: str) -> None:
         self.refused.append(reason)
         log.warning("refused: %s", reason)
@@ -160,7 +191,8 @@ def _ack(chunk: wire_pb2.Chunk, error: wire_pb2.Error | None) -> wire_pb2.Ack:
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """The authentication hook: ``check(metadata)`` returns None to admit a call, or
-    the reason to refuse it (UNAUTHENTICATED). mTLS (a later issue) plugs in here too."""
+    the reason to refuse it (UNAUTHENTICATED). Mutual TLS itself is the transport's
+    (``TransportSettings.tls``); this hook is for tokens and policies on top."""
 
     def __init__(self, check: Callable[[dict[str, str]], str | None]) -> None:
         self.check = check
@@ -208,7 +240,9 @@ class PeerServer:
     ) -> None:
         self.settings = settings or TransportSettings()
         self.metrics = MetricsInterceptor()
-        self.servicer = PeerServicer(identity, sites, on_chunk)
+        self.servicer = PeerServicer(
+            identity, sites, on_chunk, check_certificates=self.settings.tls is not None
+        )
         self.server = grpc.aio.server(
             interceptors=[self.metrics, *interceptors], options=self.settings.server_options()
         )
@@ -220,8 +254,12 @@ class PeerServer:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Listen on ``host:port`` (0: a free port); return the port. Names the address
         when it cannot be bound."""
+        tls = self.settings.tls
         try:
-            self.port = self.server.add_insecure_port(f"{host}:{port}")
+            if tls is None:
+                self.port = self.server.add_insecure_port(f"{host}:{port}")
+            else:
+                self.port = self.server.add_secure_port(f"{host}:{port}", tls.server_credentials())
         except RuntimeError as exc:
             raise PeerError(
                 f"cannot listen on {host}:{port} ({exc}); is the port in use?"
@@ -246,12 +284,25 @@ class PeerClient:
         *,
         settings: TransportSettings | None = None,
         deadline_s: float = 30.0,
+        peer_site: str | None = None,
     ) -> None:
+        """``peer_site``: the site this address should belong to; under mutual TLS
+        the server's certificate must name it."""
         self.identity = identity
         self.address = address
         self.deadline_s = deadline_s
         self.settings = settings or TransportSettings()
-        self.channel = grpc.aio.insecure_channel(address, options=self.settings.channel_options())
+        options = self.settings.channel_options()
+        tls = self.settings.tls
+        if tls is None:
+            self.channel = grpc.aio.insecure_channel(address, options=options)
+        else:
+            if peer_site is None:
+                raise ValueError("a TLS session needs the peer's site name (peer_site=)")
+            options += tls.channel_options(peer_site)
+            self.channel = grpc.aio.secure_channel(
+                address, tls.channel_credentials(), options=options
+            )
         self.stub = wire_pb2_grpc.PeerServiceStub(self.channel)
         self.peer: tuple[str, int] | None = None
 

@@ -9,7 +9,10 @@ keepalive or the server answers pings with GOAWAY ("too_many_pings").
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from isthmus.inter.tls import SiteTls
 
 # The largest chunk a message may carry, plus room for the other fields.
 MAX_CHUNK_BYTES = 16 * 1024 * 1024
@@ -33,6 +36,10 @@ class TransportSettings:
 
     keepalive_timeout_s: float = 20.0
     """A ping unanswered this long marks the connection dead."""
+
+    tls: SiteTls | None = None
+    """Mutual TLS with the job's CA (:mod:`isthmus.inter.tls`); None: plaintext, for
+    emulated runs on one machine and networks the user already trusts."""
 
     def __post_init__(self) -> None:
         if not 1024 <= self.max_chunk_bytes <= MAX_CHUNK_BYTES:

@@ -183,6 +183,10 @@ def test_egress_overrides_one_direction():
             "name: x\nsites: [{name: a}]\ntrain: {round_seconds: 30}\ntune: {online: true}\n",
             "tune.online: rounds are time-budgeted",
         ),
+        (
+            "name: x\nsites: [{name: a}]\ntls: {ca: certs/ca.crt, cert: 'certs/{site}.crt'}\n",
+            "tls.key: missing or not a path",
+        ),
         ("name: x\nsites: [{name: a}]\nextra: 1\n", "extra: unknown key"),
         (
             "name: x\nsites:\n  - {name: a, address: '127.0.0.1:7100', ranks: 2}\n  - {name: b, address: '127.0.0.1:7101'}\n",

@@ -1,0 +1,139 @@
+"""Mutual TLS between sites over real gRPC: certificates of the job's CA, and refusals."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import stat
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from isthmus.deploy.certs import make_certs
+from isthmus.inter.chunks import encode_chunks
+from isthmus.inter.codecs import parse_codec
+from isthmus.inter.peer import Identity, PeerClient, PeerError, PeerServer
+from isthmus.inter.tls import SiteTls, TlsError
+from isthmus.inter.transport import TransportSettings
+
+SITES = ("us-east", "eu-west", "ap-south")
+EAST = Identity(job="demo", site="us-east", rank=0, layout_fingerprint="abc")
+WEST = Identity(job="demo", site="eu-west", rank=0, layout_fingerprint="abc")
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("certs")
+    make_certs("demo", SITES, root / "demo")
+    make_certs("other", SITES, root / "other")  # another job's CA, same site names
+    return root
+
+
+def tls(certs, site: str, job: str = "demo", as_site: str | None = None) -> TransportSettings:
+    d = certs / job
+    who = as_site or site
+    return TransportSettings(
+        tls=SiteTls.load("demo", site, d / "ca.crt", d / f"{who}.crt", d / f"{who}.key")
+    )
+
+
+async def _session(server_settings, client_settings, identity=WEST, peer_site="us-east"):
+    received = []
+    server = PeerServer(EAST, SITES, received.append, settings=server_settings)
+    port = await server.start("127.0.0.1", 0)
+    client = PeerClient(
+        identity,
+        f"127.0.0.1:{port}",
+        settings=client_settings,
+        deadline_s=5,
+        peer_site=peer_site,
+    )
+    try:
+        reply = await client.hello()
+        chunks = encode_chunks(
+            parse_codec("none"), torch.arange(10.0), round=0, shard=0, max_chunk_bytes=1024
+        )
+        acks = await client.exchange(chunks)
+        return reply, acks, received, server.servicer.refused
+    finally:
+        await client.close()
+        await server.stop()
+
+
+def test_sites_with_certificates_of_the_job_ca_exchange(certs):
+    reply, acks, received, refused = asyncio.run(
+        _session(tls(certs, "us-east"), tls(certs, "eu-west"))
+    )
+    assert reply.accepted and all(a.ok for a in acks)
+    assert received[0].site == "eu-west" and not refused
+
+
+@pytest.mark.parametrize(
+    "client",
+    [
+        pytest.param(lambda certs: TransportSettings(), id="plaintext"),
+        pytest.param(lambda certs: tls(certs, "eu-west", job="other"), id="another-jobs-ca"),
+    ],
+)
+def test_a_peer_without_a_certificate_of_the_job_ca_gets_nothing(certs, client):
+    with pytest.raises(PeerError, match=r"unreachable|did not answer|refused"):
+        asyncio.run(_session(tls(certs, "us-east"), client(certs)))
+
+
+def test_a_site_cannot_speak_for_another(certs, caplog):
+    # ap-south's certificate is valid for the job, but the caller claims eu-west.
+    caplog.set_level(logging.WARNING, logger="isthmus.inter.peer")
+    impostor = tls(certs, "eu-west", as_site="ap-south")
+    with pytest.raises(PeerError, match="certificate names \\['ap-south'\\]"):
+        asyncio.run(_session(tls(certs, "us-east"), impostor))
+    assert "claims site 'eu-west' but its certificate names ['ap-south']" in caplog.text
+    assert "127.0.0.1" in caplog.text  # the refusal names the caller's address
+
+
+def test_a_client_checks_it_reached_the_site_it_meant(certs):
+    # The server is us-east; the client was told the address is ap-south's.
+    with pytest.raises(PeerError):
+        asyncio.run(_session(tls(certs, "us-east"), tls(certs, "eu-west"), peer_site="ap-south"))
+
+
+def test_certs_are_written_with_private_keys_readable_by_the_owner_only(tmp_path):
+    written = make_certs("job", ["a", "b"], tmp_path / "c")
+    names = sorted(p.name for p in written)
+    assert names == ["a.crt", "a.key", "b.crt", "b.key", "ca.crt", "ca.key"]
+    for path in written:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if path.suffix == ".key":
+            assert mode == 0o600, path
+    with pytest.raises(FileExistsError, match="a job has one CA"):
+        make_certs("job", ["a"], tmp_path / "c")
+
+
+def test_missing_tls_files_name_the_field(tmp_path):
+    (tmp_path / "ca.crt").write_text("-----BEGIN CERTIFICATE-----\n")
+    with pytest.raises(TlsError, match=r"tls\.cert: cannot read .*isthmus certs"):
+        SiteTls.load("j", "a", tmp_path / "ca.crt", tmp_path / "a.crt", tmp_path / "a.key")
+
+
+def test_sites_train_over_mutual_tls_named_in_the_job_file(tmp_path):
+    from isthmus.deploy.examples.diloco_train import loopback_job, run_sites
+
+    job = loopback_job(tmp_path / "job.yaml", "tlsjob", ["a", "b"])
+    done = subprocess.run(
+        [sys.executable, "-m", "isthmus", "certs", str(job), "--out", str(tmp_path / "certs")],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    snippet = done.stdout.split("key (not ca.key):\n", 1)[1]
+    job.write_text(job.read_text() + snippet)
+    args = ["--steps", "4", "--sync-every", "2", "--batch", "2", "--corpus-bytes", "200000"]
+    reports = run_sites(job, ["a", "b"], args, tmp_path, timeout_s=120)
+    assert reports["a"]["param_sha256"] == reports["b"]["param_sha256"]
+    assert reports["a"]["outer_steps"] == 2
+
+    # A site whose key is missing is refused at start, naming the field and the fix.
+    (tmp_path / "certs" / "b.key").unlink()
+    with pytest.raises(RuntimeError, match=r"tls\.key: cannot read .*b\.key"):
+        run_sites(job, ["b"], args, tmp_path, timeout_s=60)
