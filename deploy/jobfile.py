@@ -316,7 +316,12 @@ class _Validator:
         line = self.lines.get(path)
         probe = path
         while line is None and probe:
-            probe = re.sub(r"(\.[^.\[]*|\[\d+\])$", "", probe)
+            # Up to the nearest enclosing field that has a line. A key YAML reads as
+            # another type (null, 1.0) has no dot or index to strip: stop there.
+            shorter = re.sub(r"(\.[^.\[]*|\[\d+\])$", "", probe)
+            if shorter == probe:
+                break
+            probe = shorter
             line = self.lines.get(probe)
         self.problems.append((path, line, message))
 
@@ -579,7 +584,7 @@ class _Validator:
         preset_name = settings.pop("preset", None)
         base: dict[str, Any] = {}
         if preset_name is not None:
-            if preset_name not in PRESETS:
+            if not isinstance(preset_name, str) or preset_name not in PRESETS:
                 self.fail(
                     f"{path}.preset",
                     f"unknown preset {preset_name!r}; {_suggest(str(preset_name), list(PRESETS))}"
@@ -649,7 +654,10 @@ class _Validator:
             bad = False
             for key in ("at_s", "for_s", "period_s", "down_s", "rate"):
                 value = entry.get(key)
-                if value is not None and not _is_number(value):
+                if key == "at_s" and value is None:
+                    self.fail(f"{path}.at_s", "must be a number of seconds from the start")
+                    bad = True
+                elif value is not None and not _is_number(value):
                     self.fail(f"{path}.{key}", f"must be a number, got {value!r}")
                     bad = True
                 numbers[key] = value

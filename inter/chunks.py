@@ -15,8 +15,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import zstandard
 
-from isthmus.inter.codecs import Codec, Encoded, parse_codec
+from isthmus.inter.codecs import Codec, CodecError, Encoded, parse_codec
 from isthmus.proto import wire_pb2
 
 
@@ -189,7 +190,15 @@ class ReceivedChunk:
                 f"chunk at offset {self.offset} with {self.encoded.count} values overruns a "
                 f"shard of {shard_buffer.numel()}",
             )
-        return self.codec.decode(self.encoded, out=target)
+        try:
+            return self.codec.decode(self.encoded, out=target)
+        except (CodecError, zstandard.ZstdError) as exc:
+            # The checksum held, so the sender built a payload its own fields do
+            # not describe: a broken or hostile peer, refused like a bad shape.
+            raise ChunkError(
+                wire_pb2.WRONG_SHAPE,
+                f"chunk {self.index}/{self.count}: payload does not decode: {exc}",
+            ) from None
 
 
 def to_wire(chunk: ReceivedChunk) -> wire_pb2.Chunk:

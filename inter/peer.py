@@ -132,32 +132,39 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
         impostor = self._check_certificate(site, context)
         if impostor is not None:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, impostor.message)
-        rank = int(metadata.get(META_RANK, "0") or 0)
+        try:
+            rank = int(metadata.get(META_RANK, "0") or 0)
+        except ValueError:
+            rank = -1  # only named in messages; the chunks still have to pass
         async for chunk in request_iterator:
-            payload = chunk.payload  # each read of a bytes field copies it: read once
-            try:
-                codec = verify(chunk, payload)
-                received = ReceivedChunk(
-                    site,
-                    rank,
-                    chunk.round,
-                    chunk.shard,
-                    chunk.index,
-                    chunk.count,
-                    chunk.offset,
-                    chunk.weight,
-                    codec,
-                    to_encoded(chunk, payload),
-                    chunk.lane,
-                )
-                result = self.on_chunk(received)
-                if asyncio.iscoroutine(result):
-                    await result
-            except ChunkError as exc:
-                self._refuse(f"chunk from site {site!r} ({context.peer()}): {exc}")
-                yield _ack(chunk, wire_pb2.Error(code=exc.code, message=str(exc)))
-                continue
-            yield _ack(chunk, None)
+            yield await self.accept(chunk, site, rank, context.peer())
+
+    async def accept(self, chunk: wire_pb2.Chunk, site: str, rank: int, peer: str) -> wire_pb2.Ack:
+        """Verify one chunk from ``site`` and hand it on, or refuse it: the answer to
+        every chunk, whatever its fields hold."""
+        payload = chunk.payload  # each read of a bytes field copies it: read once
+        try:
+            codec = verify(chunk, payload)
+            received = ReceivedChunk(
+                site,
+                rank,
+                chunk.round,
+                chunk.shard,
+                chunk.index,
+                chunk.count,
+                chunk.offset,
+                chunk.weight,
+                codec,
+                to_encoded(chunk, payload),
+                chunk.lane,
+            )
+            result = self.on_chunk(received)
+            if asyncio.iscoroutine(result):
+                await result
+        except ChunkError as exc:
+            self._refuse(f"chunk from site {site!r} ({peer}): {exc}")
+            return _ack(chunk, wire_pb2.Error(code=exc.code, message=str(exc)))
+        return _ack(chunk, None)
 
     def _check_certificate(
         self, site: str, context: grpc.aio.ServicerContext

@@ -71,7 +71,9 @@ class TuneSettings:
             )
         if not (_is_number(self.price_per_gb) and self.price_per_gb >= 0):
             raise TuneError("price_per_gb", f"must be a number >= 0, got {self.price_per_gb!r}")
-        if not self.codecs or any(c not in CODEC_BYTES_PER_VALUE for c in self.codecs):
+        if not self.codecs or any(
+            not isinstance(c, str) or c not in CODEC_BYTES_PER_VALUE for c in self.codecs
+        ):
             raise TuneError(
                 "codecs", f"list some of {', '.join(CODEC_PRECISION)}, got {list(self.codecs)!r}"
             )

@@ -187,6 +187,17 @@ def test_egress_overrides_one_direction():
             "name: x\nsites: [{name: a}]\ntls: {ca: certs/ca.crt, cert: 'certs/{site}.crt'}\n",
             "tls.key: missing or not a path",
         ),
+        # Found by fuzzing (benchmarks/fuzz.py): each crashed or hung the parser.
+        ("name: x\nsites: [{name: a}]\nnull: 1\n", "None: unknown key"),
+        (
+            "name: x\nsites: [{name: a}, {name: b}]\nwan:\n  default: {preset: []}\n",
+            "wan.default.preset: unknown preset []",
+        ),
+        (
+            "name: x\nsites: [{name: a}, {name: b}]\nwan:\n  faults: [{at_s: null, link: [a, b], action: partition}]\n",
+            "wan.faults[0].at_s: must be a number of seconds",
+        ),
+        ("name: x\nsites: [{name: a}]\ntune: {codecs: [{}]}\n", "tune.codecs: list some of"),
         ("name: x\nsites: [{name: a}]\nextra: 1\n", "extra: unknown key"),
         (
             "name: x\nsites:\n  - {name: a, address: '127.0.0.1:7100', ranks: 2}\n  - {name: b, address: '127.0.0.1:7101'}\n",
