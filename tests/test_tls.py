@@ -116,6 +116,7 @@ def test_missing_tls_files_name_the_field(tmp_path):
         SiteTls.load("j", "a", tmp_path / "ca.crt", tmp_path / "a.crt", tmp_path / "a.key")
 
 
+@pytest.mark.slow
 def test_sites_train_over_mutual_tls_named_in_the_job_file(tmp_path):
     from isthmus.deploy.examples.diloco_train import loopback_job, run_sites
 
