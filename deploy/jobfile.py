@@ -713,6 +713,9 @@ class _Validator:
         for key in TLS_KEYS:
             if tls.get(key) is None:
                 continue
+            if "\0" in str(tls[key]):
+                self.fail(f"control.tls.{key}", "a path cannot hold a NUL character")
+                continue
             path = (base / str(tls[key])).resolve()
             if not path.is_file():
                 self.fail(f"control.tls.{key}", f"no file {str(path)!r}")
@@ -766,7 +769,7 @@ class _Validator:
         return value
 
     def data(self, value: Any) -> str:
-        if not isinstance(value, str) or not value:
+        if not isinstance(value, str) or not value or "\0" in value:
             self.fail(
                 "data",
                 f"must be 'stdlib', a file, or package.module:function, got {value!r}",

@@ -192,9 +192,10 @@ class ReceivedChunk:
             )
         try:
             return self.codec.decode(self.encoded, out=target)
-        except (CodecError, zstandard.ZstdError) as exc:
+        except (CodecError, zstandard.ZstdError, RuntimeError, ValueError) as exc:
             # The checksum held, so the sender built a payload its own fields do
-            # not describe: a broken or hostile peer, refused like a bad shape.
+            # not describe (torch says so with a RuntimeError on mismatched
+            # sizes): a broken or hostile peer, refused like a bad shape.
             raise ChunkError(
                 wire_pb2.WRONG_SHAPE,
                 f"chunk {self.index}/{self.count}: payload does not decode: {exc}",

@@ -53,10 +53,11 @@ class SiteTls:
         for name, path in (("tls.ca", ca), ("tls.cert", cert), ("tls.key", key)):
             try:
                 contents[name] = path.read_bytes()
-            except OSError as exc:
+            except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+                why = getattr(exc, "strerror", None) or exc
                 raise TlsError(
                     name,
-                    f"cannot read {path} ({exc.strerror}); make the files with "
+                    f"cannot read {path} ({why}); make the files with "
                     f"'isthmus certs JOB.yaml --out DIR' and copy each site its own",
                 ) from None
             if b"-----BEGIN" not in contents[name]:

@@ -71,11 +71,13 @@ class TuneSettings:
             )
         if not (_is_number(self.price_per_gb) and self.price_per_gb >= 0):
             raise TuneError("price_per_gb", f"must be a number >= 0, got {self.price_per_gb!r}")
-        if not self.codecs or any(
-            not isinstance(c, str) or c not in CODEC_BYTES_PER_VALUE for c in self.codecs
+        if (
+            not isinstance(self.codecs, list | tuple)
+            or not self.codecs
+            or any(not isinstance(c, str) or c not in CODEC_BYTES_PER_VALUE for c in self.codecs)
         ):
             raise TuneError(
-                "codecs", f"list some of {', '.join(CODEC_PRECISION)}, got {list(self.codecs)!r}"
+                "codecs", f"list some of {', '.join(CODEC_PRECISION)}, got {self.codecs!r}"
             )
         for name in ("min_sync_every", "max_sync_every", "online_every_rounds"):
             value = getattr(self, name)
