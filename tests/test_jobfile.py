@@ -198,6 +198,8 @@ def test_egress_overrides_one_direction():
             "wan.faults[0].at_s: must be a number of seconds",
         ),
         ("name: x\nsites: [{name: a}]\ntune: {codecs: [{}]}\n", "tune.codecs: list some of"),
+        ("name: x\nsites: [{name: a}]\ntune: {codecs: null}\n", "tune.codecs: list some of"),
+        ('name: x\nsites: [{name: a}]\ndata: "a\\0b"\n', "data: must be 'stdlib'"),
         ("name: x\nsites: [{name: a}]\nextra: 1\n", "extra: unknown key"),
         (
             "name: x\nsites:\n  - {name: a, address: '127.0.0.1:7100', ranks: 2}\n  - {name: b, address: '127.0.0.1:7101'}\n",
