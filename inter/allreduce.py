@@ -739,18 +739,7 @@ async def _drain(queue: asyncio.Queue[wire_pb2.Chunk | None]) -> AsyncIterator[w
 
 def _own_chunk(chunk: wire_pb2.Chunk, codec: Codec) -> ReceivedChunk:
     """This site's own chunk, taken exactly as a peer would take it."""
-    return ReceivedChunk(
-        "",
-        0,
-        chunk.round,
-        chunk.shard,
-        chunk.index,
-        chunk.count,
-        chunk.offset,
-        chunk.weight,
-        codec,
-        to_encoded(chunk, chunk.payload),
-    )
+    return ReceivedChunk.from_wire(chunk, chunk.payload, codec, "", 0)
 
 
 def _payload_size(chunk: wire_pb2.Chunk) -> int:

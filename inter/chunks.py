@@ -181,6 +181,25 @@ class ReceivedChunk:
     encoded: Encoded
     lane: int = 0
 
+    @classmethod
+    def from_wire(
+        cls, chunk: wire_pb2.Chunk, payload: bytes, codec: Codec, site: str, rank: int
+    ) -> ReceivedChunk:
+        """``chunk`` as sent by ``site``'s rank ``rank`` (``payload``: its bytes, read once)."""
+        return cls(
+            site,
+            rank,
+            chunk.round,
+            chunk.shard,
+            chunk.index,
+            chunk.count,
+            chunk.offset,
+            chunk.weight,
+            codec,
+            to_encoded(chunk, payload),
+            chunk.lane,
+        )
+
     def decode_into(self, shard_buffer: torch.Tensor) -> torch.Tensor:
         """Decode into ``shard_buffer[offset : offset + elements]``; return that slice."""
         target = shard_buffer[self.offset : self.offset + self.encoded.count]

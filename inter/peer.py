@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from isthmus.inter.chunks import ChunkError, ReceivedChunk, to_encoded, verify
+from isthmus.inter.chunks import ChunkError, ReceivedChunk, verify
 from isthmus.inter.tls import certified_sites
 from isthmus.inter.transport import TransportSettings
 from isthmus.proto import wire_pb2, wire_pb2_grpc
@@ -145,19 +145,7 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
         payload = chunk.payload  # each read of a bytes field copies it: read once
         try:
             codec = verify(chunk, payload)
-            received = ReceivedChunk(
-                site,
-                rank,
-                chunk.round,
-                chunk.shard,
-                chunk.index,
-                chunk.count,
-                chunk.offset,
-                chunk.weight,
-                codec,
-                to_encoded(chunk, payload),
-                chunk.lane,
-            )
+            received = ReceivedChunk.from_wire(chunk, payload, codec, site, rank)
             result = self.on_chunk(received)
             if asyncio.iscoroutine(result):
                 await result
