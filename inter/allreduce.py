@@ -26,6 +26,7 @@ import concurrent.futures
 import functools
 import logging
 import math
+import random
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -36,11 +37,13 @@ from isthmus.inter.chunks import (
     ReceivedChunk,
     chunk_ranges,
     encode_chunk,
+    flip_payload_bit,
     to_encoded,
     to_wire,
     values_per_chunk,
 )
 from isthmus.inter.codecs import Codec
+from isthmus.inter.outbox import SendFailed, send_reliably
 from isthmus.inter.peer import Identity, PeerClient, PeerError, PeerServer
 from isthmus.inter.transport import TransportSettings
 from isthmus.proto import wire_pb2
@@ -167,6 +170,7 @@ class CrossSiteAllReduce:
         uplink_bytes_per_s: Mapping[str, float] | None = None,
         lane: int = 0,
         server: PeerServer | None = None,
+        corrupt_payloads: float = 0.0,
     ) -> None:
         """``peers``: site -> address of this rank's counterpart there. ``link_costs``
         (the same on every site: configured, or measured and sealed by the strategy)
@@ -175,7 +179,13 @@ class CrossSiteAllReduce:
         ``lane`` and ``server``: a rank that owns several lanes (see
         :mod:`isthmus.inter.lanes`) runs one engine per lane on one shared server,
         which hands each engine the chunks of its lane; ``peers`` are then the
-        lane's counterparts. Without ``server`` the engine runs its own."""
+        lane's counterparts. Without ``server`` the engine runs its own.
+
+        ``corrupt_payloads``: a fault for tests and the fault benchmark: this
+        fraction of outgoing chunks gets a bit flipped after its checksum was
+        computed (seeded by site, rank and lane). Receivers must refuse every one."""
+        if not 0.0 <= corrupt_payloads <= 1.0:
+            raise ValueError(f"corrupt_payloads must be in [0, 1], got {corrupt_payloads}")
         self.link_costs = link_costs
         self.uplink_bytes_per_s = dict(uplink_bytes_per_s or {})
         self.last_algorithm: str | None = None
@@ -206,6 +216,12 @@ class CrossSiteAllReduce:
         self._residuals: dict[str, torch.Tensor] = {}
         """Error feedback: per vector (the caller's key), what the codec lost of this
         site's last contribution, added to the next one."""
+        self.resent_chunks = 0
+        """Chunks sent again: refused as corrupted, or unanswered when a stream broke."""
+        self.broken_streams = 0
+        self.corrupt_payloads = corrupt_payloads
+        self.corrupted_on_purpose = 0
+        self._faults = random.Random(f"{identity.site}/{identity.rank}/{lane}")
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         return await self.server.start(host, port)
@@ -335,29 +351,33 @@ class CrossSiteAllReduce:
         chunks: Iterable[wire_pb2.Chunk] | AsyncIterator[wire_pb2.Chunk],
         round: int,
     ) -> None:
+        """Deliver ``chunks`` to ``site``: a chunk refused as corrupted, or lost with a
+        broken stream, is sent again (:mod:`isthmus.inter.outbox`)."""
         try:
-            acks = await self.clients[site].exchange(self._counted(site, chunks))
-        except PeerError as exc:
+            delivery = await send_reliably(
+                self.clients[site],
+                chunks,
+                deadline_s=self.deadline_s,
+                wrap=functools.partial(self._on_the_wire, site),
+            )
+        except SendFailed as exc:
             raise RoundError(
                 site, f"round {round}: sending to site {site!r} failed: {exc}"
             ) from None
-        refused = [a for a in acks if not a.ok]
-        if refused:
-            raise RoundError(site, f"site {site!r} refused chunks: {refused[0].error.message}")
+        self.resent_chunks += delivery.resent_chunks
+        self.broken_streams += delivery.broken_streams
 
-    async def _counted(
-        self,
-        site: str,
-        chunks: Iterable[wire_pb2.Chunk] | AsyncIterator[wire_pb2.Chunk],
+    async def _on_the_wire(
+        self, site: str, chunks: AsyncIterator[wire_pb2.Chunk]
     ) -> AsyncIterator[wire_pb2.Chunk]:
-        if isinstance(chunks, AsyncIterator):
-            async for chunk in chunks:
-                self.bytes_sent_to[site] = self.bytes_sent_to.get(site, 0) + _payload_size(chunk)
-                yield chunk
-        else:
-            for chunk in chunks:
-                self.bytes_sent_to[site] = self.bytes_sent_to.get(site, 0) + _payload_size(chunk)
-                yield chunk
+        """Count what leaves for ``site``; with ``corrupt_payloads``, flip a bit of that
+        fraction of chunks after their checksum was computed (a fault for tests)."""
+        async for chunk in chunks:
+            self.bytes_sent_to[site] = self.bytes_sent_to.get(site, 0) + _payload_size(chunk)
+            if self.corrupt_payloads and self._faults.random() < self.corrupt_payloads:
+                chunk = flip_payload_bit(chunk, self._faults)
+                self.corrupted_on_purpose += 1
+            yield chunk
 
     async def _ring(
         self,

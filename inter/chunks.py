@@ -3,13 +3,15 @@
 Every chunk is encoded on its own (its own scales, its own lossless stage), so
 the sender encodes chunk k+1 while chunk k is on the wire and the receiver
 decodes chunk k while k+1 arrives. A chunk carries its position (``offset``,
-in values), a CRC-32 of its payload, and everything needed to decode it. A
+in values), a CRC-32 of its payload and fields, and everything needed to decode it. A
 chunk that fails verification is refused with the reason, never applied; the
 sender sends it again.
 """
 
 from __future__ import annotations
 
+import random
+import struct
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,8 +31,30 @@ class ChunkError(ValueError):
         self.code = code
 
 
-def checksum(payload: bytes | bytearray | memoryview) -> int:
-    return zlib.crc32(payload) & 0xFFFFFFFF
+_HEADER = struct.Struct("<QIIIQIQQIdQI")
+"""The numeric fields a chunk's checksum covers besides its payload, in field order."""
+
+
+def checksum(chunk: wire_pb2.Chunk, payload: bytes | bytearray | memoryview) -> int:
+    """CRC-32 of ``payload`` and of every other field of ``chunk`` (but the checksum):
+    a bit flipped in the offset or the codec would place or decode good bytes
+    wrongly, so the fields are as protected as the values."""
+    header = _HEADER.pack(
+        chunk.round,
+        chunk.shard,
+        chunk.index,
+        chunk.count,
+        chunk.elements,
+        chunk.block_size,
+        chunk.scales_bytes,
+        chunk.values_bytes,
+        chunk.element_bytes,
+        chunk.weight,
+        chunk.offset,
+        chunk.lane,
+    )
+    names = f"{chunk.codec}\0{chunk.dtype}".encode()
+    return zlib.crc32(names, zlib.crc32(header, zlib.crc32(payload))) & 0xFFFFFFFF
 
 
 def chunk_ranges(count: int, values_per_chunk: int) -> list[tuple[int, int]]:
@@ -86,7 +110,7 @@ def _message(
     lane: int = 0,
 ) -> wire_pb2.Chunk:
     meta = encoded.meta
-    return wire_pb2.Chunk(
+    chunk = wire_pb2.Chunk(
         round=round,
         shard=shard,
         index=index,
@@ -95,7 +119,6 @@ def _message(
         elements=encoded.count,
         dtype="float32",
         payload=bytes(encoded.payload),
-        checksum=checksum(encoded.payload),
         block_size=encoded.block_size,
         scales_bytes=meta.get("scales", 0),
         values_bytes=meta.get("values", 0),
@@ -104,6 +127,8 @@ def _message(
         offset=offset,
         lane=lane,
     )
+    chunk.checksum = checksum(chunk, encoded.payload)
+    return chunk
 
 
 def encode_chunks(
@@ -132,14 +157,28 @@ def encode_chunks(
         )
 
 
+def flip_payload_bit(chunk: wire_pb2.Chunk, rng: random.Random) -> wire_pb2.Chunk:
+    """A copy of ``chunk`` with one random bit of its payload flipped, the checksum
+    left as it was: corruption the receiver must catch (a fault for tests)."""
+    bad = wire_pb2.Chunk()
+    bad.CopyFrom(chunk)
+    payload = bytearray(chunk.payload)
+    if payload:
+        payload[rng.randrange(len(payload))] ^= 1 << rng.randrange(8)
+        bad.payload = bytes(payload)
+    else:
+        bad.checksum ^= 1 << rng.randrange(32)
+    return bad
+
+
 def verify(chunk: wire_pb2.Chunk, payload: bytes) -> Codec:
     """Raise :class:`ChunkError` if ``chunk`` must not be used; return its codec.
     ``payload`` is ``chunk.payload``, read once by the caller (each read copies)."""
-    if checksum(payload) != chunk.checksum:
+    if checksum(chunk, payload) != chunk.checksum:
         raise ChunkError(
             wire_pb2.CHECKSUM_MISMATCH,
             f"chunk {chunk.index}/{chunk.count} of round {chunk.round} shard {chunk.shard}: "
-            "payload does not match its checksum (corrupted in transit); send it again",
+            "does not match its checksum (corrupted in transit); send it again",
         )
     if chunk.dtype != "float32":
         raise ChunkError(wire_pb2.WRONG_SHAPE, f"dtype {chunk.dtype!r} is not float32")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +30,9 @@ from isthmus.proto import wire_pb2, wire_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+REFUSALS_KEPT = 100
+"""How many refusal reasons a service keeps for inspection (the counts are kept in full)."""
 SERVICE_NAME = "isthmus.wire.PeerService"
 # Who is calling Exchange: set by PeerClient, checked by the servicer.
 META_JOB, META_SITE, META_RANK = "isthmus-job", "isthmus-site", "isthmus-rank"
@@ -53,7 +56,26 @@ ChunkSink = Callable[[ReceivedChunk], Awaitable[None] | None]
 
 
 class PeerError(RuntimeError):
-    """A peer refused us or could not be reached; the message names the peer and why."""
+    """A peer refused us or could not be reached; the message names the peer and why.
+    ``transient``: the connection broke (reset, a garbled frame) rather than the peer
+    saying no or the deadline passing; the same call may well succeed again."""
+
+    def __init__(self, message: str, *, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
+
+
+_FINAL = frozenset(
+    {
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
+"""Codes that another try would get again. Every other code can come from a broken
+connection: a reset (UNAVAILABLE), a frame that no longer parses (INTERNAL), a
+garbled length prefix (RESOURCE_EXHAUSTED: "message larger than max")."""
 
 
 class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
@@ -72,8 +94,10 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
         self.on_chunk = on_chunk
         self.check_certificates = check_certificates
         """Under mutual TLS: a caller's certificate must name the site it claims."""
-        self.refused: list[str] = []
-        """Reasons of refused handshakes and chunks, newest last (for tests and metrics)."""
+        self.refused: deque[str] = deque(maxlen=REFUSALS_KEPT)
+        """Reasons of the latest refused handshakes and chunks, newest last."""
+        self.refusals: Counter[str] = Counter()
+        """How many refusals of each kind (the wire ErrorCode's name), ever."""
 
     def check_handshake(self, request: wire_pb2.Handshake) -> wire_pb2.Error | None:
         me = self.identity
@@ -114,7 +138,7 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
         )
         if error is not None:
             reply.error.CopyFrom(error)
-            self._refuse(f"handshake from {context.peer()}: {error.message}")
+            self._refuse(f"handshake from {context.peer()}: {error.message}", error.code)
         return reply
 
     async def Exchange(
@@ -150,7 +174,7 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
             if asyncio.iscoroutine(result):
                 await result
         except ChunkError as exc:
-            self._refuse(f"chunk from site {site!r} ({peer}): {exc}")
+            self._refuse(f"chunk from site {site!r} ({peer}): {exc}", exc.code)
             return _ack(chunk, wire_pb2.Error(code=exc.code, message=str(exc)))
         return _ack(chunk, None)
 
@@ -172,13 +196,26 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
         self._refuse(error.message)
         return error
 
-    def _refuse(self, reason: str) -> None:
+    def _refuse(self, reason: str, code: int = wire_pb2.WRONG_JOB) -> None:
         self.refused.append(reason)
-        log.warning("refused: %s", reason)
+        kind = wire_pb2.ErrorCode.Name(code)
+        self.refusals[kind] += 1
+        if code != wire_pb2.CHECKSUM_MISMATCH:
+            log.warning("refused: %s", reason)
+        elif self.refusals[kind] % 100 == 1:
+            # The sender sends such a chunk again, so it costs time, not data; a
+            # line per chunk would drown the log on a noisy link.
+            log.warning("refused: %s (%d corrupted chunks so far)", reason, self.refusals[kind])
 
 
 def _ack(chunk: wire_pb2.Chunk, error: wire_pb2.Error | None) -> wire_pb2.Ack:
-    ack = wire_pb2.Ack(round=chunk.round, shard=chunk.shard, index=chunk.index, ok=error is None)
+    ack = wire_pb2.Ack(
+        round=chunk.round,
+        shard=chunk.shard,
+        index=chunk.index,
+        ok=error is None,
+        checksum=chunk.checksum,
+    )
     if error is not None:
         ack.error.CopyFrom(error)
     return ack
@@ -287,19 +324,34 @@ class PeerClient:
         self.address = address
         self.deadline_s = deadline_s
         self.settings = settings or TransportSettings()
+        if self.settings.tls is not None and peer_site is None:
+            raise ValueError("a TLS session needs the peer's site name (peer_site=)")
+        self.peer_site = peer_site
+        self.channel, self.stub = self._open()
+        self.peer: tuple[str, int] | None = None
+        self.reconnects = 0
+
+    def _open(self) -> tuple[grpc.aio.Channel, wire_pb2_grpc.PeerServiceStub]:
         options = self.settings.channel_options()
         tls = self.settings.tls
         if tls is None:
-            self.channel = grpc.aio.insecure_channel(address, options=options)
+            channel = grpc.aio.insecure_channel(self.address, options=options)
         else:
-            if peer_site is None:
-                raise ValueError("a TLS session needs the peer's site name (peer_site=)")
-            options += tls.channel_options(peer_site)
-            self.channel = grpc.aio.secure_channel(
-                address, tls.channel_credentials(), options=options
+            assert self.peer_site is not None
+            options += tls.channel_options(self.peer_site)
+            channel = grpc.aio.secure_channel(
+                self.address, tls.channel_credentials(), options=options
             )
-        self.stub = wire_pb2_grpc.PeerServiceStub(self.channel)
-        self.peer: tuple[str, int] | None = None
+        return channel, wire_pb2_grpc.PeerServiceStub(channel)
+
+    async def reconnect(self) -> None:
+        """Drop the connection and dial a new one: for a connection that stalls
+        without failing (a garbled frame can leave both ends waiting). Calls in
+        flight on the old one fail and are retried by their senders."""
+        old = self.channel
+        self.channel, self.stub = self._open()
+        self.reconnects += 1
+        await old.close()
 
     async def hello(self) -> wire_pb2.HandshakeReply:
         me = self.identity
@@ -321,24 +373,59 @@ class PeerClient:
         return reply
 
     async def exchange(
-        self, chunks: Iterable[wire_pb2.Chunk] | AsyncIterator[wire_pb2.Chunk]
+        self,
+        chunks: Iterable[wire_pb2.Chunk] | AsyncIterator[wire_pb2.Chunk],
+        *,
+        on_ack: Callable[[wire_pb2.Ack], None] | None = None,
+        timeout_s: float | None = None,
+        wait_for_ready: bool = False,
     ) -> list[wire_pb2.Ack]:
         """Send ``chunks`` on one stream, as they come; return the peer's acknowledgement
-        of each. An async iterator lets the caller encode chunk k+1 while k is sent."""
+        of each, and hand each to ``on_ack`` as it arrives. An async iterator lets the
+        caller encode chunk k+1 while k is sent. ``timeout_s``: for this stream
+        (default: the session's deadline); ``wait_for_ready``: wait for a broken
+        connection to come back instead of failing at once."""
         me = self.identity
         metadata = ((META_JOB, me.job), (META_SITE, me.site), (META_RANK, str(me.rank)))
         requests = chunks if hasattr(chunks, "__aiter__") else iter(chunks)
+        timeout = self.deadline_s if timeout_s is None else timeout_s
+        acks: list[wire_pb2.Ack] = []
         try:
-            call = self.stub.Exchange(requests, timeout=self.deadline_s, metadata=metadata)
-            return [ack async for ack in call]
+            call = self.stub.Exchange(
+                requests, timeout=timeout, metadata=metadata, wait_for_ready=wait_for_ready
+            )
+            async for ack in call:
+                if ack is None:  # how gRPC hands on an answer that does not parse
+                    call.cancel()
+                    raise PeerError(
+                        f"peer {self.address} sent an answer that does not parse "
+                        "(garbled on the way)",
+                        transient=True,
+                    )
+                acks.append(ack)
+                if on_ack is not None:
+                    on_ack(ack)
         except grpc.aio.AioRpcError as exc:
-            raise PeerError(self._describe(exc)) from None
+            raise PeerError(
+                self._describe(exc, timeout), transient=exc.code() not in _FINAL
+            ) from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # we are being cancelled
+            # gRPC reports a call on a channel that was closed under it (another
+            # sender to this peer redialled: see reconnect) as a cancellation.
+            raise PeerError(
+                f"the connection to {self.address} was replaced", transient=True
+            ) from None
+        return acks
 
-    def _describe(self, exc: grpc.aio.AioRpcError) -> str:
+    def _describe(self, exc: grpc.aio.AioRpcError, timeout_s: float | None = None) -> str:
         code = exc.code()
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return (
-                f"peer {self.address} did not answer within {self.deadline_s:g} s "
+                f"peer {self.address} did not answer within "
+                f"{self.deadline_s if timeout_s is None else timeout_s:g} s "
                 "(down, partitioned, or the address is wrong)"
             )
         if code == grpc.StatusCode.UNAVAILABLE:

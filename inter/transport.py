@@ -37,6 +37,13 @@ class TransportSettings:
     keepalive_timeout_s: float = 20.0
     """A ping unanswered this long marks the connection dead."""
 
+    stall_s: float = 30.0
+    """A stream with chunks out and no acknowledgement for this long is given up, its
+    connection dropped and redialled, and the chunks sent again. Longer than one
+    chunk takes to cross the slowest link behind a full queue; shorter than the
+    keepalive's detection (keepalive_s + keepalive_timeout_s), which a garbled
+    connection can also defeat."""
+
     tls: SiteTls | None = None
     """Mutual TLS with the job's CA (:mod:`isthmus.inter.tls`); None: plaintext, for
     emulated runs on one machine and networks the user already trusts."""
@@ -51,8 +58,8 @@ class TransportSettings:
             raise ValueError(
                 f"stream_window_bytes must be >= 65535, got {self.stream_window_bytes}"
             )
-        if self.keepalive_s <= 0 or self.keepalive_timeout_s <= 0:
-            raise ValueError("keepalive_s and keepalive_timeout_s must be > 0")
+        if self.keepalive_s <= 0 or self.keepalive_timeout_s <= 0 or self.stall_s <= 0:
+            raise ValueError("keepalive_s, keepalive_timeout_s and stall_s must be > 0")
 
     @property
     def max_message_bytes(self) -> int:

@@ -96,18 +96,20 @@ class Chunk(_message.Message):
     def __init__(self, round: _Optional[int] = ..., shard: _Optional[int] = ..., index: _Optional[int] = ..., count: _Optional[int] = ..., codec: _Optional[str] = ..., elements: _Optional[int] = ..., dtype: _Optional[str] = ..., payload: _Optional[bytes] = ..., checksum: _Optional[int] = ..., block_size: _Optional[int] = ..., scales_bytes: _Optional[int] = ..., values_bytes: _Optional[int] = ..., element_bytes: _Optional[int] = ..., weight: _Optional[float] = ..., offset: _Optional[int] = ..., lane: _Optional[int] = ...) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("round", "shard", "index", "ok", "error")
+    __slots__ = ("round", "shard", "index", "ok", "error", "checksum")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     round: int
     shard: int
     index: int
     ok: bool
     error: Error
-    def __init__(self, round: _Optional[int] = ..., shard: _Optional[int] = ..., index: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+    checksum: int
+    def __init__(self, round: _Optional[int] = ..., shard: _Optional[int] = ..., index: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("code", "message")

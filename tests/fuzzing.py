@@ -158,7 +158,7 @@ def chunk_messages(draw: st.DrawFn) -> wire_pb2.Chunk:
         lane=draw(st.one_of(st.integers(0, 4), U32)),
     )
     # Mostly a right checksum: otherwise nothing past the first check is reached.
-    chunk.checksum = checksum(payload) if draw(st.integers(0, 9)) else draw(U32)
+    chunk.checksum = checksum(chunk, payload) if draw(st.integers(0, 9)) else draw(U32)
     return chunk
 
 

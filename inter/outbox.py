@@ -1,0 +1,215 @@
+"""Reliable delivery of one call's chunks to one peer: resent until acknowledged.
+
+A chunk can fail on the way in two ways. The peer refuses it (its checksum
+does not match: corrupted between our encoder and its verifier), or the
+stream breaks (a connection reset, a garbled HTTP/2 frame) before the peer
+answered. Either way the chunk must arrive, once, unchanged, or the round
+fails naming the peer. :func:`send_reliably` keeps every chunk it sent until
+the peer acknowledges it and sends the unacknowledged ones again on a new
+stream: a refused chunk up to :data:`MAX_REFUSALS` times, a broken or stalled
+stream until the round's deadline. The chunks
+come from a lazy source (encoding overlaps sending), which is read exactly
+once: a resend never encodes again, so error feedback and the owner's
+"encode once" stay exact. The receiver drops a chunk it already placed, so a
+chunk whose acknowledgement was lost may arrive twice harmlessly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+
+from isthmus.inter.peer import PeerClient, PeerError
+from isthmus.proto import wire_pb2
+
+log = logging.getLogger(__name__)
+
+MAX_REFUSALS = 8
+"""Refusals of one chunk before it is given up: a checksum that fails this often is
+a sender that builds bad chunks, not a noisy link. Broken streams are retried until
+the deadline instead."""
+REFUSED_CALLS_BELIEVED = 3
+"""Times the peer must refuse a call (a wrong job, a denied certificate) before the
+refusal is taken as final rather than as a garbled header."""
+RETRY_PAUSE_S = 0.05
+"""Pause before the first retry, doubled on each further one."""
+
+Key = tuple[int, int, int]
+"""(round, shard, index): what an acknowledgement names."""
+
+
+@dataclass
+class Delivery:
+    """What it took to deliver one call's chunks."""
+
+    streams: int = 0
+    resent_chunks: int = 0
+    broken_streams: int = 0
+    """Streams that failed (a reset, a garbled frame) or stalled, and were replaced."""
+
+
+class SendFailed(Exception):
+    """The chunks could not be delivered; the message says why."""
+
+
+class _Outbox:
+    """The chunks of one call: pulled from their source once, kept until acknowledged."""
+
+    def __init__(self, chunks: Iterable[wire_pb2.Chunk] | AsyncIterator[wire_pb2.Chunk]) -> None:
+        self._source = chunks if isinstance(chunks, AsyncIterator) else _async(chunks)
+        self._fetch: asyncio.Future[wire_pb2.Chunk | None] | None = None
+        self.exhausted = False
+        self.unacked: dict[Key, wire_pb2.Chunk] = {}
+        self.refusals: dict[Key, int] = {}
+        self.last_refusal = ""
+        self.hopeless = False
+        """A chunk was refused MAX_REFUSALS times."""
+        self.last_progress = 0.0
+        """Loop time of the last acknowledgement (or of the stream's start)."""
+
+    async def stream(self) -> AsyncIterator[wire_pb2.Chunk]:
+        """The chunks not yet acknowledged, then the rest of the source."""
+        for chunk in list(self.unacked.values()):
+            yield chunk
+        while not self.exhausted:
+            chunk = await self._next()
+            if chunk is None:
+                return
+            self.unacked[_key(chunk)] = chunk
+            yield chunk
+
+    async def _next(self) -> wire_pb2.Chunk | None:
+        # gRPC cancels the task reading a stream's requests when the stream breaks;
+        # the shield keeps that from reaching (and killing) the source, so the next
+        # stream goes on where this one stopped.
+        if self._fetch is None:
+            self._fetch = asyncio.ensure_future(_first(self._source))
+        chunk = await asyncio.shield(self._fetch)
+        self._fetch = None
+        self.exhausted = chunk is None
+        return chunk
+
+    def acknowledge(self, ack: wire_pb2.Ack) -> None:
+        self.last_progress = asyncio.get_running_loop().time()
+        key = (ack.round, ack.shard, ack.index)
+        sent = self.unacked.get(key)
+        if sent is None or sent.checksum != ack.checksum:
+            return  # garbled on the way back, or a duplicate: the chunk stays due
+        if ack.ok:
+            del self.unacked[key]
+        else:
+            self.last_refusal = ack.error.message or "refused without a reason"
+            self.refusals[key] = self.refusals.get(key, 0) + 1
+            self.hopeless |= self.refusals[key] >= MAX_REFUSALS
+
+    def close(self) -> None:
+        if self._fetch is not None:
+            self._fetch.cancel()
+
+
+async def send_reliably(
+    client: PeerClient,
+    chunks: Iterable[wire_pb2.Chunk] | AsyncIterator[wire_pb2.Chunk],
+    *,
+    deadline_s: float,
+    wrap: Callable[[AsyncIterator[wire_pb2.Chunk]], AsyncIterator[wire_pb2.Chunk]] | None = None,
+) -> Delivery:
+    """Deliver ``chunks`` to ``client``'s peer, each acknowledged once, within
+    ``deadline_s``; raise :class:`SendFailed` otherwise. ``wrap``: applied to each
+    stream on its way out (byte counters, fault injection)."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + deadline_s
+    outbox = _Outbox(chunks)
+    delivery = Delivery()
+    call: asyncio.Future[object] | None = None
+    refused_calls = 0
+    try:
+        for attempt in itertools.count():
+            if attempt:
+                delivery.resent_chunks += len(outbox.unacked)
+            stream = outbox.stream()
+            delivery.streams += 1
+            call = asyncio.ensure_future(
+                client.exchange(
+                    wrap(stream) if wrap is not None else stream,
+                    on_ack=outbox.acknowledge,
+                    timeout_s=max(0.0, give_up - loop.time()),
+                    # After a break, wait for the connection to come back (within
+                    # the deadline) rather than fail on the first refused connect.
+                    wait_for_ready=attempt > 0,
+                )
+            )
+            try:
+                stalled = await _watch(call, outbox, client.settings.stall_s)
+            except PeerError as exc:
+                # A refusal of the call itself (not of a chunk) is final, but a
+                # garbled header can fake one: believe it the third time.
+                refused_calls += not exc.transient
+                if refused_calls >= REFUSED_CALLS_BELIEVED or loop.time() >= give_up:
+                    raise SendFailed(str(exc)) from None
+                delivery.broken_streams += 1
+                outbox.last_refusal = str(exc)
+                log.info("stream to %s broke (%s); sending the rest again", client.address, exc)
+                await asyncio.sleep(min(RETRY_PAUSE_S * 2**attempt, 1.0))
+                continue
+            if stalled:
+                delivery.broken_streams += 1
+                outbox.last_refusal = f"no acknowledgement for {client.settings.stall_s:g} s"
+                log.warning(
+                    "stream to %s stalled (%s); redialling and sending the rest again",
+                    client.address,
+                    outbox.last_refusal,
+                )
+                await client.reconnect()
+                continue
+            if outbox.exhausted and not outbox.unacked:
+                return delivery
+            if outbox.hopeless:
+                raise SendFailed(
+                    f"a chunk was refused {MAX_REFUSALS} times; last: {outbox.last_refusal}"
+                )
+            if loop.time() >= give_up:
+                raise SendFailed(
+                    f"{len(outbox.unacked)} chunks still not accepted after {deadline_s:g} s; "
+                    f"last: {outbox.last_refusal}"
+                )
+        raise AssertionError("unreachable")
+    finally:
+        if call is not None:
+            call.cancel()
+        outbox.close()
+
+
+async def _watch(call: asyncio.Future[object], outbox: _Outbox, stall_s: float) -> bool:
+    """Wait for ``call``; cancel it and return True if chunks are out and none was
+    acknowledged for ``stall_s``. Raises what the call raises."""
+    loop = asyncio.get_running_loop()
+    outbox.last_progress = loop.time()
+    while True:
+        done, _ = await asyncio.wait({call}, timeout=stall_s / 4)
+        if done:
+            call.result()
+            return False
+        if outbox.unacked and loop.time() - outbox.last_progress > stall_s:
+            call.cancel()
+            await asyncio.gather(call, return_exceptions=True)
+            return True
+
+
+async def _first(source: AsyncIterator[wire_pb2.Chunk]) -> wire_pb2.Chunk | None:
+    try:
+        return await anext(source)
+    except StopAsyncIteration:
+        return None
+
+
+async def _async(chunks: Iterable[wire_pb2.Chunk]) -> AsyncIterator[wire_pb2.Chunk]:
+    for chunk in chunks:
+        yield chunk
+
+
+def _key(chunk: wire_pb2.Chunk) -> Key:
+    return (chunk.round, chunk.shard, chunk.index)

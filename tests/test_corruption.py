@@ -1,0 +1,170 @@
+"""Corrupted chunks are refused, sent again, and never applied: payloads altered
+after their checksum, fields altered on the way, and bytes flipped by the
+emulator on a real link (which also garbles gRPC's own framing)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from isthmus.inter.allreduce import CrossSiteAllReduce
+from isthmus.inter.chunks import ChunkError, encode_chunks, flip_payload_bit, verify
+from isthmus.inter.codecs import parse_codec
+from isthmus.inter.peer import Identity
+from isthmus.inter.transport import TransportSettings
+from isthmus.proto import wire_pb2
+from isthmus.sim.emulator import BackgroundEmulator
+from isthmus.sim.link import LinkParams
+from isthmus.sim.topology import Site, Topology
+
+JOB = "corruption-test"
+SMALL_CHUNKS = TransportSettings(max_chunk_bytes=1024, stall_s=2.0)
+
+
+def _chunk() -> wire_pb2.Chunk:
+    values = torch.randn(1000)
+    return next(encode_chunks(parse_codec("int8"), values, round=3, shard=1, max_chunk_bytes=4096))
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("offset", 7), ("index", 1), ("round", 4), ("codec", "int4"), ("weight", 2.0), ("lane", 1)],
+)
+def test_a_chunk_whose_fields_changed_on_the_way_is_refused_as_corrupted(field, value):
+    chunk = _chunk()
+    verify(chunk, chunk.payload)  # intact: accepted
+    setattr(chunk, field, value)
+    with pytest.raises(ChunkError) as info:
+        verify(chunk, chunk.payload)
+    assert info.value.code == wire_pb2.CHECKSUM_MISMATCH
+
+
+def test_flip_payload_bit_changes_exactly_one_bit_and_keeps_the_checksum():
+    chunk = _chunk()
+    bad = flip_payload_bit(chunk, random.Random(1))
+    diff = [a ^ b for a, b in zip(chunk.payload, bad.payload, strict=True)]
+    assert sum(bin(d).count("1") for d in diff) == 1
+    assert bad.checksum == chunk.checksum
+    with pytest.raises(ChunkError):
+        verify(bad, bad.payload)
+
+
+async def _mesh(names, dial, **engine):
+    """Engines for ``names``; ``dial(src, dst, port)`` says where src reaches dst."""
+    members, ports = {}, {}
+    for name in names:
+        identity = Identity(job=JOB, site=name, rank=0, layout_fingerprint="L")
+        member = CrossSiteAllReduce(identity, {}, settings=SMALL_CHUNKS, deadline_s=60, **engine)
+        ports[name] = await member.start("127.0.0.1", 0)
+        members[name] = member
+    for name, member in members.items():
+        member.peers = {o: dial(name, o, ports[o]) for o in names if o != name}
+        member.server.servicer.sites = set(names)
+    return members
+
+
+async def _rounds(members, inputs, rounds):
+    names = sorted(members)
+    weights = {s: 1.0 for s in names}
+    results = []
+    for round in range(rounds):
+        outs = await asyncio.gather(
+            *[
+                members[s].allreduce(inputs[s], round=round, participants=names, weights=weights)
+                for s in names
+            ]
+        )
+        results.append(outs)
+    return results
+
+
+def _inputs(names, n=20_000):
+    generator = torch.Generator().manual_seed(5)
+    return {s: torch.randn(n, generator=generator) for s in names}
+
+
+def _clean_result(names, inputs):
+    async def main():
+        members = await _mesh(names, lambda src, dst, port: f"127.0.0.1:{port}")
+        for m in members.values():
+            await m.connect()
+        try:
+            return (await _rounds(members, inputs, 1))[0][0]
+        finally:
+            for m in members.values():
+                await m.close()
+
+    return asyncio.run(main())
+
+
+def test_payloads_corrupted_after_their_checksum_are_resent_and_never_applied():
+    names = ["a", "b", "c"]
+    inputs = _inputs(names)
+    expected = _clean_result(names, inputs)
+
+    async def main():
+        members = await _mesh(
+            names, lambda src, dst, port: f"127.0.0.1:{port}", corrupt_payloads=0.3
+        )
+        for m in members.values():
+            await m.connect()
+        try:
+            results = await _rounds(members, inputs, 3)
+        finally:
+            for m in members.values():
+                await m.close()
+        return results, members
+
+    results, members = asyncio.run(main())
+    for outs in results:
+        for out in outs:
+            assert torch.equal(out, expected)
+    corrupted = sum(m.corrupted_on_purpose for m in members.values())
+    refused = sum(m.server.servicer.refusals["CHECKSUM_MISMATCH"] for m in members.values())
+    resent = sum(m.resent_chunks for m in members.values())
+    assert corrupted > 100
+    assert refused == corrupted  # every corrupted chunk refused ...
+    assert resent == corrupted  # ... and sent again, once per refusal
+
+
+def test_an_all_reduce_survives_bytes_flipped_on_the_wire():
+    """The emulator flips bits in the TCP stream: some land in chunk payloads (refused
+    by checksum, sent again), some in gRPC's framing (the connection breaks, the
+    sender opens a new stream and sends what was not acknowledged)."""
+    names = ["a", "b"]
+    inputs = _inputs(names, 200_000)
+    expected = _clean_result(names, inputs)
+
+    async def main():
+        members = await _mesh(names, lambda src, dst, port: "")  # dialled once the WAN is up
+        topology = Topology.full_mesh(
+            [Site(name=n, listen=(("127.0.0.1", members[n].server.port),)) for n in names],
+            default=LinkParams.symmetric(corrupt=2e-5),
+            seed=3,
+        )
+        with BackgroundEmulator(topology) as wan:
+            for name, member in members.items():
+                member.peers = {
+                    o: "{}:{}".format(*wan.dial_address(name, o)) for o in names if o != name
+                }
+            try:
+                for m in members.values():
+                    await m.connect()
+                results = await _rounds(members, inputs, 4)
+            finally:
+                for m in members.values():
+                    await m.close()
+            return results, members, wan.stats()["links"]
+
+    results, members, links = asyncio.run(main())
+    for outs in results:
+        for out in outs:
+            assert torch.equal(out, expected)
+    refused = sum(m.server.servicer.refusals["CHECKSUM_MISMATCH"] for m in members.values())
+    broken = sum(m.broken_streams for m in members.values())
+    flipped = sum(d["corrupted_bytes"] for link in links for k, d in link.items() if "->" in k)
+    assert flipped > 0
+    assert refused + broken > 0
