@@ -4,7 +4,10 @@ It listens where the emulator's state file says its rank listens, dials its
 peers through the emulated links, runs ``--repeats`` all-reduces of a
 deterministic tensor and writes, as JSON, the seconds of each round, the
 data-plane bytes it sent, its error against a float64 reference and a digest of
-its result (identical on every site, or the engine is wrong).
+its result (identical on every site, or the engine is wrong), the digest of
+every round (the same tensor each time, so the same digest: a corrupted chunk
+that was applied would change one), and what faults cost: chunks refused,
+resent, streams broken.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from isthmus.deploy.addressing import load_state
 from isthmus.inter.allreduce import CrossSiteAllReduce
 from isthmus.inter.codecs import parse_codec
 from isthmus.inter.peer import Identity
+from isthmus.inter.transport import TransportSettings
 from isthmus.sim.cost import LinkCost
 
 
@@ -43,12 +47,15 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     identity = Identity(job=state["job"], site=me, rank=0)
     # Every link as configured: the same on every site, so "auto" agrees everywhere.
     cost = LinkCost.of(bandwidth_mbit=args.bandwidth_mbit, rtt_ms=args.rtt_ms)
+    settings = TransportSettings(max_chunk_bytes=int(args.chunk_kib * 1024), stall_s=args.stall_s)
     engine = CrossSiteAllReduce(
         identity,
         peers,
         codec=parse_codec(args.codec),
+        settings=settings,
         deadline_s=args.deadline_s,
         link_costs=lambda a, b: cost,
+        corrupt_payloads=args.corrupt_payloads,
     )
     await engine.start(host, int(port))
     count = int(args.size_mib * 2**20 / 4)
@@ -56,13 +63,14 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     try:
         await engine.connect()
         weights = {s: 1.0 for s in names}
-        seconds, sent = [], []
+        seconds, sent, digests = [], [], []
         out = tensor
         for round in range(args.repeats + 1):  # round 0 warms up connections and windows
             start = time.perf_counter()
             out = await engine.allreduce(
                 tensor, round=round, participants=names, weights=weights, algorithm=args.algorithm
             )
+            digests.append(_digest(out))
             if round:
                 seconds.append(time.perf_counter() - start)
                 assert engine.last is not None
@@ -76,8 +84,17 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "seconds": seconds,
         "bytes_sent": sent,
         "max_abs_error": error,
-        "digest": hashlib.sha256(out.numpy().tobytes()).hexdigest(),
+        "digest": _digest(out),
+        "round_digests": digests,
+        "refusals": dict(engine.server.servicer.refusals),
+        "resent_chunks": engine.resent_chunks,
+        "broken_streams": engine.broken_streams,
+        "corrupted_on_purpose": engine.corrupted_on_purpose,
     }
+
+
+def _digest(values: torch.Tensor) -> str:
+    return hashlib.sha256(values.numpy().tobytes()).hexdigest()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,6 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bandwidth-mbit", type=float, default=1000.0, help="the links, for auto")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--deadline-s", type=float, default=300.0)
+    parser.add_argument("--chunk-kib", type=float, default=4096, help="largest chunk")
+    parser.add_argument("--stall-s", type=float, default=30.0, help="see TransportSettings")
+    parser.add_argument(
+        "--corrupt-payloads",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="flip a bit in this fraction of outgoing chunks after their checksum (a fault)",
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     result = asyncio.run(run(args))

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,21 +36,34 @@ def bounds(*, sites: int, nbytes: float, rtt_ms: float, bandwidth_mbit: float) -
     return predict(nbytes, names, lambda a, b: cost)
 
 
-def run_allreduce_bench(
-    *,
+@dataclass
+class SiteRun:
+    """What the site processes of one emulated all-reduce run reported."""
+
+    results: list[dict[str, Any]]
+    """Each site's JSON (see :mod:`isthmus.deploy.allreduce_worker`), in site order."""
+    wire: dict[str, Any]
+    """The emulator's counters at the end."""
+    seconds: float
+    gloo: dict[str, Any] | None = None
+
+
+def run_sites(
     sites: int,
-    size_mib: float,
-    rtt_ms: float,
-    bandwidth_mbit: float,
-    codec: str,
-    repeats: int,
-    algorithm: str = "direct",
+    worker_flags: list[str],
+    *,
+    link: str,
     hosts: bool = False,
     vs_gloo: bool = False,
-    verbose: bool = True,
-) -> dict[str, Any]:
-    """With ``hosts`` every site runs in its own emulated host (packet backend, real
-    TCP); ``vs_gloo`` then also times Gloo's all-reduce across the same hosts."""
+    size_mib: float = 0.0,
+    repeats: int = 0,
+    announce: str | None = None,
+) -> SiteRun:
+    """Start ``isthmus wan up`` for ``sites`` sites joined by ``link`` (the job file's
+    link mapping, e.g. ``{rtt_ms: 50, corrupt: 1e-6}``), one all-reduce worker per
+    site with ``worker_flags``, and wait for them. With ``hosts`` every site runs in
+    its own emulated host (packet backend, real TCP); ``vs_gloo`` then also times
+    Gloo's all-reduce of ``size_mib`` across the same hosts."""
     gloo: dict[str, Any] | None = None
     with tempfile.TemporaryDirectory(prefix="isthmus-allreduce-") as tmp:
         tmpdir = Path(tmp)
@@ -64,20 +78,15 @@ def run_allreduce_bench(
                 f"  - {{name: {n}, address: '127.0.0.1:{p}'}}"
                 for n, (_, p) in zip(names, ports, strict=True)
             ]
-        lines += ["wan:", f"  default: {{rtt_ms: {rtt_ms}, bandwidth_mbit: {bandwidth_mbit}}}"]
+        lines += ["wan:", f"  default: {link}"]
         job.write_text("\n".join(lines) + "\n")
         state = tmpdir / "state.json"
         backend = ["--hosts"] if hosts else ["--stats-every", "0"]
         with wan_up(job, state, *backend):
             control = json.loads(state.read_text())["control"]
             host, port = control.rsplit(":", 1)
-            if verbose:
-                print(
-                    f"bench allreduce: {sites} sites, {size_mib:g} MiB, codec {codec}, "
-                    f"{rtt_ms:g} ms, {bandwidth_mbit:g} Mbit/s; {repeats} rounds after a warm-up",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            if announce:
+                print(announce, file=sys.stderr, flush=True)
             started = time.monotonic()
 
             def inside(site: str) -> list[str]:
@@ -94,18 +103,7 @@ def run_allreduce_bench(
                         str(state),
                         "--site",
                         name,
-                        "--size-mib",
-                        str(size_mib),
-                        "--codec",
-                        codec,
-                        "--algorithm",
-                        algorithm,
-                        "--rtt-ms",
-                        str(rtt_ms),
-                        "--bandwidth-mbit",
-                        str(bandwidth_mbit),
-                        "--repeats",
-                        str(repeats),
+                        *worker_flags,
                         "--out",
                         str(tmpdir / f"{name}.json"),
                     ]
@@ -115,15 +113,62 @@ def run_allreduce_bench(
             failed = [w.args for w in workers if w.wait(timeout=1800) != 0]
             if failed:
                 raise RuntimeError(f"a site process failed: {failed[0]}")
+            seconds = time.monotonic() - started
             wire = ControlClient((host, int(port))).stats()
             if vs_gloo:
-                if verbose:
-                    print("bench allreduce: Gloo on the same hosts", file=sys.stderr, flush=True)
+                print("bench allreduce: Gloo on the same hosts", file=sys.stderr, flush=True)
                 data = time_on_hosts(
                     job, json.loads(state.read_text()), names, size_mib=size_mib, repeats=repeats
                 )
                 gloo = {"median_s": statistics.median(data["seconds"]), "correct": data["ok"]}
         results = [json.loads((tmpdir / f"{n}.json").read_text()) for n in names]
+    return SiteRun(results, wire, seconds, gloo)
+
+
+def run_allreduce_bench(
+    *,
+    sites: int,
+    size_mib: float,
+    rtt_ms: float,
+    bandwidth_mbit: float,
+    codec: str,
+    repeats: int,
+    algorithm: str = "direct",
+    hosts: bool = False,
+    vs_gloo: bool = False,
+    verbose: bool = True,
+) -> dict[str, Any]:
+    """With ``hosts`` every site runs in its own emulated host (packet backend, real
+    TCP); ``vs_gloo`` then also times Gloo's all-reduce across the same hosts."""
+    run = run_sites(
+        sites,
+        [
+            "--size-mib",
+            str(size_mib),
+            "--codec",
+            codec,
+            "--algorithm",
+            algorithm,
+            "--rtt-ms",
+            str(rtt_ms),
+            "--bandwidth-mbit",
+            str(bandwidth_mbit),
+            "--repeats",
+            str(repeats),
+        ],
+        link=f"{{rtt_ms: {rtt_ms}, bandwidth_mbit: {bandwidth_mbit}}}",
+        hosts=hosts,
+        vs_gloo=vs_gloo,
+        size_mib=size_mib,
+        repeats=repeats,
+        announce=(
+            f"bench allreduce: {sites} sites, {size_mib:g} MiB, codec {codec}, "
+            f"{rtt_ms:g} ms, {bandwidth_mbit:g} Mbit/s; {repeats} rounds after a warm-up"
+        )
+        if verbose
+        else None,
+    )
+    results, wire, gloo = run.results, run.wire, run.gloo
     nbytes = size_mib * 2**20
     per_round = [max(r["seconds"][i] for r in results) for i in range(repeats)]
     median = statistics.median(per_round)
@@ -158,7 +203,7 @@ def run_allreduce_bench(
         "emulator_wire_bytes": int(wire_bytes),
         "max_abs_error": max(r["max_abs_error"] for r in results),
         "identical_on_all_sites": len({r["digest"] for r in results}) == 1,
-        "wall_seconds": round(time.monotonic() - started, 1),
+        "wall_seconds": round(run.seconds, 1),
         **extra,
     }
 

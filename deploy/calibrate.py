@@ -23,6 +23,8 @@ from pathlib import Path
 
 import yaml
 
+from isthmus.deploy.jobfile import load_yaml
+
 LOCKSTEP_EVERY = 10
 """Inner steps between the calibration run's rounds."""
 
@@ -30,7 +32,7 @@ LOCKSTEP_EVERY = 10
 def run_step_seconds(job_path: Path, *, steps: int = 50) -> float:
     """Median compute seconds per inner step in a short DiLoCo run of the job whose
     rounds keep the sites in step."""
-    raw = yaml.safe_load(job_path.read_text())
+    raw = load_yaml(job_path.read_text())
     raw["train"] = {**(raw.get("train") or {}), "steps": steps, "sync_every": LOCKSTEP_EVERY}
     raw["train"].update(strategy="diloco", codec="none")
     raw.pop("tune", None)  # never the online controller

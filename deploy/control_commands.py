@@ -9,10 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from isthmus.deploy.cli import UsageError, add_command
-from isthmus.deploy.jobfile import Job, load_job
+from isthmus.deploy.jobfile import Job, load_job, load_yaml
 from isthmus.inter.control import Broker, ControlPlane
 from isthmus.inter.control_topics import LIVE_SETTINGS, parse_config
 
@@ -87,7 +85,7 @@ def _parse_settings(pairs: list[str]) -> dict[str, Any]:
             raise UsageError(f"{pair!r}: write settings as key=value, e.g. sync_every=20")
         if key not in LIVE_SETTINGS:
             raise UsageError(f"{key}: not a live setting; use one of {', '.join(LIVE_SETTINGS)}")
-        settings[key] = yaml.safe_load(text)
+        settings[key] = load_yaml(text)
     return settings
 
 

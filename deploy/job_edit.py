@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml as pyyaml
 
-from isthmus.deploy.jobfile import parse_job
+from isthmus.deploy.jobfile import load_yaml, parse_job
 
 PLAIN_SCALAR = re.compile(r"[^\s,\]}#]+(?: +[^\s,\]}#]+)*")
 """A plain scalar's text in a flow or block context (no comment, no separator)."""
@@ -42,7 +42,7 @@ def set_train_keys(path: Path, settings: dict[str, Any]) -> str:
 def edit_train_keys(text: str, settings: dict[str, Any]) -> str:
     for key, value in settings.items():
         text = _set_one(text, key, _scalar(value))
-        train = (pyyaml.safe_load(text) or {}).get("train") or {}
+        train = (load_yaml(text) or {}).get("train") or {}
         if train.get(key) != value:
             raise JobEditError(f"train.{key}: could not be set to {value!r} in place")
     return text

@@ -262,6 +262,23 @@ def _all_free(host: str, ports: set[int]) -> bool:
     return True
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML as people write numbers: PyYAML follows YAML 1.1, which reads ``1e-5``
+    (no dot) as a string; YAML 1.2 and everyone else read a float."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def load_yaml(text: str) -> Any:
+    """Parse YAML text (a job file, a ``key=value`` setting) as Isthmus reads it."""
+    return yaml.load(text, Loader=_Loader)
+
+
 def load_job(path: str | Path) -> Job:
     """Read and validate a job file; raise :class:`JobFileError` listing every problem."""
     path = Path(path)
@@ -276,8 +293,8 @@ def load_job(path: str | Path) -> Job:
 
 def parse_job(text: str, *, source: str = "<job>") -> Job:
     try:
-        data = yaml.safe_load(text)
-        lines = _line_map(yaml.compose(text))
+        data = load_yaml(text)
+        lines = _line_map(yaml.compose(text, Loader=_Loader))
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = mark.line + 1 if mark is not None else None

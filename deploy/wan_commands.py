@@ -14,12 +14,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from isthmus.deploy.addressing import AddressError, default_state_path, load_state
 from isthmus.deploy.cli import UsageError, add_command
 from isthmus.deploy.job_commands import describe_link
-from isthmus.deploy.jobfile import Job, load_job, parse_address
+from isthmus.deploy.jobfile import Job, load_job, load_yaml, parse_address
 from isthmus.sim.control import ControlClient, ControlError, ControlServer
 from isthmus.sim.emulator import BackgroundEmulator, Emulator
 from isthmus.sim.link import LinkConfigError, LinkParams
@@ -395,7 +393,7 @@ def _set(args: argparse.Namespace) -> int:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise UsageError(f"expected KEY=VALUE, got {item!r} (e.g. rtt_ms=120)")
-        changes[key] = yaml.safe_load(value)
+        changes[key] = load_yaml(value)
     client = _client(args)
     link = _control(lambda: client.set(args.site_a, args.site_b, source=args.source, **changes))
     print(f"link {args.site_a}<->{args.site_b}: {link['state']}, rtt {link['rtt_ms']:g} ms")

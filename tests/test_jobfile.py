@@ -82,6 +82,15 @@ def test_default_link_applies_to_every_pair_and_presets_resolve():
     assert topo.link_params("c", "a").rtt_ms == 105
 
 
+def test_numbers_in_exponent_form_without_a_dot_are_numbers():
+    # YAML 1.1 (PyYAML) would read 2e-6 as a string; people mean a number.
+    job = parse_job(
+        "name: x\nsites: [{name: a}, {name: b}]\nwan:\n  default: {corrupt: 2e-6, loss: 1E-3}\n"
+    )
+    params = job.topology({n: [("h", 1)] for n in "ab"}).link_params("a", "b").a_to_b
+    assert params.corrupt == 2e-6 and params.loss == 1e-3
+
+
 def test_egress_overrides_one_direction():
     job = parse_job(
         "name: x\nsites: [{name: a}, {name: b}]\n"
