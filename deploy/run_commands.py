@@ -15,6 +15,7 @@ from isthmus.deploy.run_launcher import (
     default_run_dir,
     prepare_run_dir,
     resolve_job,
+    resume_point,
 )
 from isthmus.deploy.run_records import write_json_atomic
 from isthmus.inter.settings import STRATEGIES
@@ -30,7 +31,14 @@ def register(commands: Any) -> None:
         help="train a job's sites on this machine through the emulated WAN, with live "
         "progress, summary.json and a report",
     )
-    run.add_argument("job", metavar="JOB.yaml", help="the job file")
+    run.add_argument("job", metavar="JOB.yaml", nargs="?", help="the job file")
+    run.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        type=Path,
+        help="go on with a stopped run from its sites' newest common checkpoint "
+        "(train.checkpoint_every), with the run's own job.yaml",
+    )
     run.add_argument(
         "--out",
         metavar="DIR",
@@ -64,6 +72,10 @@ def register(commands: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.resume is not None:
+        return _resume(args)
+    if args.job is None:
+        raise UsageError("JOB.yaml: name the job file to run (or --resume RUN_DIR)")
     if args.steps is not None and args.steps < 1:
         raise UsageError(f"--steps: must be an integer >= 1, got {args.steps}")
     if args.compare:
@@ -79,34 +91,62 @@ def _run(args: argparse.Namespace) -> int:
     return EXIT_CODES[summary["status"]]
 
 
-def run_job(job: Any, raw: dict[str, Any], run_dir: Path) -> dict[str, Any]:
-    """One run, start to report; prints progress and where the report is."""
+def _resume(args: argparse.Namespace) -> int:
+    if args.job is not None or args.compare or args.strategy or args.steps or args.out:
+        raise UsageError(
+            "--resume goes on with the run as it was started (its own job.yaml and "
+            "directory); drop JOB.yaml, --out, --strategy, --steps and --compare"
+        )
+    try:
+        job, raw, round = resume_point(args.resume)
+        summary = run_job(job, raw, args.resume, resume_round=round)
+    except RunError as exc:
+        raise UsageError(str(exc)) from None
+    return EXIT_CODES[summary["status"]]
+
+
+def run_job(
+    job: Any, raw: dict[str, Any], run_dir: Path, *, resume_round: int | None = None
+) -> dict[str, Any]:
+    """One run, start to report; prints progress and where the report is.
+    ``resume_round``: go on with a stopped run from that round's checkpoints."""
     from isthmus.deploy.run_progress import progress_for
     from isthmus.deploy.run_report import write_report
 
-    prepare_run_dir(run_dir)
+    if resume_round is None:
+        prepare_run_dir(run_dir)
+        what = "run"
+    else:
+        what = f"resuming after round {resume_round}:"
     print(
-        f"run {job.name}: {len(job.sites)} sites, {job.train.strategy}, {job.train.steps} steps "
-        f"-> {run_dir}",
+        f"{what} {job.name}: {len(job.sites)} sites, {job.train.strategy}, "
+        f"{job.train.steps} steps -> {run_dir}",
         flush=True,
     )
     progress = progress_for(sys.stdout)
     with progress:
-        summary = execute_run(job, raw, run_dir, on_update=progress.update)
+        summary = execute_run(
+            job, raw, run_dir, on_update=progress.update, resume_round=resume_round
+        )
     report = write_report(run_dir)
     _print_outcome(summary, report)
     return summary
 
 
 def execute_run(
-    job: Any, raw: dict[str, Any], run_dir: Path, *, on_update: Any = None
+    job: Any,
+    raw: dict[str, Any],
+    run_dir: Path,
+    *,
+    on_update: Any = None,
+    resume_round: int | None = None,
 ) -> dict[str, Any]:
     """Launch, follow and stop one run in a prepared directory; write its TensorBoard
     events and summary.json and return the summary. Prints nothing."""
     from isthmus.deploy.run_summary import build_summary
     from isthmus.deploy.run_tensorboard import TensorBoardWriter
 
-    launcher = Launcher(job, raw, run_dir, on_update=on_update)
+    launcher = Launcher(job, raw, run_dir, on_update=on_update, resume_round=resume_round)
     launcher.tensorboard = TensorBoardWriter(run_dir / "tensorboard", [s.name for s in job.sites])
     try:
         launcher.start()

@@ -32,9 +32,10 @@ from typing import IO, Any
 import yaml
 
 from isthmus.deploy.addressing import load_state
-from isthmus.deploy.jobfile import Job, free_port_blocks, load_job, parse_job
+from isthmus.deploy.jobfile import Job, free_port_blocks, load_job, load_yaml, parse_job
 from isthmus.deploy.run_records import RecordTail, write_json_atomic
 from isthmus.inter.settings import SettingError
+from isthmus.intra.checkpoint import checkpoint_number, complete_checkpoints
 from isthmus.intra.launch import free_port, rank_environment
 from isthmus.intra.plugins import load_callable
 
@@ -151,6 +152,39 @@ def resolve_job(
     return resolved, raw
 
 
+def resume_point(run_dir: Path) -> tuple[Job, dict[str, Any], int]:
+    """The job of a stopped run and the newest round every site has a complete
+    checkpoint of (a site killed while writing its newest has the one before)."""
+    job_path = run_dir / "job.yaml"
+    if not job_path.is_file():
+        raise RunError(f"--resume: {run_dir} is not a run directory (no job.yaml)")
+    summary_path = run_dir / "summary.json"
+    if summary_path.is_file():
+        try:
+            status = json.loads(summary_path.read_text()).get("status")
+        except ValueError:
+            status = None
+        if status == "finished":
+            raise RunError(f"--resume: the run in {run_dir} finished; nothing to go on with")
+    job = load_job(job_path)
+    raw = load_yaml(job_path.read_text())
+    rounds: set[int] | None = None
+    for site in job.sites:
+        found = {
+            checkpoint_number(p)
+            for p in complete_checkpoints(run_dir / "checkpoints" / site.name, "round")
+        }
+        rounds = found if rounds is None else rounds & found
+    if not rounds:
+        hint = (
+            "the run had train.checkpoint_every: 0 (no checkpoints); set it to resume runs"
+            if not job.train.checkpoint_every
+            else "it stopped before every site had written its first checkpoint"
+        )
+        raise RunError(f"--resume: no checkpoint that every site has in {run_dir}: {hint}")
+    return job, raw, max(rounds)
+
+
 def default_run_dir(job: Job, strategy: str) -> Path:
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     return Path("runs") / f"{job.name}-{strategy}-{stamp}"
@@ -180,8 +214,10 @@ class Launcher:
         run_dir: Path,
         *,
         on_update: Callable[[RunState], None] | None = None,
+        resume_round: int | None = None,
     ) -> None:
         self.job = job
+        self.resume_round = resume_round
         self.raw = raw
         self.run_dir = run_dir
         self.on_update = on_update
@@ -195,8 +231,12 @@ class Launcher:
         self.emulator_control: Any = None
         self.broker: Any = None
         self._control_state: Path | None = None
+        # A resumed run follows only what its sites write from now on.
         self._tails = {
-            s.name: RecordTail(run_dir / "sites" / s.name / "metrics.jsonl") for s in job.sites
+            s.name: RecordTail(
+                run_dir / "sites" / s.name / "metrics.jsonl", from_end=resume_round is not None
+            )
+            for s in job.sites
         }
         self._metrics: IO[str] | None = None
         self._files: list[IO[Any]] = []
@@ -230,6 +270,8 @@ class Launcher:
             files = [log.open("ab") for log in logs]
             self._files += files
             command = [sys.executable, "-m", "isthmus.deploy.run_worker", str(run_dir), site.name]
+            if self.resume_round is not None:
+                command += ["--resume-round", str(self.resume_round)]
             state.procs = _launch(command, site.ranks, env, files)
             state.logs = logs
             state.started = time.time()

@@ -48,6 +48,8 @@ class RecordWriter:
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = path.open("a", encoding="utf-8")
+            if self._file.tell() and not _ends_with_newline(path):
+                self._file.write("\n")  # a resumed run after a kill mid-line
 
     def write(self, kind: str, **fields: Any) -> None:
         if self._file is None:
@@ -61,6 +63,12 @@ class RecordWriter:
             self._file.close()
 
 
+def _ends_with_newline(path: Path) -> bool:
+    with path.open("rb") as f:
+        f.seek(-1, 2)
+        return f.read(1) == b"\n"
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
@@ -71,9 +79,10 @@ class RecordTail:
     """Reads the records appended to a file since the last call (the file may
     not exist yet, and its last line may be half written)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, from_end: bool = False) -> None:
+        """``from_end``: only records appended after now (a resumed run)."""
         self.path = path
-        self._offset = 0
+        self._offset = path.stat().st_size if from_end and path.exists() else 0
         self._partial = b""
 
     def read(self) -> Iterator[dict[str, Any]]:

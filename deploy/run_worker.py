@@ -11,6 +11,9 @@ site appends telemetry to ``RUN_DIR/sites/SITE/metrics.jsonl`` (the record
 kinds are in :mod:`isthmus.deploy.run_records`) and, at the end, writes
 ``result.json`` beside it; rank 0 of the job's first site also writes the
 final model, ``RUN_DIR/model.safetensors``. Files appear whole or not at all.
+With ``train.checkpoint_every``, every rank checkpoints after every that many
+rounds into ``RUN_DIR/checkpoints/SITE/round-N/``; ``--resume-round N`` (which
+``isthmus run --resume`` passes) goes on from there, bit for bit.
 Rank 0 is also the site's control-plane client (:mod:`isthmus.deploy.run_control`):
 status, metrics per round, live settings.
 """
@@ -18,6 +21,7 @@ status, metrics per round, live settings.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import signal
 import time
@@ -38,6 +42,7 @@ from isthmus.deploy.site_errors import run_site_main
 from isthmus.inter.join import SiteRuntime, start_site
 from isthmus.inter.settings import TrainSettings
 from isthmus.inter.strategies import AsyncDiLoCo, DiLoCo, Strategy, StreamingDiLoCo, Sync
+from isthmus.intra.checkpoint import checkpoint_path, load_checkpoint, load_extra, save_checkpoint
 from isthmus.intra.data import Dataset, ShardSpec, load_corpus
 from isthmus.intra.model import GPT, config_for, lm_loss
 from isthmus.intra.parallelize import GPT_PLAN, ModelPlan, SiteModel
@@ -119,7 +124,7 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise _Stop()
 
 
-def train(run_dir: Path, site_name: str) -> int:
+def train(run_dir: Path, site_name: str, resume_round: int | None = None) -> int:
     job = load_job(run_dir / "job.yaml")
     settings = job.train
     state_path = run_dir / "wan.json"
@@ -134,7 +139,9 @@ def train(run_dir: Path, site_name: str) -> int:
         host, port = site.addresses.listen[0]
         address = f"{host}:{port}"
         control = SiteControl(job, run_dir, site_name, site.rank, site.site.ranks, address)
-        return _train(job, settings, site, model, plan, loss_fn, records, control, run_dir)
+        return _train(
+            job, settings, site, model, plan, loss_fn, records, control, run_dir, resume_round
+        )
     finally:
         if control is not None:
             control.close()
@@ -152,16 +159,28 @@ def _train(
     records: RecordWriter,
     control: SiteControl,
     run_dir: Path,
+    resume_round: int | None = None,
 ) -> int:
     leader = site.rank == 0
     part = SiteModel(model, site.layout, site.rank, loss_fn=loss_fn, plan=plan)
     dataset = builtin_dataset(job, model)
-    batches = _batches(job, settings, site, dataset)
     held_out = held_out_batches(job, model, dataset)
+    optimizer = torch.optim.AdamW(part.parameters(), lr=learning_rate(settings, 0))
+    checkpoints = run_dir / "checkpoints" / site.name
+    resumed: dict[str, Any] = {}
+    if resume_round is not None:
+        path = checkpoint_path(checkpoints, resume_round, "round")
+        load_checkpoint(path, part.model, optimizer)
+        resumed = load_extra(path)
+        settings = dataclasses.replace(settings, **resumed["settings"])
+    start_step = int(resumed.get("step", 0))
+    batches = _batches(job, settings, site, dataset, start_step)
     first = next(batches)
     tokens_per_step = first[1].numel()
-    optimizer = torch.optim.AdamW(part.parameters(), lr=learning_rate(settings, 0))
     strategy = build_strategy(settings, site, part.model, optimizer, tokens_per_step)
+    if resumed:
+        strategy.load_state_dict(resumed["strategy"])
+        torch.set_rng_state(resumed["rng"])
     # Replicas in a site average their gradients over the fast fabric before every
     # inner step; FSDP does it itself, and Sync includes it in its exchange.
     replicas = site.dp_group if (site.layout.dp > 1 and not part.sharded) else None
@@ -170,17 +189,19 @@ def _train(
         "state", state=kind if start else "computing"
     )
     records.write("start", ranks=site.site.ranks, strategy=settings.strategy, steps=settings.steps)
+    if resumed:
+        records.write("resume", round=resume_round, step=start_step)
 
-    tokens = 0
-    compute_s = 0.0
+    tokens = int(resumed.get("tokens", 0))
+    compute_s = float(resumed.get("compute_s", 0.0))
     loss = float("nan")
-    train_started = time.time()
-    outer_seen = 0
-    round_started, round_tokens, waiting_s, blocked_s = time.perf_counter(), 0, 0.0, 0.0
-    round_compute_s, round_step = 0.0, 0
-    steps_done = 0
-    for step in range(settings.steps):
-        x, y = first if step == 0 else next(batches)
+    train_started = time.time() - float(resumed.get("wall_s", 0.0))
+    outer_seen = strategy.outer_steps
+    round_started, round_tokens, waiting_s, blocked_s = time.perf_counter(), tokens, 0.0, 0.0
+    round_compute_s, round_step = compute_s, start_step
+    steps_done = start_step
+    for step in range(start_step, settings.steps):
+        x, y = first if step == start_step else next(batches)
         step_started = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(settings, step)
@@ -254,6 +275,31 @@ def _train(
         steps_done = step + 1
         if getattr(strategy, "training_over", False):
             break  # time-budgeted rounds: a site has finished, so has everyone
+        if (
+            round_ended
+            and settings.checkpoint_every
+            and outer_seen % settings.checkpoint_every == 0
+        ):
+            saved = time.perf_counter()
+            extra = {
+                "strategy": strategy.state_dict(),
+                "rng": torch.get_rng_state(),
+                "settings": settings.to_dict(),
+                "step": step + 1,
+                "tokens": tokens,
+                "compute_s": compute_s,
+                "wall_s": time.time() - train_started,
+            }
+            path = save_checkpoint(
+                checkpoints, outer_seen, part.model, optimizer, extra=extra, kind="round"
+            )
+            records.write(
+                "checkpoint",
+                round=outer_seen,
+                step=step + 1,
+                path=str(path.relative_to(run_dir)),
+                seconds=time.perf_counter() - saved,
+            )
 
     # Every run ends with a final synchronisation: the same model on every site.
     records.write("state", state="syncing")
@@ -292,14 +338,17 @@ def _train(
 
 
 def _batches(
-    job: Job, settings: TrainSettings, site: SiteRuntime, dataset: Dataset | None
+    job: Job, settings: TrainSettings, site: SiteRuntime, dataset: Dataset | None, start: int = 0
 ) -> Iterator[Batch]:
+    """This rank's training batches from batch ``start`` on (a resumed run: a user's
+    data function is read from its beginning and the batches before ``start`` dropped,
+    so it must yield the same batches every time, as the built-in data does)."""
     if dataset is not None:
         dps = tuple(s.layout.dp for s in job.sites)
         shard = ShardSpec(site.site_index, dps, site.dp_rank, seed=job.seed)
-        return dataset.batches(shard, settings.batch_size)
+        return dataset.batches(shard, settings.batch_size, start=start)
     context = data_context(job, site.site_index, site.dp_rank, settings.batch_size)
-    return iter(load_callable(job.data, "data")(context))
+    return itertools.islice(load_callable(job.data, "data")(context), start, None)
 
 
 def data_context(
@@ -404,10 +453,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m isthmus.deploy.run_worker")
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("site")
+    parser.add_argument(
+        "--resume-round", type=int, help="go on from the sites' checkpoint after this round"
+    )
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        return train(args.run_dir, args.site)
+        return train(args.run_dir, args.site, args.resume_round)
     except _Stop:
         return 143
 

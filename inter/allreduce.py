@@ -226,6 +226,14 @@ class CrossSiteAllReduce:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         return await self.server.start(host, port)
 
+    def feedback_state(self) -> dict[str, torch.Tensor]:
+        """The error-feedback residuals, per vector: part of a checkpoint taken
+        between rounds (with a lossy codec, resuming without them would differ)."""
+        return {name: r.clone() for name, r in self._residuals.items()}
+
+    def load_feedback_state(self, residuals: Mapping[str, torch.Tensor]) -> None:
+        self._residuals = {name: r.clone() for name, r in residuals.items()}
+
     async def connect(self) -> None:
         """Open a session with every peer (handshake checks job, protocol, layout)."""
         for site, address in self.peers.items():

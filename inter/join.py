@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -72,6 +73,19 @@ class SiteRuntime:
         """The next round number: every site advances it identically."""
         self._round += 1
         return self._round
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint taken between rounds carries of the membership: the
+        round counter and the engines' error-feedback residuals (per lane)."""
+        return {
+            "round": self._round,
+            "feedback": {lane: e.feedback_state() for lane, e in self.endpoint.engines.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._round = int(state["round"])
+        for lane, residuals in state["feedback"].items():
+            self.endpoint.engines[lane].load_feedback_state(residuals)
 
     def set_codec(self, codec: Codec) -> None:
         """What this rank encodes from the next round on (receivers decode whatever

@@ -82,6 +82,12 @@ class TrainSettings:
     batch_size: int = 8
     """``isthmus run``: sequences per step, per data-parallel rank."""
 
+    checkpoint_every: int = 0
+    """``isthmus run``: checkpoint every site after every this many rounds (outer steps;
+    with ``sync``, steps), in ``RUN_DIR/checkpoints/``, so ``isthmus run --resume
+    RUN_DIR`` can go on after a stop. 0: no checkpoints. ``sync`` and ``diloco`` only
+    (the others have exchanges in flight at every step)."""
+
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise SettingError(
@@ -129,6 +135,22 @@ class TrainSettings:
                 "warmup_steps", f"must be an integer >= 0, got {self.warmup_steps!r}"
             )
         _positive_int("batch_size", self.batch_size)
+        if not (
+            isinstance(self.checkpoint_every, int)
+            and not isinstance(self.checkpoint_every, bool)
+            and self.checkpoint_every >= 0
+        ):
+            raise SettingError(
+                "checkpoint_every",
+                f"must be an integer >= 0 (rounds; 0: no checkpoints), got "
+                f"{self.checkpoint_every!r}",
+            )
+        if self.checkpoint_every and self.strategy not in ("sync", "diloco"):
+            raise SettingError(
+                "checkpoint_every",
+                f"checkpoints are taken between rounds, and strategy {self.strategy!r} has an "
+                "exchange in flight at every step; use sync or diloco, or checkpoint_every: 0",
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -159,6 +159,26 @@ class Strategy:
         self.wan_bytes_received += report.wan_bytes_received
         self.last_report = report
 
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state between rounds, for a checkpoint: counters, the round
+        number, error feedback and (DiLoCo) the outer optimizer. The model and the
+        inner optimizer are the caller's to checkpoint."""
+        return {
+            "inner_steps": self.inner_steps,
+            "outer_steps": self.outer_steps,
+            "wan_bytes_sent": self.wan_bytes_sent,
+            "wan_bytes_received": self.wan_bytes_received,
+            "site": self.site.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from :meth:`state_dict` (the same job, layout and strategy)."""
+        self.inner_steps = int(state["inner_steps"])
+        self.outer_steps = int(state["outer_steps"])
+        self.wan_bytes_sent = int(state["wan_bytes_sent"])
+        self.wan_bytes_received = int(state["wan_bytes_received"])
+        self.site.load_state_dict(state["site"])
+
     def close(self) -> None:
         """Unhook from the optimizer (the site stays joined)."""
         for hook in self._hooks:
@@ -333,6 +353,20 @@ class _LocalSteps(Strategy):
     def global_parameters(self) -> Sequence[torch.Tensor]:
         return self.outer.global_params
 
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "outer": self.outer.state_dict(),
+            "round_steps": self.round_steps,
+            "sync_every": self.sync_every,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.outer.load_state_dict(state["outer"])
+        self.round_steps = int(state["round_steps"])
+        self.sync_every = int(state["sync_every"])
+
 
 class DiLoCo(_LocalSteps):
     """Local SGD across sites (Douillard et al., 2023): ``sync_every`` inner steps,
@@ -429,6 +463,14 @@ class DiLoCo(_LocalSteps):
     def add_tokens(self, count: int) -> None:
         """Count tokens beyond ``tokens_per_step`` (batches of varying size)."""
         self._tokens += count
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "tokens": self._tokens}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._tokens = int(state["tokens"])
+        self._round_clock = time.perf_counter()
 
     def sync(self, *, last: bool = False) -> None:
         """Run one round now: seal, average the pseudo-gradients, outer step.
@@ -591,6 +633,12 @@ class StreamingDiLoCo(_LocalSteps):
         self._started_at = [0] * fragments
         """The inner step at which each fragment's last exchange started."""
 
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError(
+            "StreamingDiLoCo cannot be checkpointed yet: an exchange is in flight at every step, "
+            "so there is no point between rounds to save; use Sync or DiLoCo"
+        )
+
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.inner_steps += 1
         for due, fragment, deltas, pending in list(self._in_flight):
@@ -682,6 +730,12 @@ class AsyncDiLoCo(_LocalSteps):
             error_feedback=error_feedback,
         )
         self.weights = _static_weights(site, tokens_per_step)
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError(
+            "AsyncDiLoCo cannot be checkpointed yet: an exchange is in flight at every step, "
+            "so there is no point between rounds to save; use Sync or DiLoCo"
+        )
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.inner_steps += 1

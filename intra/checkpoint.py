@@ -3,11 +3,15 @@
 Each site checkpoints its own state (model and optimizer, in whatever layout
 it trains: FSDP shards, tensor-parallel pieces, pipeline stages) with
 ``torch.distributed.checkpoint``: every rank writes its part in parallel, and
-the checkpoint can be loaded by the same layout. A small ``meta.json`` (rank 0)
-records the step and what the caller adds (the round, tokens seen...); it is
-written last, so a checkpoint without it is incomplete and is never resumed.
+the checkpoint can be loaded by the same layout. What is not a model or an
+optimizer (a strategy's counters and outer state, RNG states: each rank's own)
+goes in a per-rank file beside them. A small ``meta.json`` (rank 0) records
+the number and what the caller adds; it is written last, after every rank has
+written its part, so a checkpoint without it is incomplete (a kill mid-write)
+and is never resumed: the previous one stays usable.
 
-Layout on disk: ``DIR/step-000012/`` with DCP's files and ``meta.json``;
+Layout on disk: ``DIR/step-000012/`` (or ``round-...``: the caller names what it
+counts) with DCP's files, ``rank-<r>.pt`` and ``meta.json``;
 :func:`latest_checkpoint` finds the newest complete one.
 """
 
@@ -20,6 +24,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -27,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.optim import Optimizer
 
 META = "meta.json"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+_NUMBERED = re.compile(r"^([a-z]+)-(\d+)$")
 
 
 def _rank() -> int:
@@ -39,6 +44,10 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def checkpoint_path(folder: str | Path, number: int, kind: str = "step") -> Path:
+    return Path(folder) / f"{kind}-{number:06d}"
+
+
 def save_checkpoint(
     folder: str | Path,
     step: int,
@@ -46,45 +55,63 @@ def save_checkpoint(
     optimizer: Optimizer,
     *,
     meta: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
     keep: int = 2,
+    kind: str = "step",
 ) -> Path:
-    """Write the state after ``step`` steps; keep the newest ``keep`` checkpoints.
-    Every rank of the site calls it."""
-    path = Path(folder) / f"step-{step:06d}"
+    """Write the state after ``step`` steps (or rounds: ``kind``); keep the newest
+    ``keep`` checkpoints. Every rank of the site calls it. ``extra``: this rank's
+    other state (tensors and plain values), returned by :func:`load_extra`."""
+    path = checkpoint_path(folder, step, kind)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(path))
-    _barrier()
+    if extra is not None:
+        target = path / f"rank-{_rank()}.pt"
+        tmp = target.with_name(f".{target.name}.tmp")
+        torch.save(extra, tmp)
+        os.replace(tmp, target)
+    _barrier()  # every rank's part is on disk: only now may the checkpoint count
     if _rank() == 0:
-        record = {"step": step, **(meta or {})}
+        record = {kind: step, **(meta or {})}
         tmp = path / f".{META}.tmp"
         tmp.write_text(json.dumps(record))
         os.replace(tmp, path / META)
-        for old in _complete(Path(folder))[:-keep]:
+        for old in complete_checkpoints(Path(folder), kind)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return path
 
 
-def latest_checkpoint(folder: str | Path) -> Path | None:
+def latest_checkpoint(folder: str | Path, kind: str = "step") -> Path | None:
     """The newest complete checkpoint under ``folder``, or None."""
-    complete = _complete(Path(folder))
+    complete = complete_checkpoints(Path(folder), kind)
     return complete[-1] if complete else None
 
 
-def _complete(folder: Path) -> list[Path]:
+def complete_checkpoints(folder: str | Path, kind: str = "step") -> list[Path]:
+    """The complete checkpoints under ``folder``, oldest first."""
+    folder = Path(folder)
     if not folder.is_dir():
         return []
     found = [
-        (int(m.group(1)), p)
+        (int(m.group(2)), p)
         for p in folder.iterdir()
-        if (m := _STEP_DIR.match(p.name)) and (p / META).is_file()
+        if (m := _NUMBERED.match(p.name)) and m.group(1) == kind and (p / META).is_file()
     ]
     return [p for _, p in sorted(found)]
 
 
+def checkpoint_number(path: Path) -> int:
+    """The step or round a checkpoint directory is named after."""
+    m = _NUMBERED.match(path.name)
+    if m is None:
+        raise ValueError(f"{path}: not a checkpoint directory (kind-NNNNNN)")
+    return int(m.group(2))
+
+
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
     """Load ``path`` into ``model`` and ``optimizer`` (same layout as when saved);
-    return its meta (``step`` and what the caller recorded)."""
+    return its meta (the step or round, and what the caller recorded)."""
     path = Path(path)
     meta_path = path / META
     if not meta_path.is_file():
@@ -99,3 +126,11 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Optimizer) ->
         optim_state_dict=state["optimizer"],
     )
     return json.loads(meta_path.read_text())
+
+
+def load_extra(path: str | Path) -> dict[str, Any]:
+    """This rank's ``extra`` state of the checkpoint at ``path``."""
+    target = Path(path) / f"rank-{_rank()}.pt"
+    if not target.is_file():
+        raise FileNotFoundError(f"{target}: this rank's state is missing from the checkpoint")
+    return torch.load(target, weights_only=True)

@@ -163,21 +163,27 @@ class Dataset:
         return order[spec.rank_index :: spec.rank_count]
 
     def batches(
-        self, spec: ShardSpec, batch_size: int, *, epoch: int = 0
+        self, spec: ShardSpec, batch_size: int, *, epoch: int = 0, start: int = 0
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Endless ``(inputs, targets)`` batches of one shard, reshuffled every epoch."""
+        """Endless ``(inputs, targets)`` batches of one shard, reshuffled every epoch.
+        ``start``: skip that many batches (where a resumed run left off), without
+        building them."""
         windows = self.shard_windows(spec)
         if windows.numel() < batch_size:
             raise ValueError(
                 f"data: a shard holds {windows.numel()} windows, fewer than the batch size "
                 f"{batch_size}; use a larger corpus, fewer ranks or a smaller batch"
             )
+        per_epoch = windows.numel() // batch_size
+        epoch += start // per_epoch
+        first = start % per_epoch
         while True:
             generator = _generator(spec.seed, 1000 + epoch, spec.site_index, spec.rank_index)
             order = windows[torch.randperm(windows.numel(), generator=generator)]
-            for b in range(0, order.numel() - batch_size + 1, batch_size):
+            for b in range(first * batch_size, order.numel() - batch_size + 1, batch_size):
                 yield self._stack(order[b : b + batch_size] * self.seq_len)
             epoch += 1
+            first = 0
 
     def eval_batches(
         self, batch_size: int, max_batches: int | None = None

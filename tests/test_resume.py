@@ -1,0 +1,169 @@
+"""Checkpoints and ``isthmus run --resume``: a kill mid-write leaves the previous
+checkpoint usable, and a stopped run goes on to the same parameters, bit for bit,
+as a run that was never stopped."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_run import explain, isthmus, start_run, write_job
+
+from isthmus.intra.checkpoint import (
+    complete_checkpoints,
+    latest_checkpoint,
+    load_checkpoint,
+    load_extra,
+)
+
+# Saves round 1, then dies (SIGKILL, no cleanup) while writing round 2: after
+# DCP wrote its files, before the checkpoint's metadata.
+_KILLED_WRITER = """
+import os, signal, sys
+import torch
+import torch.distributed.checkpoint as dcp
+from isthmus.intra import checkpoint
+
+folder = sys.argv[1]
+torch.manual_seed(0)
+model = torch.nn.Linear(64, 64)
+optimizer = torch.optim.AdamW(model.parameters())
+model(torch.randn(4, 64)).sum().backward()
+optimizer.step()
+checkpoint.save_checkpoint(folder, 1, model, optimizer, extra={"x": torch.ones(3)}, kind="round")
+torch.save(model.state_dict(), os.path.join(folder, "round1.pt"))
+with torch.no_grad():
+    model.weight.add_(1.0)
+save = dcp.save
+
+def save_then_die(*args, **kwargs):
+    save(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+checkpoint.dcp.save = save_then_die
+checkpoint.save_checkpoint(folder, 2, model, optimizer, extra={"x": torch.zeros(3)}, kind="round")
+"""
+
+
+def test_a_kill_mid_write_leaves_the_previous_checkpoint_usable(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-c", _KILLED_WRITER, str(tmp_path)], capture_output=True, timeout=120
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert (tmp_path / "round-000002").is_dir()  # written in part ...
+    assert not (tmp_path / "round-000002" / "meta.json").exists()  # ... never completed
+    assert complete_checkpoints(tmp_path, "round") == [tmp_path / "round-000001"]
+    latest = latest_checkpoint(tmp_path, "round")
+    assert latest == tmp_path / "round-000001"
+
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    meta = load_checkpoint(latest, model, optimizer)
+    assert meta["round"] == 1
+    saved = torch.load(tmp_path / "round1.pt")
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in saved.items())
+    assert optimizer.state_dict()["state"][0]["step"] == 1
+    assert torch.equal(load_extra(latest)["x"], torch.ones(3))
+
+
+RESUMABLE_JOB = """\
+name: resumable
+sites:
+  - {name: a, ranks: 1}
+  - {name: b, ranks: 2}
+wan:
+  default: {rtt_ms: 10, bandwidth_mbit: 500}
+train: {strategy: STRATEGY, steps: STEPS, sync_every: 4, warmup_steps: 2, codec: int8,
+        error_feedback: true, checkpoint_every: EVERY}
+"""
+
+
+def _job(tmp_path: Path, strategy: str, steps: int, every: int) -> Path:
+    text = RESUMABLE_JOB.replace("STRATEGY", strategy).replace("EVERY", str(every))
+    return write_job(tmp_path, steps=steps, text=text)
+
+
+def _wait_for_checkpoints(out: Path, sites: list[str], count: int, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(len(complete_checkpoints(out / "checkpoints" / s, "round")) >= count for s in sites):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no {count} checkpoints in {timeout} s:\n{explain(out)}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, every", [("diloco", 1), ("sync", 4)])
+def test_a_stopped_run_resumes_to_the_same_parameters_bit_for_bit(tmp_path, strategy, every):
+    # int8 with error feedback: the residuals must come back too, or the bits differ.
+    job = _job(tmp_path, strategy, steps=28, every=every)
+    whole = tmp_path / "whole"
+    done = isthmus("run", str(job), "--out", str(whole), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr + explain(whole)
+    expected = json.loads((whole / "summary.json").read_text())["sites"]
+
+    out = tmp_path / "stopped"
+    run = start_run(job, out)
+    _wait_for_checkpoints(out, ["a", "b"], 2)
+    run.send_signal(signal.SIGINT)
+    run.communicate(timeout=60)
+    assert json.loads((out / "summary.json").read_text())["status"] == "interrupted"
+    # keep=2: the newest two complete checkpoints of each site remain.
+    assert all(len(complete_checkpoints(out / "checkpoints" / s, "round")) == 2 for s in "ab")
+
+    resumed = isthmus("run", "--resume", str(out), cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr + explain(out)
+    assert "resuming after round" in resumed.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "finished"
+    for name, site in summary["sites"].items():
+        assert site["param_sha256"] == expected[name]["param_sha256"]
+        assert site["inner_steps"] == expected[name]["inner_steps"] == 28
+        assert site["outer_steps"] == expected[name]["outer_steps"]
+        assert site["tokens"] == expected[name]["tokens"]
+    records = [json.loads(line) for line in (out / "sites" / "a" / "metrics.jsonl").open()]
+    (resume,) = [r for r in records if r["kind"] == "resume"]
+    steps_after = [r["step"] for r in records[records.index(resume) :] if r["kind"] == "step"]
+    assert steps_after == list(range(resume["step"] + 1, 29))
+
+    again = isthmus("run", "--resume", str(out), cwd=tmp_path)
+    assert again.returncode == 2 and "finished; nothing to go on with" in again.stderr
+
+
+def test_resume_without_checkpoints_says_how_to_get_them(tmp_path):
+    job = _job(tmp_path, "diloco", steps=4, every=0)
+    out = tmp_path / "run"
+    assert isthmus("run", str(job), "--out", str(out), cwd=tmp_path).returncode == 0
+    (out / "summary.json").unlink()  # as if it had been killed
+    refused = isthmus("run", "--resume", str(out), cwd=tmp_path)
+    assert refused.returncode == 2
+    assert "train.checkpoint_every: 0" in refused.stderr
+    assert "set it to resume runs" in refused.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--resume", "nowhere"], "not a run directory (no job.yaml)"),
+        (["job.yaml", "--resume", "x"], "drop JOB.yaml"),
+        ([], "name the job file to run (or --resume RUN_DIR)"),
+    ],
+)
+def test_resume_refuses_bad_arguments_in_one_line(tmp_path, args, message):
+    refused = isthmus("run", *args, cwd=tmp_path)
+    assert refused.returncode == 2
+    assert message in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+
+def test_checkpoints_are_refused_for_strategies_with_exchanges_in_flight(tmp_path):
+    job = _job(tmp_path, "streaming", steps=4, every=2)
+    refused = isthmus("run", str(job), "--out", str(tmp_path / "r"), cwd=tmp_path)
+    assert refused.returncode == 2
+    assert "checkpoint_every" in refused.stderr and "use sync or diloco" in refused.stderr
