@@ -64,6 +64,7 @@ class _Outbox:
         self.exhausted = False
         self.unacked: dict[Key, wire_pb2.Chunk] = {}
         self.refusals: dict[Key, int] = {}
+        self.resent = 0
         self.last_refusal = ""
         self.hopeless = False
         """A chunk was refused MAX_REFUSALS times."""
@@ -73,6 +74,7 @@ class _Outbox:
     async def stream(self) -> AsyncIterator[wire_pb2.Chunk]:
         """The chunks not yet acknowledged, then the rest of the source."""
         for chunk in list(self.unacked.values()):
+            self.resent += 1  # counted as it leaves: a stream may break before
             yield chunk
         while not self.exhausted:
             chunk = await self._next()
@@ -128,8 +130,6 @@ async def send_reliably(
     refused_calls = 0
     try:
         for attempt in itertools.count():
-            if attempt:
-                delivery.resent_chunks += len(outbox.unacked)
             stream = outbox.stream()
             delivery.streams += 1
             call = asyncio.ensure_future(
@@ -152,20 +152,27 @@ async def send_reliably(
                     raise SendFailed(str(exc)) from None
                 delivery.broken_streams += 1
                 outbox.last_refusal = str(exc)
-                log.info("stream to %s broke (%s); sending the rest again", client.address, exc)
+                log.info(
+                    "stream to %s broke (%s); %d chunks to send again",
+                    client.address,
+                    exc,
+                    len(outbox.unacked),
+                )
                 await asyncio.sleep(min(RETRY_PAUSE_S * 2**attempt, 1.0))
                 continue
             if stalled:
                 delivery.broken_streams += 1
                 outbox.last_refusal = f"no acknowledgement for {client.settings.stall_s:g} s"
                 log.warning(
-                    "stream to %s stalled (%s); redialling and sending the rest again",
+                    "stream to %s stalled (%s); redialling, %d chunks to send again",
                     client.address,
                     outbox.last_refusal,
+                    len(outbox.unacked),
                 )
                 await client.reconnect()
                 continue
             if outbox.exhausted and not outbox.unacked:
+                delivery.resent_chunks = outbox.resent
                 return delivery
             if outbox.hopeless:
                 raise SendFailed(
