@@ -51,6 +51,10 @@ from isthmus.sim.cost import LinkLookup, choose
 
 log = logging.getLogger(__name__)
 
+MAX_ROUNDS_AHEAD = 16
+"""How many rounds past its own a rank holds chunks for. Peers are at most a round
+or two ahead (every round needs every participant); more is a peer out of step."""
+
 
 class RoundError(RuntimeError):
     """A round could not complete; ``site`` names the site at fault."""
@@ -119,6 +123,12 @@ class _Incoming:
         self.pending.clear()
 
     def add(self, chunk: ReceivedChunk) -> None:
+        if self.count is not None and chunk.count != self.count:
+            raise ChunkError(
+                wire_pb2.WRONG_SHAPE,
+                f"chunk {chunk.index} says the shard has {chunk.count} chunks, earlier "
+                f"chunks said {self.count}",
+            )
         if chunk.index in self.seen or self.error is not None:
             return  # a re-sent chunk already placed
         self.count = chunk.count
@@ -259,9 +269,19 @@ class CrossSiteAllReduce:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def receive(self, chunk: ReceivedChunk) -> None:
-        """Take a verified chunk of this engine's lane from the server."""
-        if chunk.round < self._floor():
+        """Take a verified chunk of this engine's lane from the server; raise
+        :class:`ChunkError` to refuse one that no round can use."""
+        floor = self._floor()
+        if chunk.round < floor:
             return  # a straggler of a round that is over: nobody waits for it
+        if chunk.round > floor + MAX_ROUNDS_AHEAD:
+            # Chunks of rounds not yet open are held until they open: bound how far
+            # ahead, so a peer out of step (or a bad round number) cannot fill memory.
+            raise ChunkError(
+                wire_pb2.STALE_ROUND,
+                f"chunk of round {chunk.round}, but this site is at round {floor}; more "
+                f"than {MAX_ROUNDS_AHEAD} rounds ahead, no round can use it",
+            )
         key = (chunk.round, chunk.shard, chunk.site)
         self._incoming.setdefault(key, _Incoming()).add(chunk)
 

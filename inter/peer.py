@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass, field
@@ -31,6 +33,8 @@ from isthmus.proto import wire_pb2, wire_pb2_grpc
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 2
+LOG_EVERY_S = 10.0
+"""Refusals of one kind are logged at most this often, with a count of the rest."""
 REFUSALS_KEPT = 100
 """How many refusal reasons a service keeps for inspection (the counts are kept in full)."""
 SERVICE_NAME = "isthmus.wire.PeerService"
@@ -98,6 +102,7 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
         """Reasons of the latest refused handshakes and chunks, newest last."""
         self.refusals: Counter[str] = Counter()
         """How many refusals of each kind (the wire ErrorCode's name), ever."""
+        self._last_logged: dict[str, tuple[float, int]] = {}
 
     def check_handshake(self, request: wire_pb2.Handshake) -> wire_pb2.Error | None:
         me = self.identity
@@ -200,12 +205,16 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
         self.refused.append(reason)
         kind = wire_pb2.ErrorCode.Name(code)
         self.refusals[kind] += 1
-        if code != wire_pb2.CHECKSUM_MISMATCH:
-            log.warning("refused: %s", reason)
-        elif self.refusals[kind] % 100 == 1:
-            # The sender sends such a chunk again, so it costs time, not data; a
-            # line per chunk would drown the log on a noisy link.
-            log.warning("refused: %s (%d corrupted chunks so far)", reason, self.refusals[kind])
+        # One line per kind every LOG_EVERY_S at most: a noisy link or a peer that
+        # keeps calling must not drown the log (the counts stay exact).
+        now = time.monotonic()
+        last, unlogged = self._last_logged.get(kind, (-math.inf, 0))
+        if now - last < LOG_EVERY_S:
+            self._last_logged[kind] = (last, unlogged + 1)
+            return
+        self._last_logged[kind] = (now, 0)
+        more = f" (and {unlogged} more like it since the last such line)" if unlogged else ""
+        log.warning("refused: %s%s", reason, more)
 
 
 def _ack(chunk: wire_pb2.Chunk, error: wire_pb2.Error | None) -> wire_pb2.Ack:

@@ -394,3 +394,31 @@ def test_error_feedback_carries_what_the_codec_lost_into_the_next_round():
     with_feedback = _repeated_rounds("int4", "model")
     assert with_feedback < 0.5 * without, (with_feedback, without)
     assert _repeated_rounds("none", "model") < 1e-6  # exact codecs lose nothing
+
+
+def test_chunks_no_round_can_use_are_refused_not_held():
+    """A peer's chunks wait for their round to open, but only so far ahead; and a
+    shard's chunks must agree on how many there are."""
+    from isthmus.inter.allreduce import MAX_ROUNDS_AHEAD
+    from isthmus.inter.chunks import ChunkError, ReceivedChunk, checksum, verify
+
+    codec = parse_codec("none")
+
+    def received(round, index=0, count=2):
+        (chunk,) = encode_chunks(codec, torch.ones(4), round=round, shard=0, max_chunk_bytes=4096)
+        chunk.index, chunk.count = index, count
+        chunk.checksum = checksum(chunk, chunk.payload)
+        return ReceivedChunk.from_wire(chunk, chunk.payload, verify(chunk, chunk.payload), "b", 0)
+
+    async def main():
+        engine = CrossSiteAllReduce(Identity(job=JOB, site="a", rank=0), {"b": "127.0.0.1:1"})
+        try:
+            engine.receive(received(MAX_ROUNDS_AHEAD))  # held until its round opens
+            with pytest.raises(ChunkError, match="rounds ahead"):
+                engine.receive(received(MAX_ROUNDS_AHEAD + 1))
+            with pytest.raises(ChunkError, match="earlier chunks said 2"):
+                engine.receive(received(MAX_ROUNDS_AHEAD, index=1, count=3))
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
