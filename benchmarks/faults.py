@@ -1,4 +1,4 @@
-"""Fault benchmark: corrupted chunks must never be applied; print what they cost.
+"""Fault benchmarks: corrupted chunks are never applied; a cut link does not end a run.
 
 The failure-handling issue's target: 10,000 corrupted chunks, 0 applied. Site
 processes run all-reduces of the same tensors, round after round, through
@@ -14,12 +14,19 @@ must give a result bitwise equal to it, on every site: one applied corrupted
 chunk would change a round's digest. Runs repeat until the receivers refused
 ``--chunks`` corrupted chunks between them.
 
+``partition``: an ``isthmus run`` of 3 sites (DiLoCo) whose link a-b is cut
+for ``--for-s`` seconds, packets black-holed or connections reset: the run must
+finish with the same model on every site. Printed: how long the longest site
+took no step, and how much of that is beyond the partition (recovery).
+
     python benchmarks/faults.py corrupt [--chunks 10000] [--json FILE]
+    python benchmarks/faults.py partition [--for-s 30] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -100,6 +107,67 @@ def corrupt(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+PARTITION_JOB = """\
+name: fault-partition
+sites:
+  - {{name: a, ranks: 1}}
+  - {{name: b, ranks: 1}}
+  - {{name: c, ranks: 1}}
+wan:
+  default: {{rtt_ms: 20, bandwidth_mbit: 200}}
+  faults:
+    - {{at_s: {at_s}, link: [a, b], action: partition, for_s: {for_s}, mode: {mode}}}
+train: {{strategy: diloco, steps: {steps}, sync_every: 10, warmup_steps: 5}}
+"""
+
+
+def partition(args: argparse.Namespace) -> dict[str, Any]:
+    """One ``isthmus run`` of 3 sites whose link a-b is cut for ``--for-s`` seconds."""
+    import subprocess
+    import tempfile
+
+    from isthmus.deploy.run_records import read_records
+
+    rows = {}
+    for mode in args.modes:
+        with tempfile.TemporaryDirectory(prefix="isthmus-faults-") as tmp:
+            job = Path(tmp) / "job.yaml"
+            job.write_text(
+                PARTITION_JOB.format(at_s=args.at_s, for_s=args.for_s, mode=mode, steps=args.steps)
+            )
+            out = Path(tmp) / "run"
+            print(f"faults partition: {mode}, {args.for_s:g} s ...", file=sys.stderr, flush=True)
+            done = subprocess.run(
+                [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)],
+                capture_output=True,
+                text=True,
+                timeout=1800,
+            )
+            summary = json.loads((out / "summary.json").read_text())
+            records = read_records(out / "metrics.jsonl")
+        times: dict[str, list[float]] = {}
+        for r in records:
+            if r["kind"] == "step":
+                times.setdefault(r["site"], []).append(r["t"])
+        # The longest time a site took no step: the partition holds the round up.
+        stalls = {
+            site: max((b - a for a, b in itertools.pairwise(t)), default=0.0)
+            for site, t in times.items()
+        }
+        longest = max(stalls.values())
+        rows[mode] = {
+            "exit_status": done.returncode,
+            "status": summary["status"],
+            "same_model_on_every_site": len({s["param_sha256"] for s in summary["sites"].values()})
+            == 1,
+            "inner_steps": {n: s["inner_steps"] for n, s in summary["sites"].items()},
+            "longest_stall_s": round(longest, 1),
+            "stall_beyond_partition_s": round(longest - args.for_s, 1),
+            "wall_seconds": round(summary["wall_seconds"], 1),
+        }
+    return {"partition_s": args.for_s, "at_s": args.at_s, "modes": rows}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="fault", required=True)
@@ -114,12 +182,32 @@ def main() -> int:
     c.add_argument("--rounds-per-run", type=int, default=20)
     c.add_argument("--stall-s", type=float, default=2.0, help="see TransportSettings.stall_s")
     c.add_argument("--json", type=Path, help="also write the figures here")
+    p = commands.add_parser("partition", help="a link cut for a while: the run goes on")
+    p.add_argument("--for-s", type=float, default=30.0, help="how long the link is cut")
+    p.add_argument("--at-s", type=float, default=15.0, help="when, after the emulator starts")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=["blackhole", "reset"],
+        choices=["blackhole", "reset"],
+        help="blackhole: packets vanish; reset: connections torn down and refused",
+    )
+    p.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
-    figures = corrupt(args)
+    if args.fault == "corrupt":
+        figures = corrupt(args)
+        ok = figures["rounds_with_a_wrong_result"] == 0
+    else:
+        figures = partition(args)
+        ok = all(
+            m["status"] == "finished" and m["same_model_on_every_site"]
+            for m in figures["modes"].values()
+        )
     print(json.dumps(figures, indent=2))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
-    return 0 if figures["rounds_with_a_wrong_result"] == 0 else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
