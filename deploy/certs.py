@@ -2,15 +2,23 @@
 
 The CA's key signs the site certificates and is needed again only to add a
 site; keep it off the training machines. Each site gets ``SITE.crt`` and
-``SITE.key`` and the CA's certificate ``ca.crt``, nothing else. Keys are
-ECDSA P-256 (small, fast handshakes, supported by every gRPC build); files
-with keys are written readable by their owner only.
+``SITE.key`` and the CA's certificate ``ca.crt``, nothing else. With
+``--broker HOST``, the control plane's broker gets a server certificate for
+that host name or address (``broker.crt``, ``broker.key``) and the operator a
+client certificate (``operator.crt``, ``operator.key``, for ``isthmus config
+set``): a broker that requires client certificates of the job's CA then lets
+in the sites and the operator, each under its own name (Mosquitto's
+``use_identity_as_username``), and nobody else. Keys are ECDSA P-256 (small,
+fast handshakes, supported by every gRPC build and by Mosquitto); files with
+keys are written readable by their owner only.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
+import ipaddress
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,6 +48,14 @@ def register(commands: Any) -> None:
     sub.add_argument(
         "--days", type=int, default=VALID_DAYS, help=f"validity (default {VALID_DAYS})"
     )
+    sub.add_argument(
+        "--broker",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="also a server certificate for the control plane's broker at this host name "
+        "or IP address (repeat for more names), and a client certificate for the operator",
+    )
 
 
 def _certs(args: argparse.Namespace) -> int:
@@ -47,8 +63,13 @@ def _certs(args: argparse.Namespace) -> int:
     if args.days < 1:
         raise UsageError(f"--days: must be >= 1, got {args.days}")
     out = Path(args.out)
+    for host in args.broker:
+        if not host or " " in host or "/" in host or (":" in host and not _is_ip(host)):
+            raise UsageError(f"--broker: give a host name or IP address, got {host!r}")
     try:
-        written = make_certs(job.name, [s.name for s in job.sites], out, days=args.days)
+        written = make_certs(
+            job.name, [s.name for s in job.sites], out, days=args.days, broker=args.broker
+        )
     except FileExistsError as exc:
         raise UsageError(str(exc)) from None
     for path in written:
@@ -59,13 +80,42 @@ def _certs(args: argparse.Namespace) -> int:
         f"tls:\n  ca: {relative}/ca.crt\n  cert: {relative}/{{site}}.crt\n"
         f"  key: {relative}/{{site}}.key"
     )
+    if args.broker:
+        print(
+            f"\nFor the broker (broker.crt / .key; require_certificate and "
+            f"use_identity_as_username in deploy/mosquitto/mosquitto.conf):\n"
+            f"control:\n  broker: mqtts://{args.broker[0]}:8883\n"
+            f"  tls: {{ca: {relative}/ca.crt, cert: {relative}/{{site}}.crt, "
+            f"key: {relative}/{{site}}.key}}"
+        )
     return 0
 
 
-def make_certs(job: str, sites: Sequence[str], out: Path, *, days: int = VALID_DAYS) -> list[Path]:
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def make_certs(
+    job: str,
+    sites: Sequence[str],
+    out: Path,
+    *,
+    days: int = VALID_DAYS,
+    broker: Sequence[str] = (),
+) -> list[Path]:
     """Write ``ca.crt``, ``ca.key`` and ``SITE.crt`` / ``SITE.key`` for every site
-    into ``out``; return the paths written. Refuses to overwrite a CA: a new CA
-    would lock out every site holding the old one."""
+    into ``out``, and with ``broker`` (its host names or addresses) ``broker.crt``
+    / ``.key`` and ``operator.crt`` / ``.key``; return the paths written. Refuses
+    to overwrite a CA: a new CA would lock out every site holding the old one."""
+    if broker and (clash := {"broker", "operator"} & set(sites)):
+        raise FileExistsError(
+            f"a site is named {sorted(clash)[0]!r}, which the broker's or operator's "
+            "files would overwrite; rename the site or leave out --broker"
+        )
     out.mkdir(parents=True, exist_ok=True)
     if (out / "ca.key").exists():
         raise FileExistsError(
@@ -106,40 +156,65 @@ def make_certs(job: str, sites: Sequence[str], out: Path, *, days: int = VALID_D
         .sign(ca_key, hashes.SHA256())
     )
     written = [_write(out / "ca.crt", _pem(ca_cert)), _write_key(out / "ca.key", ca_key)]
+    issue = functools.partial(_leaf, job, ca_name, ca_key, now, days, out)
     for site in sites:
-        key = ec.generate_private_key(ec.SECP256R1())
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(
-                x509.Name(
-                    [
-                        x509.NameAttribute(NameOID.ORGANIZATION_NAME, f"isthmus job {job}"),
-                        x509.NameAttribute(NameOID.COMMON_NAME, site),
-                    ]
-                )
-            )
-            .issuer_name(ca_name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=days))
-            .add_extension(
-                x509.SubjectAlternativeName([x509.DNSName(site_dns_name(job, site))]),
-                critical=False,
-            )
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            # Every site is both a server (its peer service) and a client (it dials).
-            .add_extension(
-                x509.ExtendedKeyUsage(
-                    [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-                ),
-                critical=False,
-            )
-            .sign(ca_key, hashes.SHA256())
+        # Every site is both a server (its peer service) and a client (it dials).
+        alt = [x509.DNSName(site_dns_name(job, site))]
+        written += issue(
+            site, alt, [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
         )
-        written.append(_write(out / f"{site}.crt", _pem(cert)))
-        written.append(_write_key(out / f"{site}.key", key))
+    if broker:
+        written += issue("broker", _names(broker), [ExtendedKeyUsageOID.SERVER_AUTH])
+        written += issue("operator", [], [ExtendedKeyUsageOID.CLIENT_AUTH])
     return written
+
+
+def _names(hosts: Sequence[str]) -> list[x509.GeneralName]:
+    """Subject alternative names: an IP address as such, anything else as DNS."""
+    names: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    return names
+
+
+def _leaf(
+    job: str,
+    ca_name: x509.Name,
+    ca_key: ec.EllipticCurvePrivateKey,
+    now: datetime.datetime,
+    days: int,
+    out: Path,
+    name: str,
+    alt_names: list[x509.GeneralName],
+    usages: list[x509.ObjectIdentifier],
+) -> list[Path]:
+    """A certificate (common name ``name``) and key signed by the job's CA."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(
+            x509.Name(
+                [
+                    x509.NameAttribute(NameOID.ORGANIZATION_NAME, f"isthmus job {job}"),
+                    x509.NameAttribute(NameOID.COMMON_NAME, name),
+                ]
+            )
+        )
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+    )
+    if alt_names:
+        builder = builder.add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
+    cert = builder.sign(ca_key, hashes.SHA256())
+    return [_write(out / f"{name}.crt", _pem(cert)), _write_key(out / f"{name}.key", key)]
 
 
 def _pem(cert: x509.Certificate) -> bytes:

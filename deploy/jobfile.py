@@ -147,15 +147,24 @@ class ControlSpec:
     """The environment variable holding the password (kept out of the job file)."""
 
     def broker_for(self, site: str | None) -> Broker:
-        """The broker with this site's login: ``{site}`` in the username is the site's
-        name (one login per site, for a per-site ACL)."""
+        """The broker with this site's login: ``{site}`` in the username, and in the
+        client certificate's paths, is the site's name (one login per site, for a
+        per-site ACL); without a site (``isthmus config set``, the online tuner) it is
+        ``operator``, whose certificate ``isthmus certs --broker`` makes."""
+        who = site or "operator"
         username = self.broker.username
         if username and site:
             username = username.replace("{site}", site)
         password = self.broker.password
         if self.password_env:
             password = os.environ.get(self.password_env, password)
-        return dataclasses.replace(self.broker, username=username, password=password)
+        cert, key = (
+            None if path is None else path.replace("{site}", who)
+            for path in (self.broker.tls_cert, self.broker.tls_key)
+        )
+        return dataclasses.replace(
+            self.broker, username=username, password=password, tls_cert=cert, tls_key=key
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -734,7 +743,8 @@ class _Validator:
                 self.fail(f"control.tls.{key}", "a path cannot hold a NUL character")
                 continue
             path = (base / str(tls[key])).resolve()
-            if not path.is_file():
+            # A per-site client certificate ({site}) exists only where that site runs.
+            if "{site}" not in str(tls[key]) and not path.is_file():
                 self.fail(f"control.tls.{key}", f"no file {str(path)!r}")
             options[f"tls_{key}"] = str(path)
         if (options.get("tls_cert") is None) != (options.get("tls_key") is None):

@@ -3,9 +3,9 @@
 Every chunk is encoded on its own (its own scales, its own lossless stage), so
 the sender encodes chunk k+1 while chunk k is on the wire and the receiver
 decodes chunk k while k+1 arrives. A chunk carries its position (``offset``,
-in values), a CRC-32 of its payload and fields, and everything needed to decode it. A
-chunk that fails verification is refused with the reason, never applied; the
-sender sends it again.
+in values), a CRC-32 of its payload and fields, and everything needed to
+decode it. A chunk that fails verification is refused with the reason, never
+applied; the sender sends it again.
 """
 
 from __future__ import annotations

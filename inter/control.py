@@ -150,6 +150,14 @@ class ControlPlane:
     def start(self, wait_s: float | None = None) -> ControlPlane:
         """Start the client; with ``wait_s``, wait that long for the first connection
         and raise naming the broker if there is none."""
+        try:
+            self.broker.tls_context()  # bad TLS files: say so now, not "no broker"
+        except (OSError, ssl.SSLError) as exc:
+            files = ", ".join(f for f in (self.broker.tls_ca, self.broker.tls_cert) if f)
+            raise ConnectionError(
+                f"control plane: cannot load the TLS files ({files}): {exc}; fix control.tls "
+                "in the job file"
+            ) from None
         self._thread.start()
         self._task = asyncio.run_coroutine_threadsafe(self._run(), self._loop)  # type: ignore[assignment]
         if wait_s is not None and not self.connected.wait(wait_s):

@@ -7,11 +7,12 @@ answered. Either way the chunk must arrive, once, unchanged, or the round
 fails naming the peer. :func:`send_reliably` keeps every chunk it sent until
 the peer acknowledges it and sends the unacknowledged ones again on a new
 stream: a refused chunk up to :data:`MAX_REFUSALS` times, a broken or stalled
-stream until the round's deadline. The chunks
-come from a lazy source (encoding overlaps sending), which is read exactly
-once: a resend never encodes again, so error feedback and the owner's
-"encode once" stay exact. The receiver drops a chunk it already placed, so a
-chunk whose acknowledgement was lost may arrive twice harmlessly.
+stream until the round's deadline (a peer that is down is waited for until
+then, so a 30-second partition does not end a run). The chunks come from a
+lazy source (encoding overlaps sending), which is read exactly once: a resend
+never encodes again, so error feedback and the owner's "encode once" stay
+exact. The receiver drops a chunk it already placed, so a chunk whose
+acknowledgement was lost may arrive twice harmlessly.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ Mosquitto with a CA made here, and the commands.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import getpass
 import json
 import shutil
@@ -58,7 +59,9 @@ def wait_until(predicate, timeout: float = 10.0, what: str = "condition") -> flo
 class Mosquitto:
     """A real Mosquitto on a loopback port, restartable on the same port."""
 
-    def __init__(self, folder: Path, tls: dict[str, Path] | None = None) -> None:
+    def __init__(
+        self, folder: Path, tls: dict[str, Path] | None = None, client_certs: bool = False
+    ) -> None:
         self.port = free_port()
         self.config = folder / "mosquitto.conf"
         lines = [f"listener {self.port} 127.0.0.1", "allow_anonymous true", "persistence false"]
@@ -67,6 +70,8 @@ class Mosquitto:
         lines.append(f"user {getpass.getuser()}")
         if tls:
             lines += [f"cafile {tls['ca']}", f"certfile {tls['cert']}", f"keyfile {tls['key']}"]
+        if client_certs:  # mutual TLS: a client is who its certificate names
+            lines += ["require_certificate true", "use_identity_as_username true"]
         self.config.write_text("\n".join(lines) + "\n")
         self.proc: subprocess.Popen | None = None
 
@@ -275,6 +280,50 @@ def test_tls_to_mosquitto_with_a_test_ca(tmp_path):
         # Without the CA the server's certificate is not trusted: no connection.
         with pytest.raises(ConnectionError):
             ControlPlane(Broker("127.0.0.1", server.port), "j", "b").start(wait_s=1.5)
+    finally:
+        server.stop()
+
+
+@needs_mosquitto
+def test_mosquitto_with_the_jobs_certificates_admits_its_sites_and_nobody_else(tmp_path):
+    from isthmus.deploy.certs import make_certs
+    from isthmus.deploy.jobfile import parse_job
+
+    certs, other = tmp_path / "certs", tmp_path / "other"
+    make_certs("j", ["a", "b"], certs, broker=["127.0.0.1"])
+    make_certs("k", ["a"], other)  # another job's CA
+    broker_files = {
+        "ca": certs / "ca.crt",
+        "cert": certs / "broker.crt",
+        "key": certs / "broker.key",
+    }
+    server = Mosquitto(tmp_path, tls=broker_files, client_certs=True).start()
+    job = parse_job(
+        "name: j\nsites: [{name: a}, {name: b}]\n"
+        f"control: {{broker: 'mqtts://127.0.0.1:{server.port}', tls: {{ca: '{certs}/ca.crt', "
+        f"cert: '{certs}/{{site}}.crt', key: '{certs}/{{site}}.key'}}}}\n"
+    )
+    assert job.control is not None
+    try:
+        site_a = job.control.broker_for("a")
+        assert site_a.tls_cert == str(certs / "a.crt")
+        with ControlPlane(site_a, "j", "a").start(wait_s=10) as plane:
+            assert plane.connected.is_set()
+        operator = job.control.broker_for(None)  # isthmus config set
+        assert operator.tls_cert == str(certs / "operator.crt")
+        with ControlPlane(operator, "j", None).start(wait_s=10) as plane:
+            assert plane.connected.is_set()
+        no_cert = Broker("127.0.0.1", server.port, tls_ca=str(certs / "ca.crt"))
+        with pytest.raises(ConnectionError):
+            ControlPlane(no_cert, "j", "b").start(wait_s=2)
+        stranger = dataclasses.replace(
+            no_cert, tls_cert=str(other / "a.crt"), tls_key=str(other / "a.key")
+        )
+        with pytest.raises(ConnectionError):
+            ControlPlane(stranger, "j", "a").start(wait_s=2)
+        missing = dataclasses.replace(no_cert, tls_cert="/nope.crt", tls_key="/nope.key")
+        with pytest.raises(ConnectionError, match="cannot load the TLS files"):
+            ControlPlane(missing, "j", "a").start(wait_s=2)
     finally:
         server.stop()
 

@@ -110,6 +110,34 @@ def test_certs_are_written_with_private_keys_readable_by_the_owner_only(tmp_path
         make_certs("job", ["a"], tmp_path / "c")
 
 
+def test_certs_for_the_broker_name_its_host_and_the_operator(tmp_path):
+    from cryptography import x509
+
+    job = tmp_path / "job.yaml"
+    job.write_text("name: j\nsites: [{name: a}]\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "isthmus", "certs", str(job), "--out", str(tmp_path / "c"),
+         "--broker", "broker.example", "--broker", "10.0.0.7"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "mqtts://broker.example:8883" in done.stdout
+    cert = x509.load_pem_x509_certificate((tmp_path / "c" / "broker.crt").read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == ["broker.example"]
+    assert [str(ip) for ip in names.get_values_for_type(x509.IPAddress)] == ["10.0.0.7"]
+    operator = x509.load_pem_x509_certificate((tmp_path / "c" / "operator.crt").read_bytes())
+    assert operator.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)[0].value == (
+        "operator"
+    )
+    refused = subprocess.run(
+        [sys.executable, "-m", "isthmus", "certs", str(job), "--out", str(tmp_path / "d"),
+         "--broker", "mqtt://x:1883"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "--broker: give a host name or IP address" in refused.stderr
+
+
 def test_missing_tls_files_name_the_field(tmp_path):
     (tmp_path / "ca.crt").write_text("-----BEGIN CERTIFICATE-----\n")
     with pytest.raises(TlsError, match=r"tls\.cert: cannot read .*isthmus certs"):
