@@ -51,6 +51,7 @@ def _flags(args: argparse.Namespace, repeats: int, inject: float) -> list[str]:
         "120",
         "--corrupt-payloads",
         str(inject),
+        "--round-digests",
     ]
 
 

@@ -35,6 +35,8 @@ the deadline instead."""
 REFUSED_CALLS_BELIEVED = 3
 """Times the peer must refuse a call (a wrong job, a denied certificate) before the
 refusal is taken as final rather than as a garbled header."""
+PREFETCH = 2
+"""Chunks read from the source ahead of the stream (each up to max_chunk_bytes)."""
 RETRY_PAUSE_S = 0.05
 """Pause before the first retry, doubled on each further one."""
 
@@ -61,7 +63,11 @@ class _Outbox:
 
     def __init__(self, chunks: Iterable[wire_pb2.Chunk] | AsyncIterator[wire_pb2.Chunk]) -> None:
         self._source = chunks if isinstance(chunks, AsyncIterator) else _async(chunks)
-        self._fetch: asyncio.Future[wire_pb2.Chunk | None] | None = None
+        # A task of its own reads the source, PREFETCH chunks ahead: the next chunk
+        # is encoded while this one is written, and gRPC cancelling the task that
+        # reads a broken stream's requests cannot reach (and kill) the source.
+        self._ready: asyncio.Queue[wire_pb2.Chunk | BaseException | None] = asyncio.Queue(PREFETCH)
+        self._reader: asyncio.Task[None] | None = None
         self.exhausted = False
         self.unacked: dict[Key, wire_pb2.Chunk] = {}
         self.refusals: dict[Key, int] = {}
@@ -85,15 +91,22 @@ class _Outbox:
             yield chunk
 
     async def _next(self) -> wire_pb2.Chunk | None:
-        # gRPC cancels the task reading a stream's requests when the stream breaks;
-        # the shield keeps that from reaching (and killing) the source, so the next
-        # stream goes on where this one stopped.
-        if self._fetch is None:
-            self._fetch = asyncio.ensure_future(_first(self._source))
-        chunk = await asyncio.shield(self._fetch)
-        self._fetch = None
-        self.exhausted = chunk is None
-        return chunk
+        if self._reader is None:
+            self._reader = asyncio.ensure_future(self._read())
+        item = await self._ready.get()  # cancelled while waiting: nothing is taken
+        if isinstance(item, BaseException):
+            raise item  # the source failed (an encoding error): the caller's to see
+        self.exhausted = item is None
+        return item
+
+    async def _read(self) -> None:
+        try:
+            async for chunk in self._source:
+                await self._ready.put(chunk)
+        except Exception as exc:  # handed to the stream, which raises it
+            await self._ready.put(exc)
+            return
+        await self._ready.put(None)
 
     def acknowledge(self, ack: wire_pb2.Ack) -> None:
         self.last_progress = asyncio.get_running_loop().time()
@@ -109,8 +122,8 @@ class _Outbox:
             self.hopeless |= self.refusals[key] >= MAX_REFUSALS
 
     def close(self) -> None:
-        if self._fetch is not None:
-            self._fetch.cancel()
+        if self._reader is not None:
+            self._reader.cancel()
 
 
 async def send_reliably(
@@ -205,13 +218,6 @@ async def _watch(call: asyncio.Future[object], outbox: _Outbox, stall_s: float) 
             call.cancel()
             await asyncio.gather(call, return_exceptions=True)
             return True
-
-
-async def _first(source: AsyncIterator[wire_pb2.Chunk]) -> wire_pb2.Chunk | None:
-    try:
-        return await anext(source)
-    except StopAsyncIteration:
-        return None
 
 
 async def _async(chunks: Iterable[wire_pb2.Chunk]) -> AsyncIterator[wire_pb2.Chunk]:

@@ -51,6 +51,7 @@ checkpoint.save_checkpoint(folder, 2, model, optimizer, extra={"x": torch.zeros(
 """
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process: as meant
 def test_a_kill_mid_write_leaves_the_previous_checkpoint_usable(tmp_path):
     done = subprocess.run(
         [sys.executable, "-c", _KILLED_WRITER, str(tmp_path)], capture_output=True, timeout=120
@@ -136,6 +137,7 @@ def test_a_stopped_run_resumes_to_the_same_parameters_bit_for_bit(tmp_path, stra
     assert again.returncode == 2 and "finished; nothing to go on with" in again.stderr
 
 
+@pytest.mark.slow
 def test_resume_without_checkpoints_says_how_to_get_them(tmp_path):
     job = _job(tmp_path, "diloco", steps=4, every=0)
     out = tmp_path / "run"
