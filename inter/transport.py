@@ -44,6 +44,10 @@ class TransportSettings:
     keepalive's detection (keepalive_s + keepalive_timeout_s), which a garbled
     connection can also defeat."""
 
+    reconnect_backoff_s: float = 2.0
+    """Longest pause between attempts to reach a peer that refuses connections (a
+    reset partition, a restarting site): how late a healed link is noticed."""
+
     tls: SiteTls | None = None
     """Mutual TLS with the job's CA (:mod:`isthmus.inter.tls`); None: plaintext, for
     emulated runs on one machine and networks the user already trusts."""
@@ -58,8 +62,10 @@ class TransportSettings:
             raise ValueError(
                 f"stream_window_bytes must be >= 65535, got {self.stream_window_bytes}"
             )
-        if self.keepalive_s <= 0 or self.keepalive_timeout_s <= 0 or self.stall_s <= 0:
+        if min(self.keepalive_s, self.keepalive_timeout_s, self.stall_s) <= 0:
             raise ValueError("keepalive_s, keepalive_timeout_s and stall_s must be > 0")
+        if self.reconnect_backoff_s < 0.5:
+            raise ValueError(f"reconnect_backoff_s must be >= 0.5, got {self.reconnect_backoff_s}")
 
     @property
     def max_message_bytes(self) -> int:
@@ -80,6 +86,11 @@ class TransportSettings:
         return [
             *self._both_ends(),
             ("grpc.http2.max_pings_without_data", 0),
+            # gRPC backs off up to 120 s between attempts to reach a peer that refused
+            # connections: a site would then notice a healed link minutes late. A
+            # connection attempt every few seconds costs nothing on a WAN.
+            ("grpc.initial_reconnect_backoff_ms", 500),
+            ("grpc.max_reconnect_backoff_ms", int(self.reconnect_backoff_s * 1000)),
             # Each peer gets its own connection: parallel channels to one address
             # must not be merged into one TCP connection.
             ("grpc.use_local_subchannel_pool", 1),
