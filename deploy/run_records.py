@@ -18,6 +18,8 @@ round       ``step``, ``outer_steps``, ``wan_bytes_sent``, ``wan_bytes_received`
 eval        ``step``, ``tokens``, ``eval_loss`` (held-out split), ``seconds`` it took;
             ``final`` on the last
 config      ``round``, ``step``, ``settings``: live settings applied from here on
+checkpoint  ``round``, ``step``, ``path`` (relative to the run directory), ``seconds``
+resume      ``round``, ``step``: where ``isthmus run --resume`` went on from
 ==========  ===========================================================================
 
 A site appends to its own file; the launcher is the only writer of the run's
