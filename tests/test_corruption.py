@@ -130,6 +130,7 @@ def test_payloads_corrupted_after_their_checksum_are_resent_and_never_applied():
     assert resent == corrupted  # ... and sent again, once per refusal
 
 
+@pytest.mark.slow
 def test_an_all_reduce_survives_bytes_flipped_on_the_wire():
     """The emulator flips bits in the TCP stream: some land in chunk payloads (refused
     by checksum, sent again), some in gRPC's framing (the connection breaks, the
@@ -170,6 +171,7 @@ def test_an_all_reduce_survives_bytes_flipped_on_the_wire():
     assert refused + broken > 0
 
 
+@pytest.mark.slow
 def test_a_connection_reset_mid_transfer_resumes_from_the_last_acknowledged_chunk():
     """The emulator tears every connection of the link down (RST) while the round's
     chunks are on the way, and refuses new ones for a while: the senders redial
