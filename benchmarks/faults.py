@@ -28,13 +28,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from isthmus.deploy.bench_allreduce import run_sites
+from isthmus.deploy.run_records import read_records
 
 
 def _flags(args: argparse.Namespace, repeats: int, inject: float) -> list[str]:
@@ -124,11 +127,6 @@ train: {{strategy: diloco, steps: {steps}, sync_every: 10, warmup_steps: 5}}
 
 def partition(args: argparse.Namespace) -> dict[str, Any]:
     """One ``isthmus run`` of 3 sites whose link a-b is cut for ``--for-s`` seconds."""
-    import subprocess
-    import tempfile
-
-    from isthmus.deploy.run_records import read_records
-
     rows = {}
     for mode in args.modes:
         with tempfile.TemporaryDirectory(prefix="isthmus-faults-") as tmp:

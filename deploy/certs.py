@@ -173,9 +173,9 @@ def _names(hosts: Sequence[str]) -> list[x509.GeneralName]:
     """Subject alternative names: an IP address as such, anything else as DNS."""
     names: list[x509.GeneralName] = []
     for host in hosts:
-        try:
+        if _is_ip(host):
             names.append(x509.IPAddress(ipaddress.ip_address(host)))
-        except ValueError:
+        else:
             names.append(x509.DNSName(host))
     return names
 

@@ -48,7 +48,6 @@ Key = tuple[int, int, int]
 class Delivery:
     """What it took to deliver one call's chunks."""
 
-    streams: int = 0
     resent_chunks: int = 0
     broken_streams: int = 0
     """Streams that failed (a reset, a garbled frame) or stalled, and were replaced."""
@@ -145,7 +144,6 @@ async def send_reliably(
     try:
         for attempt in itertools.count():
             stream = outbox.stream()
-            delivery.streams += 1
             call = asyncio.ensure_future(
                 client.exchange(
                     wrap(stream) if wrap is not None else stream,

@@ -338,7 +338,6 @@ class PeerClient:
         self.peer_site = peer_site
         self.channel, self.stub = self._open()
         self.peer: tuple[str, int] | None = None
-        self.reconnects = 0
 
     def _open(self) -> tuple[grpc.aio.Channel, wire_pb2_grpc.PeerServiceStub]:
         options = self.settings.channel_options()
@@ -359,7 +358,6 @@ class PeerClient:
         flight on the old one fail and are retried by their senders."""
         old = self.channel
         self.channel, self.stub = self._open()
-        self.reconnects += 1
         await old.close()
 
     async def hello(self) -> wire_pb2.HandshakeReply:

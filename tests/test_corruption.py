@@ -5,6 +5,7 @@ emulator on a real link (which also garbles gRPC's own framing)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 
 import pytest
@@ -52,18 +53,46 @@ def test_flip_payload_bit_changes_exactly_one_bit_and_keeps_the_checksum():
         verify(bad, bad.payload)
 
 
-async def _mesh(names, dial, **engine):
-    """Engines for ``names``; ``dial(src, dst, port)`` says where src reaches dst."""
-    members, ports = {}, {}
+async def _mesh(names, settings=SMALL_CHUNKS, **engine):
+    """Started engines for ``names``, each dialling the others directly on loopback."""
+    members = {}
     for name in names:
         identity = Identity(job=JOB, site=name, rank=0, layout_fingerprint="L")
-        member = CrossSiteAllReduce(identity, {}, settings=SMALL_CHUNKS, deadline_s=60, **engine)
-        ports[name] = await member.start("127.0.0.1", 0)
-        members[name] = member
+        members[name] = CrossSiteAllReduce(identity, {}, settings=settings, deadline_s=60, **engine)
+        await members[name].start("127.0.0.1", 0)
     for name, member in members.items():
-        member.peers = {o: dial(name, o, ports[o]) for o in names if o != name}
+        member.peers = {o: f"127.0.0.1:{members[o].server.port}" for o in names if o != name}
         member.server.servicer.sites = set(names)
     return members
+
+
+@contextlib.asynccontextmanager
+async def _connected(members):
+    try:
+        for m in members.values():
+            await m.connect()
+        yield members
+    finally:
+        for m in members.values():
+            await m.close()
+
+
+@contextlib.asynccontextmanager
+async def _through_the_emulator(names, params, *, seed=0, settings=SMALL_CHUNKS):
+    """Connected engines for ``names`` whose every link is the emulator's, with ``params``."""
+    members = await _mesh(names, settings)
+    topology = Topology.full_mesh(
+        [Site(name=n, listen=(("127.0.0.1", members[n].server.port),)) for n in names],
+        default=params,
+        seed=seed,
+    )
+    with BackgroundEmulator(topology) as wan:
+        for name, member in members.items():
+            member.peers = {
+                o: "{}:{}".format(*wan.dial_address(name, o)) for o in names if o != name
+            }
+        async with _connected(members):
+            yield members, wan
 
 
 async def _rounds(members, inputs, rounds):
@@ -88,14 +117,8 @@ def _inputs(names, n=20_000):
 
 def _clean_result(names, inputs):
     async def main():
-        members = await _mesh(names, lambda src, dst, port: f"127.0.0.1:{port}")
-        for m in members.values():
-            await m.connect()
-        try:
+        async with _connected(await _mesh(names)) as members:
             return (await _rounds(members, inputs, 1))[0][0]
-        finally:
-            for m in members.values():
-                await m.close()
 
     return asyncio.run(main())
 
@@ -106,17 +129,8 @@ def test_payloads_corrupted_after_their_checksum_are_resent_and_never_applied():
     expected = _clean_result(names, inputs)
 
     async def main():
-        members = await _mesh(
-            names, lambda src, dst, port: f"127.0.0.1:{port}", corrupt_payloads=0.3
-        )
-        for m in members.values():
-            await m.connect()
-        try:
-            results = await _rounds(members, inputs, 3)
-        finally:
-            for m in members.values():
-                await m.close()
-        return results, members
+        async with _connected(await _mesh(names, corrupt_payloads=0.3)) as members:
+            return await _rounds(members, inputs, 3), members
 
     results, members = asyncio.run(main())
     for outs in results:
@@ -140,25 +154,9 @@ def test_an_all_reduce_survives_bytes_flipped_on_the_wire():
     expected = _clean_result(names, inputs)
 
     async def main():
-        members = await _mesh(names, lambda src, dst, port: "")  # dialled once the WAN is up
-        topology = Topology.full_mesh(
-            [Site(name=n, listen=(("127.0.0.1", members[n].server.port),)) for n in names],
-            default=LinkParams.symmetric(corrupt=2e-5),
-            seed=3,
-        )
-        with BackgroundEmulator(topology) as wan:
-            for name, member in members.items():
-                member.peers = {
-                    o: "{}:{}".format(*wan.dial_address(name, o)) for o in names if o != name
-                }
-            try:
-                for m in members.values():
-                    await m.connect()
-                results = await _rounds(members, inputs, 4)
-            finally:
-                for m in members.values():
-                    await m.close()
-            return results, members, wan.stats()["links"]
+        params = LinkParams.symmetric(corrupt=2e-5)
+        async with _through_the_emulator(names, params, seed=3) as (members, wan):
+            return await _rounds(members, inputs, 4), members, wan.stats()["links"]
 
     results, members, links = asyncio.run(main())
     for outs in results:
@@ -180,44 +178,17 @@ def test_a_connection_reset_mid_transfer_resumes_from_the_last_acknowledged_chun
     inputs = _inputs(names, 2_000_000)
     expected = _clean_result(names, inputs)
     settings = TransportSettings(max_chunk_bytes=64 * 1024)
+    params = LinkParams.symmetric(rtt_ms=10, bandwidth_mbit=40)
 
     async def main():
-        members = {}
-        for name in names:
-            identity = Identity(job=JOB, site=name, rank=0, layout_fingerprint="L")
-            members[name] = CrossSiteAllReduce(identity, {}, settings=settings, deadline_s=60)
-            await members[name].start("127.0.0.1", 0)
-        topology = Topology.full_mesh(
-            [Site(name=n, listen=(("127.0.0.1", members[n].server.port),)) for n in names],
-            default=LinkParams.symmetric(rtt_ms=10, bandwidth_mbit=40),
-        )
-        with BackgroundEmulator(topology) as wan:
-            for name, member in members.items():
-                member.server.servicer.sites = set(names)
-                member.peers = {
-                    o: "{}:{}".format(*wan.dial_address(name, o)) for o in names if o != name
-                }
-            try:
-                for m in members.values():
-                    await m.connect()
-                weights = {s: 1.0 for s in names}
-                rounds = asyncio.gather(
-                    *[
-                        members[s].allreduce(
-                            inputs[s], round=0, participants=names, weights=weights
-                        )
-                        for s in names
-                    ]
-                )
-                await asyncio.sleep(0.6)  # 8 MB each way at 40 Mbit/s: well under way
-                link = wan.call(lambda e: e.link("a", "b"))
-                wan.call(lambda e: link.cut("reset"))
-                await asyncio.sleep(0.5)
-                wan.call(lambda e: link.heal())
-                outs = await rounds
-            finally:
-                for m in members.values():
-                    await m.close()
+        async with _through_the_emulator(names, params, settings=settings) as (members, wan):
+            rounds = asyncio.ensure_future(_rounds(members, inputs, 1))
+            await asyncio.sleep(0.6)  # 8 MB each way at 40 Mbit/s: well under way
+            link = wan.call(lambda e: e.link("a", "b"))
+            wan.call(lambda e: link.cut("reset"))
+            await asyncio.sleep(0.5)
+            wan.call(lambda e: link.heal())
+            (outs,) = await rounds
             return outs, members, wan.stats()["links"][0]
 
     outs, members, link = asyncio.run(main())
