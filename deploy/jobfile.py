@@ -386,6 +386,12 @@ class _Validator:
         control = self.control(data["control"]) if data.get("control") is not None else None
         data_source = self.data(data.get("data", "stdlib"))
         tune = self.tune(data.get("tune") or {}, train)
+        if train is not None and sites and train.min_sites > len(sites):
+            self.fail(
+                "train.min_sites",
+                f"the job has {len(sites)} sites, so a quorum of {train.min_sites} can never "
+                f"be met; use at most {len(sites)} (0: half of them, rounded up)",
+            )
         tls = self.tls(data["tls"]) if data.get("tls") is not None else None
         if self.problems:
             raise JobFileError(self.source, self.problems)

@@ -53,6 +53,12 @@ def register(commands: Any) -> None:
         "--steps", type=int, metavar="N", help="inner steps per site; overrides train.steps"
     )
     run.add_argument(
+        "--restart-lost",
+        action="store_true",
+        help="start a site whose processes die again (as its operator would), so it "
+        "rejoins the run (diloco, one rank per site)",
+    )
+    run.add_argument(
         "--compare",
         metavar="S1,S2,...",
         help=f"run the job once per strategy ({','.join(STRATEGIES)}) with the same data and "
@@ -85,7 +91,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         job, raw = resolve_job(Path(args.job), strategy=args.strategy, steps=args.steps)
         run_dir = args.out or default_run_dir(job, job.train.strategy)
-        summary = run_job(job, raw, run_dir)
+        summary = run_job(job, raw, run_dir, restart_lost=args.restart_lost)
     except RunError as exc:
         raise UsageError(str(exc)) from None
     return EXIT_CODES[summary["status"]]
@@ -99,17 +105,23 @@ def _resume(args: argparse.Namespace) -> int:
         )
     try:
         job, raw, round = resume_point(args.resume)
-        summary = run_job(job, raw, args.resume, resume_round=round)
+        summary = run_job(job, raw, args.resume, resume_round=round, restart_lost=args.restart_lost)
     except RunError as exc:
         raise UsageError(str(exc)) from None
     return EXIT_CODES[summary["status"]]
 
 
 def run_job(
-    job: Any, raw: dict[str, Any], run_dir: Path, *, resume_round: int | None = None
+    job: Any,
+    raw: dict[str, Any],
+    run_dir: Path,
+    *,
+    resume_round: int | None = None,
+    restart_lost: bool = False,
 ) -> dict[str, Any]:
     """One run, start to report; prints progress and where the report is.
-    ``resume_round``: go on with a stopped run from that round's checkpoints."""
+    ``resume_round``: go on with a stopped run from that round's checkpoints.
+    ``restart_lost``: start a lost site again, so it rejoins."""
     from isthmus.deploy.run_progress import progress_for
     from isthmus.deploy.run_report import write_report
 
@@ -126,7 +138,12 @@ def run_job(
     progress = progress_for(sys.stdout)
     with progress:
         summary = execute_run(
-            job, raw, run_dir, on_update=progress.update, resume_round=resume_round
+            job,
+            raw,
+            run_dir,
+            on_update=progress.update,
+            resume_round=resume_round,
+            restart_lost=restart_lost,
         )
     report = write_report(run_dir)
     _print_outcome(summary, report)
@@ -140,13 +157,21 @@ def execute_run(
     *,
     on_update: Any = None,
     resume_round: int | None = None,
+    restart_lost: bool = False,
 ) -> dict[str, Any]:
     """Launch, follow and stop one run in a prepared directory; write its TensorBoard
     events and summary.json and return the summary. Prints nothing."""
     from isthmus.deploy.run_summary import build_summary
     from isthmus.deploy.run_tensorboard import TensorBoardWriter
 
-    launcher = Launcher(job, raw, run_dir, on_update=on_update, resume_round=resume_round)
+    launcher = Launcher(
+        job,
+        raw,
+        run_dir,
+        on_update=on_update,
+        resume_round=resume_round,
+        restart_lost=restart_lost,
+    )
     launcher.tensorboard = TensorBoardWriter(run_dir / "tensorboard", [s.name for s in job.sites])
     try:
         launcher.start()

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from isthmus.deploy.jobfile import Job
 from isthmus.inter.control import Broker, ControlPlane
+from isthmus.inter.membership import Membership
 from isthmus.inter.settings import TrainSettings
 from isthmus.inter.strategies import Strategy, StreamingDiLoCo, Sync
 
@@ -42,13 +43,35 @@ def run_broker(job: Job, run_dir: Path, site: str) -> tuple[Broker, float] | Non
     return Broker.from_url(json.loads(state.read_text())["broker"]), EMBEDDED_WAIT_S
 
 
+def membership_for(job: Job, run_dir: Path, site: str, *, rejoining: bool) -> Membership | None:
+    """The site's side of the membership protocol, where the run can lose and regain
+    sites: the diloco strategy, one rank per site (a site of several ranks would
+    also have to agree in-site on each round's outcome; not built yet), and a
+    control plane to carry it."""
+    if job.train.strategy != "diloco" or len(job.sites) < 2:
+        return None
+    if any(s.ranks > 1 for s in job.sites) or run_broker(job, run_dir, site) is None:
+        return None
+    names = [s.name for s in job.sites]
+    return Membership(names, site, min_sites=job.train.quorum(len(names)), joining=rejoining)
+
+
 class SiteControl:
     """The control plane as one rank of a site sees it (only rank 0 connects)."""
 
     def __init__(
-        self, job: Job, run_dir: Path, site: str, rank: int, ranks: int, address: str
+        self,
+        job: Job,
+        run_dir: Path,
+        site: str,
+        rank: int,
+        ranks: int,
+        address: str,
+        membership: Membership | None = None,
     ) -> None:
-        """``address``: where the site's rank 0 serves its peers (host:port)."""
+        """``address``: where the site's rank 0 serves its peers (host:port).
+        ``membership``: the site's side of the membership protocol, which the
+        control plane carries."""
         self.ranks = ranks
         self.plane: ControlPlane | None = None
         self._last_status = 0.0
@@ -57,7 +80,12 @@ class SiteControl:
             broker_address, wait_s = broker
             status = {"ranks": ranks, "step": 0, "round": 0, "address": address}
             self.plane = ControlPlane(
-                broker_address, job.name, site, settings=job.train, status=status
+                broker_address,
+                job.name,
+                site,
+                settings=job.train,
+                status=status,
+                membership=membership,
             )
             try:
                 self.plane.start(wait_s=wait_s)
@@ -68,7 +96,12 @@ class SiteControl:
                 # plane, so go on and keep retrying in the background.
                 log.warning("%s", exc)
                 self.plane = ControlPlane(
-                    broker_address, job.name, site, settings=job.train, status=status
+                    broker_address,
+                    job.name,
+                    site,
+                    settings=job.train,
+                    status=status,
+                    membership=membership,
                 ).start()
 
     def step(self, step: int, outer_round: int) -> None:
@@ -92,6 +125,9 @@ class SiteControl:
 
     def close(self) -> None:
         if self.plane is not None:
+            if self.plane.membership is not None:
+                # Gone on purpose: the others must not wait for it, nor take it for lost.
+                self.plane.membership.report(phase="done")
             self.plane.close()
 
 

@@ -43,6 +43,10 @@ STOP_GRACE_S = 10.0
 """How long a stopped process gets to exit on SIGTERM before SIGKILL."""
 EMULATOR_START_S = 60.0
 POLL_S = 0.25
+RESTART_AFTER_S = 2.0
+"""With ``restart_lost``: how long after a site's loss it is started again."""
+MAX_RESTARTS = 3
+"""Restarts per site, so a site that keeps dying does not restart forever."""
 
 
 class RunError(Exception):
@@ -71,6 +75,9 @@ class SiteState:
     started: float | None = None
     last_step_t: float | None = None
     tokens_per_s: float = 0.0
+    restarts: int = 0
+    restart_at: float | None = None
+    """``time.monotonic()`` at which a lost site is started again (None: not pending)."""
 
 
 @dataclass
@@ -215,8 +222,18 @@ class Launcher:
         *,
         on_update: Callable[[RunState], None] | None = None,
         resume_round: int | None = None,
+        restart_lost: bool = False,
     ) -> None:
+        """``restart_lost``: start a lost site again (as its operator would) so it
+        rejoins; needs a run that survives the loss of a site."""
         self.job = job
+        self.survives_loss = _survives_loss(job)
+        if restart_lost and not self.survives_loss:
+            raise RunError(
+                "--restart-lost: only a run that survives the loss of a site can take a site "
+                "back: train.strategy diloco, at least 2 sites, one rank per site"
+            )
+        self.restart_lost = restart_lost
         self.resume_round = resume_round
         self.raw = raw
         self.run_dir = run_dir
@@ -245,6 +262,7 @@ class Launcher:
         self._link_bytes: dict[str, tuple[float, float]] = {}
         self.tensorboard: Any = None
         self.tuner: Any = None
+        self._pids: dict[str, list[int]] = {}
 
     # -- start ---------------------------------------------------------------------
     def start(self) -> None:
@@ -260,23 +278,29 @@ class Launcher:
             self._start_emulator()
         if self.job.tune.online:
             self._start_tuner()
+        for site in self.job.sites:
+            self._start_site(site.name)
+
+    def _start_site(self, name: str, *, rejoin: bool = False) -> None:
+        run_dir = self.run_dir
+        site = self.job.site(name)
         total_ranks = sum(s.ranks for s in self.job.sites)
         threads = max(1, (os.cpu_count() or 1) // total_ranks)
         env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-        pids: dict[str, list[int]] = {}
-        for site in self.job.sites:
-            state = self.state.sites[site.name]
-            logs = [run_dir / "logs" / f"{site.name}-r{r}.log" for r in range(site.ranks)]
-            files = [log.open("ab") for log in logs]
-            self._files += files
-            command = [sys.executable, "-m", "isthmus.deploy.run_worker", str(run_dir), site.name]
-            if self.resume_round is not None:
-                command += ["--resume-round", str(self.resume_round)]
-            state.procs = _launch(command, site.ranks, env, files)
-            state.logs = logs
-            state.started = time.time()
-            pids[site.name] = [p.pid for p in state.procs]
-            write_json_atomic(run_dir / "pids.json", pids)
+        state = self.state.sites[name]
+        logs = [run_dir / "logs" / f"{name}-r{r}.log" for r in range(site.ranks)]
+        files = [log.open("ab") for log in logs]
+        self._files += files
+        command = [sys.executable, "-m", "isthmus.deploy.run_worker", str(run_dir), name]
+        if rejoin:
+            command.append("--rejoin")
+        elif self.resume_round is not None:
+            command += ["--resume-round", str(self.resume_round)]
+        state.procs = _launch(command, site.ranks, env, files)
+        state.logs = logs
+        state.started = time.time()
+        self._pids[name] = [p.pid for p in state.procs]
+        write_json_atomic(run_dir / "pids.json", self._pids)
 
     def _start_broker(self) -> None:
         """The control plane's embedded broker; its address goes where the sites
@@ -377,6 +401,14 @@ class Launcher:
     def _check_processes(self) -> str:
         running = False
         for site in self.state.sites.values():
+            if site.restart_at is not None:
+                running = True
+                if time.monotonic() >= site.restart_at:
+                    site.restart_at = None
+                    site.restarts += 1
+                    site.status, site.reason = "rejoining", ""
+                    self._start_site(site.name, rejoin=True)
+                continue
             if site.status in ("failed", "lost"):
                 continue
             # A site says "finished" before its processes exit; the exit codes decide.
@@ -390,12 +422,22 @@ class Launcher:
                     site.reason = f"rank {rank} killed by {signal.Signals(-code).name} (log: {log})"
                 else:
                     site.reason = f"rank {rank} exit status {code}: {_tail(log)} (log: {log})"
-                return "failed"
+                if not self.survives_loss:
+                    return "failed"
+                # The other sites train on without it (the membership protocol).
+                _terminate(site.procs)
+                if self.restart_lost and site.restarts < MAX_RESTARTS:
+                    site.restart_at = time.monotonic() + RESTART_AFTER_S
+                    running = True
+                continue
             if all(c == 0 for c in codes):
                 site.status = "finished"
             else:
                 running = True
-        return "" if running else "finished"
+        if running:
+            return ""
+        finished = any(s.status == "finished" for s in self.state.sites.values())
+        return "finished" if finished else "failed"
 
     def _read_records(self) -> None:
         assert self._metrics is not None
@@ -462,6 +504,16 @@ class Launcher:
     def _final_link_stats(self) -> None:
         self._last_link_poll = 0.0
         self._poll_links()
+
+
+def _survives_loss(job: Job) -> bool:
+    """Whether the run goes on when a site is lost (the membership protocol runs:
+    see :func:`isthmus.deploy.run_control.membership_for`)."""
+    return (
+        job.train.strategy == "diloco"
+        and len(job.sites) >= 2
+        and all(s.ranks == 1 for s in job.sites)
+    )
 
 
 def _launch(

@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from isthmus.deploy.addressing import load_state
 from isthmus.deploy.jobfile import Job, load_job
-from isthmus.deploy.run_control import SiteControl, apply_settings
+from isthmus.deploy.run_control import SiteControl, apply_settings, membership_for
 from isthmus.deploy.run_records import RecordWriter, parameter_digest, write_json_atomic
 from isthmus.deploy.site_errors import run_site_main
 from isthmus.inter.join import SiteRuntime, start_site
@@ -47,6 +47,7 @@ from isthmus.intra.data import Dataset, ShardSpec, load_corpus
 from isthmus.intra.model import GPT, config_for, lm_loss
 from isthmus.intra.parallelize import GPT_PLAN, ModelPlan, SiteModel
 from isthmus.intra.plugins import DataContext, load_callable, load_model
+from isthmus.intra.process_group import SiteError
 from isthmus.intra.schedule import warmup_cosine
 from isthmus.sim.tuner import LIVE_SYNC_EVERY
 
@@ -124,23 +125,44 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise _Stop()
 
 
-def train(run_dir: Path, site_name: str, resume_round: int | None = None) -> int:
+def train(
+    run_dir: Path, site_name: str, resume_round: int | None = None, rejoin: bool = False
+) -> int:
     job = load_job(run_dir / "job.yaml")
     settings = job.train
     state_path = run_dir / "wan.json"
     state = load_state(state_path) if state_path.exists() else None
     model, plan, loss_fn = build_model(job)
     named = [(n, p.shape) for n, p in model.named_parameters()]
-    site = start_site(job, site_name, parameters=named, state=state)
+    membership = membership_for(job, run_dir, site_name, rejoining=rejoin)
+    if rejoin and membership is None:
+        raise SiteError(
+            "--rejoin needs a run that can lose and regain sites: strategy diloco, one rank "
+            "per site, and a control plane"
+        )
+    site = start_site(job, site_name, parameters=named, state=state, rejoining=rejoin)
+    site.membership = membership
     leader = site.rank == 0  # rank 0 reports for the whole site
     records = RecordWriter(run_dir / "sites" / site_name / "metrics.jsonl", site_name, leader)
     control = None
     try:
         host, port = site.addresses.listen[0]
         address = f"{host}:{port}"
-        control = SiteControl(job, run_dir, site_name, site.rank, site.site.ranks, address)
+        control = SiteControl(
+            job, run_dir, site_name, site.rank, site.site.ranks, address, membership
+        )
         return _train(
-            job, settings, site, model, plan, loss_fn, records, control, run_dir, resume_round
+            job,
+            settings,
+            site,
+            model,
+            plan,
+            loss_fn,
+            records,
+            control,
+            run_dir,
+            resume_round,
+            rejoin,
         )
     finally:
         if control is not None:
@@ -160,6 +182,7 @@ def _train(
     control: SiteControl,
     run_dir: Path,
     resume_round: int | None = None,
+    rejoin: bool = False,
 ) -> int:
     leader = site.rank == 0
     part = SiteModel(model, site.layout, site.rank, loss_fn=loss_fn, plan=plan)
@@ -191,6 +214,23 @@ def _train(
     records.write("start", ranks=site.site.ranks, strategy=settings.strategy, steps=settings.steps)
     if resumed:
         records.write("resume", round=resume_round, step=start_step)
+    if rejoin:
+        assert isinstance(strategy, DiLoCo)
+        records.write("state", state="rejoining")
+        start_step = strategy.rejoin()
+        pulled = strategy.caught_up[-1]
+        records.write(
+            "rejoin",
+            round=pulled.rounds,
+            step=start_step,
+            donor=pulled.donor,
+            view=pulled.view,
+            bytes=pulled.bytes,
+            seconds=pulled.seconds,
+        )
+        batches = _batches(job, settings, site, dataset, start_step)
+        first = next(batches)
+    views_seen = (0, 0)
 
     tokens = int(resumed.get("tokens", 0))
     compute_s = float(resumed.get("compute_s", 0.0))
@@ -229,6 +269,7 @@ def _train(
             lr=optimizer.param_groups[0]["lr"],
         )
         control.step(step + 1, strategy.outer_steps)
+        views_seen = _write_views(records, site, strategy, views_seen, step + 1)
         round_ended = strategy.outer_steps != outer_seen
         if round_ended:
             outer_seen = strategy.outer_steps
@@ -402,6 +443,40 @@ def _site_mean(loss: float | None, site: SiteRuntime) -> float:
     return float(both[0] / both[1]) if both[1] else float("nan")
 
 
+def _write_views(
+    records: RecordWriter, site: SiteRuntime, strategy: Strategy, seen: tuple[int, int], step: int
+) -> tuple[int, int]:
+    """Record the membership views this site entered and the state it pulled, since
+    ``seen`` (counts of each)."""
+    if site.membership is None:
+        return seen
+    views, pulls = seen
+    history = site.membership.history
+    for view in history[views:]:
+        records.write(
+            "view",
+            step=step,
+            epoch=view.epoch,
+            members=list(view.members),
+            start_round=view.start_round,
+            catch_up=list(view.catch_up),
+            donor=view.donor,
+            reason=view.reason,
+        )
+    caught_up = getattr(strategy, "caught_up", [])
+    for pull in caught_up[pulls:]:
+        records.write(
+            "catch_up",
+            step=step,
+            round=pull.rounds,
+            view=pull.view,
+            donor=pull.donor,
+            bytes=pull.bytes,
+            seconds=pull.seconds,
+        )
+    return len(history), len(caught_up)
+
+
 def _write_blocked(records: RecordWriter, strategy: Strategy) -> None:
     """Report the spans the strategy blocked the loop, and forget them."""
     for span in strategy.blocked:
@@ -456,10 +531,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--resume-round", type=int, help="go on from the sites' checkpoint after this round"
     )
+    parser.add_argument(
+        "--rejoin",
+        action="store_true",
+        help="the other sites are training: wait to be admitted, pull the global state "
+        "from one of them, and train on",
+    )
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        return train(args.run_dir, args.site, args.resume_round)
+        return train(args.run_dir, args.site, args.resume_round, args.rejoin)
     except _Stop:
         return 143
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from isthmus.deploy.addressing import AddressError
 from isthmus.deploy.jobfile import JobFileError
 from isthmus.inter.allreduce import RoundError
+from isthmus.inter.membership import MembershipError
 from isthmus.inter.peer import PeerError
 from isthmus.inter.settings import SettingError
 from isthmus.intra.layout import LayoutError
@@ -30,7 +31,7 @@ def run_site_main(main: Callable[[], int], prog: str) -> int:
     except (AddressError, LayoutError, SettingError, SiteError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
-    except (PeerError, RoundError, ConnectionError) as exc:
+    except (PeerError, RoundError, ConnectionError, MembershipError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

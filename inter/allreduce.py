@@ -52,6 +52,8 @@ from isthmus.sim.cost import LinkLookup, choose
 log = logging.getLogger(__name__)
 
 MAX_ROUNDS_AHEAD = 16
+LENIENT_HELLO_S = 5.0
+"""How long a lenient connect waits for each peer's handshake."""
 """How many rounds past its own a rank holds chunks for. Peers are at most a round
 or two ahead (every round needs every participant); more is a peer out of step."""
 
@@ -244,8 +246,11 @@ class CrossSiteAllReduce:
     def load_feedback_state(self, residuals: Mapping[str, torch.Tensor]) -> None:
         self._residuals = {name: r.clone() for name, r in residuals.items()}
 
-    async def connect(self) -> None:
-        """Open a session with every peer (handshake checks job, protocol, layout)."""
+    async def connect(self, *, lenient: bool = False) -> None:
+        """Open a session with every peer (handshake checks job, protocol, layout).
+        ``lenient``: a peer that does not answer within ``LENIENT_HELLO_S`` is kept
+        without a handshake (a site rejoining a run where others may be down: the
+        first exchange with it waits for it); a peer that refuses still fails."""
         for site, address in self.peers.items():
             client = PeerClient(
                 self.identity,
@@ -255,10 +260,16 @@ class CrossSiteAllReduce:
                 peer_site=site,
             )
             try:
+                if lenient:
+                    client.deadline_s = min(self.deadline_s, LENIENT_HELLO_S)
                 await client.hello()
             except PeerError as exc:
-                await client.close()
-                raise RoundError(site, f"site {site!r}: {exc}") from None
+                if not (lenient and exc.transient):
+                    await client.close()
+                    raise RoundError(site, f"site {site!r}: {exc}") from None
+                log.warning("site %r does not answer yet (%s); going on without it", site, exc)
+            finally:
+                client.deadline_s = self.deadline_s
             self.clients[site] = client
 
     async def close(self) -> None:
@@ -278,9 +289,9 @@ class CrossSiteAllReduce:
             # Chunks of rounds not yet open are held until they open: bound how far
             # ahead, so a peer out of step (or a bad round number) cannot fill memory.
             raise ChunkError(
-                wire_pb2.STALE_ROUND,
+                wire_pb2.ROUND_AHEAD,
                 f"chunk of round {chunk.round}, but this site is at round {floor}; more "
-                f"than {MAX_ROUNDS_AHEAD} rounds ahead, no round can use it",
+                f"than {MAX_ROUNDS_AHEAD} rounds ahead; send it again later",
             )
         key = (chunk.round, chunk.shard, chunk.site)
         self._incoming.setdefault(key, _Incoming()).add(chunk)
@@ -582,6 +593,14 @@ class CrossSiteAllReduce:
             )
         finally:
             self._active.remove(round)
+
+    def skip_to(self, round: int) -> None:
+        """The next round is ``round`` or later: chunks of earlier rounds are dropped
+        (those of rounds still running stay until they end)."""
+        self._next_floor = max(self._next_floor, round)
+        floor = self._floor()
+        for key in [k for k in self._incoming if k[0] < floor]:
+            del self._incoming[key]
 
     def _floor(self) -> int:
         return min(self._active) if self._active else self._next_floor

@@ -14,14 +14,14 @@ contribution, and one refusing rank excludes its whole site, on every site
 alike. A site with no tokens, or refused, is left out of the round: it still
 takes part in the data round with weight 0 (sending zeros, receiving the
 average), so it ends the round with the same global parameters as the others.
-A site that cannot be reached fails the vote by its deadline; excluding it and
-going on is the failure handling's job (a later issue), which will build on
-this same step.
+A site that cannot be reached fails the vote; the membership protocol
+(:mod:`isthmus.inter.membership`) then decides a view without it, and the vote
+runs again among that view's members.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +63,7 @@ def seal_round(
     dp_size: int = 1,
     refuse: bool = False,
     last: bool = False,
+    abort: Callable[[], bool] | None = None,
 ) -> Seal:
     """The round's participants and weights, identical on every site.
 
@@ -72,7 +73,9 @@ def seal_round(
     ``last``: this site stops training after this round (its data or step budget
     is spent); every site learns it from the seal and stops too, so all take
     part in the same rounds even when their rounds hold different step counts.
-    ``round`` must be a round number of its own (not a data round's)."""
+    ``round`` must be a round number of its own (not a data round's).
+    ``sites``: the round's members (all of the job's, or a membership view's).
+    ``abort``: polled while waiting (see :meth:`PendingAverage.wait`)."""
     if not 0 <= tokens < _BASE**_PARTS:
         raise ValueError(f"tokens must be in [0, 2^48), got {tokens}")
     if dp_size > 1024:
@@ -91,6 +94,7 @@ def seal_round(
         participants=list(sites),
         weights={s: 1.0 for s in sites},
         in_site_reduce=dp_size > 1,
+        abort=abort,
     )
     slots = (vote * len(sites)).round().long().view(-1, _SLOTS).tolist()
     totals = {

@@ -31,6 +31,7 @@ from isthmus.inter.control_topics import (
     config_topic,
     decode,
     encode,
+    membership_topic,
     metrics_topic,
     parse_config,
     parse_metrics,
@@ -38,6 +39,7 @@ from isthmus.inter.control_topics import (
     site_of,
     status_topic,
 )
+from isthmus.inter.membership import Membership
 from isthmus.inter.settings import TrainSettings
 
 log = logging.getLogger("isthmus.control")
@@ -113,7 +115,10 @@ class ControlPlane:
         settings: TrainSettings | None = None,
         status: dict[str, Any] | None = None,
         keepalive_s: int = KEEPALIVE_S,
+        membership: Membership | None = None,
     ) -> None:
+        """``membership``: this site's side of the membership protocol, fed with
+        every status and view, its reports sent in this site's status."""
         self.broker = broker
         self.job = job
         self.site = site
@@ -145,6 +150,12 @@ class ControlPlane:
         self._status_in_flight = False
         self._status_dirty = False
         self._metrics_in_flight = 0
+        self.membership = membership
+        if membership is not None:
+            # In the first status already: a joining site must say so to be let in.
+            self._status["membership"] = membership.report_message()
+            membership.publish_report = lambda report: self.update_status(membership=report)
+            membership.publish_view = self._publish_view
 
     # -- life ----------------------------------------------------------------------
     def start(self, wait_s: float | None = None) -> ControlPlane:
@@ -347,6 +358,7 @@ class ControlPlane:
                     await client.subscribe(config_topic(self.job), qos=1)
                     await client.subscribe(f"isthmus/{self.job}/sites/+/status", qos=1)
                     await client.subscribe(f"isthmus/{self.job}/metrics/+", qos=0)
+                    await client.subscribe(membership_topic(self.job), qos=1)
                     self.connections += 1
                     self.connected.set()
                     if outage_logged:
@@ -382,10 +394,34 @@ class ControlPlane:
                 retain=True,
             )
 
+    def _publish_view(self, view: Any) -> None:
+        """A membership view, retained, QoS 1: every site must see it, also a site that
+        connects later. Called from this client's thread or the training thread."""
+        payload = encode({**view.to_message(), "t": time.time()})
+
+        async def send() -> None:
+            client = self._client
+            if client is None:
+                log.warning("control plane: not connected; view %d not published", view.epoch)
+                return
+            try:
+                await client.publish(membership_topic(self.job), payload, qos=1, retain=True)
+            except Exception as exc:
+                log.warning("control plane: view %d not published: %s", view.epoch, exc)
+
+        if self._thread.is_alive() and not self._stopping:
+            asyncio.run_coroutine_threadsafe(send(), self._loop)
+
     def _receive(self, topic: str, payload: Any) -> None:
         message = decode(payload)
         if isinstance(message, str):
             return self._ignore(topic, message)
+        if topic == membership_topic(self.job):
+            if self.membership is not None:
+                problem = self.membership.on_view(message)
+                if problem:
+                    return self._ignore(topic, problem)
+            return None
         if topic == config_topic(self.job):
             change = parse_config(message, self.settings)
             if isinstance(change, str):
@@ -401,6 +437,10 @@ class ControlPlane:
         if isinstance(checked, str):
             return self._ignore(topic, checked)
         (self.peers if kind[0] == "status" else self.metrics)[kind[1]] = checked
+        if kind[0] == "status" and self.membership is not None:
+            problem = self.membership.on_status(kind[1], checked)
+            if problem:
+                return self._ignore(topic, problem)
         return None
 
     def _ignore(self, topic: str, reason: str) -> None:

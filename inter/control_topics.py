@@ -5,13 +5,22 @@ topic                                       retained  payload (JSON object)
 ==========================================  ========  =====================================
 ``isthmus/<job>/sites/<site>/status``       yes       ``state`` ("online" / "offline"),
                                                       ``ranks``, ``step``, ``round``,
-                                                      ``address``, ``protocol``, ``t``;
-                                                      the Last Will is the same with
-                                                      ``state: "offline"``
+                                                      ``address``, ``protocol``, ``t``,
+                                                      ``membership`` (the site's report:
+                                                      ``phase``, ``epoch``, ``rounds``,
+                                                      ``engine_round``, ``unreachable``,
+                                                      ``conflict``); the Last Will is the
+                                                      same with ``state: "offline"``
 ``isthmus/<job>/config``                    yes       ``settings`` (``train:`` keys),
                                                       ``from_round`` (the outer round from
                                                       which every site applies them),
                                                       ``version``, ``t``
+``isthmus/<job>/membership``                yes       the membership view (see
+                                                      :mod:`isthmus.inter.membership`):
+                                                      ``epoch``, ``members``,
+                                                      ``start_round``, ``engine_round``,
+                                                      ``catch_up``, ``donor``,
+                                                      ``reason``, ``leader``
 ``isthmus/<job>/metrics/<site>``            no        one per round: ``round``, ``step``,
                                                       ``loss``, ``tokens_per_s``,
                                                       ``wan_bytes_sent``, ``round_s``,
@@ -46,6 +55,10 @@ def status_topic(job: str, site: str) -> str:
 
 def config_topic(job: str) -> str:
     return f"isthmus/{job}/config"
+
+
+def membership_topic(job: str) -> str:
+    return f"isthmus/{job}/membership"
 
 
 def metrics_topic(job: str, site: str) -> str:

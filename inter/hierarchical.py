@@ -27,7 +27,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +38,13 @@ from torch.distributed.tensor.placement_types import Placement
 from isthmus.inter.allreduce import RoundStats
 from isthmus.inter.background import BackgroundLoop
 from isthmus.inter.lanes import RankEndpoint, owned_lanes
+
+ABORT_POLL_S = 0.1
+"""How often a wait that can be abandoned checks whether it must be."""
+
+
+class RoundAborted(RuntimeError):
+    """A round was abandoned by its caller (the membership changed under it)."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,7 @@ class HierarchicalStep:
         rank_weight: float = 1.0,
         in_site_reduce: bool = True,
         algorithm: str = "direct",
+        abort: Callable[[], bool] | None = None,
     ) -> StepReport:
         """Replace ``tensors`` (in place) by their weighted average over ``participants``.
 
@@ -102,7 +110,7 @@ class HierarchicalStep:
         rank's weight within its site, when ``in_site_reduce`` says the site's
         ranks hold different values (their weighted average is the site's value).
         Every rank of the data-parallel group must call this with the same arguments
-        but ``rank_weight``.
+        but ``rank_weight``. ``abort``: see :meth:`PendingAverage.wait`.
         """
         return self.start(
             tensors,
@@ -112,7 +120,7 @@ class HierarchicalStep:
             rank_weight=rank_weight,
             in_site_reduce=in_site_reduce,
             algorithm=algorithm,
-        ).wait()
+        ).wait(abort=abort)
 
     def start(
         self,
@@ -198,9 +206,15 @@ class PendingAverage:
         """Whether the WAN part has finished (waiting would not block on it)."""
         return self._future.done()
 
-    def wait(self) -> StepReport:
+    def wait(self, abort: Callable[[], bool] | None = None) -> StepReport:
+        """The average, once the WAN part is done. ``abort``: polled while waiting;
+        when it returns True the WAN part is cancelled and :class:`RoundAborted`
+        raised (the tensors keep their values)."""
         step = self._step
-        results, stats = self._future.result(step.timeout_s)
+        if abort is None:
+            results, stats = self._future.result(step.timeout_s)
+        else:
+            results, stats = self._wait_unless(abort)
         for lane, result in results.items():
             self._values[lane].copy_(result)
         wan_s = time.perf_counter() - self._started
@@ -219,6 +233,21 @@ class PendingAverage:
             wan_bytes_sent=stats.bytes_sent,
             wan_bytes_received=stats.bytes_received,
         )
+
+    def _wait_unless(self, abort: Callable[[], bool]) -> tuple[dict[int, torch.Tensor], RoundStats]:
+        timeout = self._step.timeout_s
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                return self._future.result(ABORT_POLL_S)
+            except concurrent.futures.TimeoutError:
+                pass
+            if abort():
+                self._future.cancel()
+                raise RoundAborted("the round was abandoned")
+            if deadline is not None and time.monotonic() > deadline:
+                self._future.cancel()
+                raise TimeoutError(f"the cross-site step did not finish within {timeout:g} s")
 
 
 def _dp_placements(tensor: DTensor) -> list[Placement]:

@@ -23,7 +23,8 @@ from isthmus.inter.background import BackgroundLoop
 from isthmus.inter.codecs import Codec
 from isthmus.inter.hierarchical import HierarchicalStep
 from isthmus.inter.lanes import RankEndpoint, lane_count, lane_owner, owned_lanes
-from isthmus.inter.peer import Identity
+from isthmus.inter.membership import Membership
+from isthmus.inter.peer import Identity, PeerClient
 from isthmus.inter.transport import TransportSettings
 from isthmus.intra.layout import Layout
 from isthmus.intra.process_group import SiteError, dp_group, init_site_group
@@ -54,6 +55,9 @@ class SiteRuntime:
     endpoint: RankEndpoint
     step: HierarchicalStep
     dp_group: dist.ProcessGroup | None
+    membership: Membership | None = None
+    """Who takes part in each round, when sites may be lost and rejoin (the
+    control plane carries it); None: every site of the job, always."""
     _round: int = -1
 
     @property
@@ -73,6 +77,29 @@ class SiteRuntime:
         """The next round number: every site advances it identically."""
         self._round += 1
         return self._round
+
+    @property
+    def engine_round(self) -> int:
+        """The last round number handed out."""
+        return self._round
+
+    def skip_to_round(self, round: int) -> None:
+        """Number the next round ``round`` (a new membership view's first): chunks of
+        the rounds skipped are stragglers of abandoned rounds, dropped on arrival."""
+        if round <= self._round:
+            raise ValueError(f"round {round} is not after round {self._round}")
+        self._round = round - 1
+
+        async def skip() -> None:
+            for engine in self.endpoint.engines.values():
+                engine.skip_to(round)
+
+        self.loop.run(skip())
+
+    def client_for(self, site: str) -> PeerClient:
+        """This rank's session with its counterpart in ``site`` (its first lane's)."""
+        engine = self.endpoint.engines[min(self.endpoint.engines)]
+        return engine.clients[site]
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint taken between rounds carries of the membership: the
@@ -117,10 +144,13 @@ def start_site(
     codec: Codec | None = None,
     deadline_s: float = 120.0,
     backend: str | None = None,
+    rejoining: bool = False,
 ) -> SiteRuntime:
     """Start this rank of ``site``. ``parameters``: (name, shape) of what will cross
     the WAN, for the layout check at the handshake. ``state``: the emulator's
-    state file contents, when sites talk through ``isthmus wan``."""
+    state file contents, when sites talk through ``isthmus wan``. ``rejoining``: the
+    other sites are training already, and some may be down: connect to those that
+    answer, and to the others when they come back."""
     try:
         spec = job.site(site)
     except KeyError as exc:
@@ -162,7 +192,7 @@ def start_site(
         )
         host, port = addresses.listen[rank]
         loop.run(endpoint.start(host, port))
-        loop.run(endpoint.connect())
+        loop.run(endpoint.connect(lenient=rejoining))
     except BaseException:
         loop.close()
         raise

@@ -116,8 +116,8 @@ class RankEndpoint:
                 total[site] = total.get(site, 0) + count
         return total
 
-    async def connect(self) -> None:
-        await asyncio.gather(*(engine.connect() for engine in self.engines.values()))
+    async def connect(self, *, lenient: bool = False) -> None:
+        await asyncio.gather(*(engine.connect(lenient=lenient) for engine in self.engines.values()))
 
     async def close(self) -> None:
         for engine in self.engines.values():

@@ -40,6 +40,9 @@ PREFETCH = 2
 RETRY_PAUSE_S = 0.05
 """Pause before the first retry, doubled on each further one."""
 
+EARLY_PAUSE_S = 0.5
+"""Pause before sending chunks again that the peer was not ready for (ROUND_AHEAD)."""
+
 Key = tuple[int, int, int]
 """(round, shard, index): what an acknowledgement names."""
 
@@ -71,6 +74,8 @@ class _Outbox:
         self.unacked: dict[Key, wire_pb2.Chunk] = {}
         self.refusals: dict[Key, int] = {}
         self.resent = 0
+        self.early = False
+        """The peer said it is not at a chunk's round yet: pause before sending again."""
         self.last_refusal = ""
         self.hopeless = False
         """A chunk was refused MAX_REFUSALS times."""
@@ -115,6 +120,10 @@ class _Outbox:
             return  # garbled on the way back, or a duplicate: the chunk stays due
         if ack.ok:
             del self.unacked[key]
+        elif ack.error.code == wire_pb2.ROUND_AHEAD:
+            # The peer is not at this round yet (catching up): not the chunk's fault.
+            self.last_refusal = ack.error.message
+            self.early = True
         else:
             self.last_refusal = ack.error.message or "refused without a reason"
             self.refusals[key] = self.refusals.get(key, 0) + 1
@@ -186,6 +195,10 @@ async def send_reliably(
             if outbox.exhausted and not outbox.unacked:
                 delivery.resent_chunks = outbox.resent
                 return delivery
+            if outbox.early and loop.time() < give_up:
+                outbox.early = False
+                await asyncio.sleep(min(EARLY_PAUSE_S, max(0.0, give_up - loop.time())))
+                continue
             if outbox.hopeless:
                 raise SendFailed(
                     f"a chunk was refused {MAX_REFUSALS} times; last: {outbox.last_refusal}"

@@ -32,7 +32,7 @@ from isthmus.proto import wire_pb2, wire_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 LOG_EVERY_S = 10.0
 """Refusals of one kind are logged at most this often, with a count of the rest."""
 REFUSALS_KEPT = 100
@@ -103,6 +103,10 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
         self.refusals: Counter[str] = Counter()
         """How many refusals of each kind (the wire ErrorCode's name), ever."""
         self._last_logged: dict[str, tuple[float, int]] = {}
+        self.state_provider: Any = None
+        """What answers FetchState (:mod:`isthmus.inter.state_transfer`): set by the
+        strategy that holds the global state; None refuses every request."""
+        self.part_bytes = 4 * 1024 * 1024
 
     def check_handshake(self, request: wire_pb2.Handshake) -> wire_pb2.Error | None:
         me = self.identity
@@ -167,6 +171,38 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
             rank = -1  # only named in messages; the chunks still have to pass
         async for chunk in request_iterator:
             yield await self.accept(chunk, site, rank, context.peer())
+
+    async def FetchState(
+        self, request: wire_pb2.StateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[wire_pb2.StatePart]:
+        from isthmus.inter.state_transfer import serve_state
+
+        hello = wire_pb2.Handshake(
+            job=request.job,
+            site=request.site,
+            rank=request.rank,
+            protocol_version=request.protocol_version,
+            layout_fingerprint=request.layout_fingerprint,
+        )
+        error = self.check_handshake(hello) or self._check_certificate(request.site, context)
+        if error is not None:
+            self._refuse(f"state request from {context.peer()}: {error.message}", error.code)
+            yield wire_pb2.StatePart(error=error)
+            return
+        log.info(
+            "serving the state after %d rounds to site %r (%s) from byte %d",
+            request.rounds,
+            request.site,
+            context.peer(),
+            request.offset,
+        )
+        async for part in serve_state(
+            self.state_provider,
+            request,
+            part_bytes=self.part_bytes,
+            time_left=context.time_remaining,
+        ):
+            yield part
 
     async def accept(self, chunk: wire_pb2.Chunk, site: str, rank: int, peer: str) -> wire_pb2.Ack:
         """Verify one chunk from ``site`` and hand it on, or refuse it: the answer to
@@ -284,6 +320,7 @@ class PeerServer:
         self.servicer = PeerServicer(
             identity, sites, on_chunk, check_certificates=self.settings.tls is not None
         )
+        self.servicer.part_bytes = self.settings.max_chunk_bytes
         self.server = grpc.aio.server(
             interceptors=[self.metrics, *interceptors], options=self.settings.server_options()
         )
@@ -373,7 +410,12 @@ class PeerClient:
         try:
             reply = await self.stub.Hello(request, timeout=self.deadline_s, wait_for_ready=True)
         except grpc.aio.AioRpcError as exc:
-            raise PeerError(self._describe(exc)) from None
+            # No answer (down, not started yet) may change; a refusal will not.
+            unanswered = exc.code() in (
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.UNAVAILABLE,
+            )
+            raise PeerError(self._describe(exc), transient=unanswered) from None
         if not reply.accepted:
             raise PeerError(f"peer {self.address} refused the session: {reply.error.message}")
         self.peer = (reply.site, reply.rank)

@@ -88,6 +88,11 @@ class TrainSettings:
     RUN_DIR`` can go on after a stop. 0: no checkpoints. ``sync`` and ``diloco`` only
     (the others have exchanges in flight at every step)."""
 
+    min_sites: int = 0
+    """``isthmus run`` with ``diloco``: the quorum. When sites are lost, the others
+    train on while at least this many sites remain, and pause (saying so) below
+    it until enough are back. 0: half the job's sites, rounded up."""
+
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise SettingError(
@@ -151,6 +156,21 @@ class TrainSettings:
                 f"checkpoints are taken between rounds, and strategy {self.strategy!r} has an "
                 "exchange in flight at every step; use sync or diloco, or checkpoint_every: 0",
             )
+
+        if not (
+            isinstance(self.min_sites, int)
+            and not isinstance(self.min_sites, bool)
+            and self.min_sites >= 0
+        ):
+            raise SettingError(
+                "min_sites",
+                f"must be an integer >= 0 (sites; 0: half the job's, rounded up), got "
+                f"{self.min_sites!r}",
+            )
+
+    def quorum(self, sites: int) -> int:
+        """``min_sites`` for a job of ``sites`` sites."""
+        return self.min_sites or (sites + 1) // 2
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

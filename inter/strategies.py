@@ -19,8 +19,10 @@ everywhere), so strategies can be switched between rounds.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -33,13 +35,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from isthmus.inter.allreduce import RoundError
 from isthmus.inter.codecs import Codec, parse_codec
 from isthmus.inter.commit import Seal, seal_round
 from isthmus.inter.fragments import assign_fragments, count_blocks, sync_offsets
-from isthmus.inter.hierarchical import PendingAverage, StepReport
+from isthmus.inter.hierarchical import PendingAverage, RoundAborted, StepReport
 from isthmus.inter.join import SiteRuntime
+from isthmus.inter.membership import Membership, MembershipError, View
 from isthmus.inter.outer import OuterOptimizer
+from isthmus.inter.peer import PeerError
 from isthmus.inter.settings import SettingError
+from isthmus.inter.state_transfer import StateGone, StateUnavailable, fetch_state, pack_state
+from isthmus.proto import wire_pb2
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +64,20 @@ def _positive_int(name: str, value: Any) -> int:
     if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         raise SettingError(name, f"must be an integer >= 1, got {value!r}")
     return value
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """A pull of the global state from a peer, to enter a membership view."""
+
+    view: int
+    donor: str
+    rounds: int
+    """Rounds the pulled state is after."""
+    inner_steps: int
+    bytes: int
+    seconds: float
+    resumed: int
 
 
 @dataclass(frozen=True)
@@ -139,16 +160,18 @@ class Strategy:
         *,
         vector: str,
         in_site_reduce: bool = False,
+        participants: Sequence[str] | None = None,
     ) -> PendingAverage:
         """Start averaging ``tensors`` over every site, in the site's next round.
         The DiLoCo family's ranks hold one model per site (FSDP, or one rank), so
         by default nothing is averaged inside the site first. ``vector`` names what
         is sent (the same name for the same values every round): error feedback
-        is kept per vector."""
+        is kept per vector. ``participants``: the round's members (default: every
+        site of the job)."""
         return self.site.step.start(
             tensors,
             round=self.site.next_round(),
-            participants=self.site.names,
+            participants=self.site.names if participants is None else participants,
             weights=weights,
             in_site_reduce=in_site_reduce,
             feedback=vector if self.error_feedback else None,
@@ -417,6 +440,18 @@ class DiLoCo(_LocalSteps):
         self.training_over = False
         """True once a site has said, in a round's seal, that it stopped training."""
         self.last_seal: Seal | None = None
+        self.rounds = 0
+        """Rounds completed (with or without an outer step): what membership views count."""
+        self.caught_up: list[CatchUp] = []
+        """Each time this site pulled the global state from a peer (a rejoin, a round
+        it fell behind), newest last: for records."""
+        self.member_timeout_s = 600.0
+        """How long a site waits for a usable membership view (quorum, readmission)
+        before it gives up with :class:`MembershipError`."""
+        self._entered_epoch = 0
+        self._state_lock = threading.Lock()
+        self._served: tuple[int, str, bytes] | None = None
+        self._steps_at_round = 0
         self._tokens = 0
         self._round_clock = time.perf_counter()
         super().__init__(
@@ -431,6 +466,8 @@ class DiLoCo(_LocalSteps):
             outer_device=outer_device,
             error_feedback=error_feedback,
         )
+        if site.membership is not None:
+            site.endpoint.server.servicer.state_provider = self.state_after
 
     def __enter__(self) -> DiLoCo:
         self._round_clock = time.perf_counter()  # the first round starts with training
@@ -465,11 +502,18 @@ class DiLoCo(_LocalSteps):
         self._tokens += count
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "tokens": self._tokens}
+        return {
+            **super().state_dict(),
+            "tokens": self._tokens,
+            "rounds": self.rounds,
+            "epoch": self._entered_epoch,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self._tokens = int(state["tokens"])
+        self.rounds = int(state.get("rounds", self.outer_steps))
+        self._entered_epoch = int(state.get("epoch", 0))
         self._round_clock = time.perf_counter()
 
     def sync(self, *, last: bool = False) -> None:
@@ -493,20 +537,39 @@ class DiLoCo(_LocalSteps):
         with self._blocking("syncing"):
             deltas = self.outer.pseudo_gradients()
             bad = _nonfinite(deltas)
+        if site.membership is None:
+            self._round(site.names, deltas, bad, self._tokens, last)
+        else:
+            self._round_as_member(deltas, bad, last)
+        self._tokens = 0
+        self._round_clock = time.perf_counter()
+
+    def _round(
+        self,
+        members: Sequence[str],
+        deltas: list[torch.Tensor],
+        bad: int,
+        tokens: int,
+        last: bool,
+        abort: Callable[[], bool] | None = None,
+    ) -> None:
+        """One round among ``members``: seal, average, outer step. With ``abort``,
+        raises :class:`RoundAborted` when it says so, before anything is applied."""
+        site = self.site
         with self._blocking("waiting"):
             seal = seal_round(
                 site.step,
                 round=site.next_round(),
-                sites=site.names,
+                sites=members,
                 me=site.name,
-                tokens=self._tokens,
+                tokens=tokens,
                 dp_size=site.layout.dp,
                 refuse=bad > 0,
                 last=last,
+                abort=abort,
             )
         self._account(seal.report)
         self.last_seal = seal
-        self._tokens = 0
         self.training_over = bool(seal.finished)
         if bad:
             log.warning(
@@ -518,7 +581,7 @@ class DiLoCo(_LocalSteps):
             )
         left_out = {
             s: "refused its contribution (NaN/Inf)" if s in seal.refused else "trained no tokens"
-            for s in site.names
+            for s in members
             if s not in seal.participants
         }
         if left_out:
@@ -528,18 +591,216 @@ class DiLoCo(_LocalSteps):
         if not seal.participants:
             # Nothing to average (every site took the same decision): start the
             # next round from the global parameters as they were.
-            self.outer.reset_model()
-            self._round_clock = time.perf_counter()
+            with self._state_lock:
+                self.outer.reset_model()
+                self._count_round(stepped=False)
             return
         with self._blocking("syncing"):
-            if site.name not in seal.participants:
-                for delta in deltas:
-                    delta.zero_()  # sent, but not counted: weight 0
-            report = self._exchange(deltas, seal.weights, vector="model").wait()
-            self.outer.step(deltas)
+            # Left out: sent, but not counted (weight 0). Zeros in place of the
+            # values, which a round run again may still need.
+            sent = (
+                deltas if site.name in seal.participants else [torch.zeros_like(d) for d in deltas]
+            )
+            pending = self._exchange(sent, seal.weights, vector="model", participants=members)
+            report = pending.wait(abort=abort)
+            with self._state_lock:
+                self.outer.step(sent)
+                self._count_round(stepped=True)
         self._account(report)
-        self.outer_steps += 1
+
+    def _count_round(self, *, stepped: bool) -> None:
+        """Under the state lock: a round is complete."""
+        self.outer_steps += stepped
+        self.rounds += 1
+        self._steps_at_round = self.inner_steps
+
+    # -- membership: site loss, rejoin, quorum ---------------------------------------
+    def _round_as_member(self, deltas: list[torch.Tensor], bad: int, last: bool) -> None:
+        """The round under the membership view that holds for it: run again among
+        the new members if the view changes under it (a site lost), after pulling
+        the global state first if this site must catch up (then it contributes
+        nothing this round: weight 0)."""
+        site = self.site
+        membership = site.membership
+        assert membership is not None
+        tokens = self._tokens
+        while True:
+            view, caught_up = self._enter_view()
+            if caught_up:
+                deltas = self.outer.pseudo_gradients()  # zeros: the model is the global one
+                bad, tokens = 0, 0
+            membership.report(rounds=self.rounds, engine_round=site.engine_round + 1)
+            rounds = self.rounds
+            abandoned = functools.partial(_abandoned, membership, rounds)
+            try:
+                self._round(view.members, deltas, bad, tokens, last, abort=abandoned)
+            except RoundAborted:
+                continue  # a newer view holds for this round: run it under that one
+            except (RoundError, PeerError, TimeoutError) as exc:
+                unreachable = [exc.site] if isinstance(exc, RoundError) else []
+                unreachable = [s for s in unreachable if s in view.members and s != site.name]
+                log.warning(
+                    "site %s: round %d under view %d failed (%s); asking for a new view",
+                    site.name,
+                    rounds,
+                    view.epoch,
+                    exc,
+                )
+                membership.report(phase="stuck", unreachable=unreachable)
+                if membership.wait_for_newer(view.epoch, self.member_timeout_s) is None:
+                    raise MembershipError(
+                        f"site {site.name}: round {rounds} failed ({exc}) and no new "
+                        f"membership view came within {self.member_timeout_s:g} s"
+                    ) from None
+                continue
+            membership.report(
+                phase="training",
+                rounds=self.rounds,
+                engine_round=site.engine_round + 1,
+                unreachable=(),
+            )
+            return
+
+    def _enter_view(self) -> tuple[View, bool]:
+        """The view this round runs under, entered: a new one moves the engine to its
+        round numbers, and first pulls the global state where it says to."""
+        site = self.site
+        membership = site.membership
+        assert membership is not None
+        caught_up = False
+        while True:
+            with self._blocking("waiting"):
+                view = membership.view_for(
+                    self.rounds, timeout_s=self.member_timeout_s, on_wait=self._say_waiting
+                )
+            if view.epoch == self._entered_epoch:
+                return view, caught_up
+            try:
+                if site.name in view.catch_up:
+                    # The members send this view's rounds as soon as they get there:
+                    # take them from now on, while the state comes.
+                    if view.engine_round > site.engine_round:
+                        site.skip_to_round(view.engine_round)
+                    self._catch_up(view)
+                    caught_up = True
+                elif self.rounds > view.start_round:
+                    raise StateGone(f"this site completed {self.rounds} rounds")
+            except StateGone as exc:
+                # The view was decided on stale reports: say how far this site (or its
+                # donor) got, and let the leader decide again.
+                log.warning(
+                    "site %s: cannot enter view %d at round %d: %s; asking for a new one",
+                    site.name,
+                    view.epoch,
+                    view.start_round,
+                    exc,
+                )
+                membership.report(conflict=view.epoch, rounds=self.rounds)
+                with self._blocking("waiting"):
+                    if membership.wait_for_newer(view.epoch, self.member_timeout_s) is None:
+                        raise MembershipError(
+                            f"site {site.name}: no membership view after view {view.epoch} "
+                            f"within {self.member_timeout_s:g} s"
+                        ) from None
+                continue
+            if view.engine_round > site.engine_round:
+                site.skip_to_round(view.engine_round)
+            self._entered_epoch = view.epoch
+            membership.report(conflict=None)
+            return view, caught_up
+
+    def _say_waiting(self, why: str) -> None:
+        log.warning("site %s: %s", self.site.name, why)
+
+    def _catch_up(self, view: View) -> None:
+        """Pull the global state after ``view.start_round`` rounds from the view's donor."""
+        site = self.site
+        assert view.donor is not None
+        client = site.client_for(view.donor)
+        with self._blocking("waiting"):
+            fetched = site.loop.run(
+                fetch_state(client, view.start_round, deadline_s=self.member_timeout_s)
+            )
+        state = fetched.state
+        shapes = [tuple(g.shape) for g in self.outer.global_params]
+        theirs = [tuple(g.shape) for g in state.get("outer", {}).get("global", [])]
+        if theirs != shapes:
+            raise MembershipError(
+                f"site {site.name}: the state from {view.donor} has parameter shapes that "
+                "differ from this site's model; every site must run the same model"
+            )
+        with self._state_lock:
+            self.outer.load_state_dict(state["outer"])
+            self.outer.reset_model()
+            self.rounds = int(state["rounds"])
+            self.outer_steps = int(state["outer_steps"])
+            self.inner_steps = int(state["inner_steps"])
+            self._steps_at_round = self.inner_steps
+            self.sync_every = int(state["sync_every"])
+            self.round_steps = 0
+            self._tokens = 0
+            self._served = None
+        self.caught_up.append(
+            CatchUp(
+                view=view.epoch,
+                donor=view.donor,
+                rounds=self.rounds,
+                inner_steps=self.inner_steps,
+                bytes=fetched.bytes,
+                seconds=fetched.seconds,
+                resumed=fetched.resumed,
+            )
+        )
+        log.info(
+            "site %s: pulled the state after %d rounds from %s (%d bytes in %.2f s)",
+            site.name,
+            self.rounds,
+            view.donor,
+            fetched.bytes,
+            fetched.seconds,
+        )
+
+    def state_after(self, rounds: int) -> tuple[str, bytes]:
+        """The global state after ``rounds`` rounds, serialised (what a catching-up
+        peer pulls; see :mod:`isthmus.inter.state_transfer`). Called from the peer
+        service's thread: the state only changes under the lock, and the round after
+        this one cannot finish before the peer that asks for it has caught up."""
+        with self._state_lock:
+            if self.rounds < rounds:
+                raise StateUnavailable(
+                    wire_pb2.STATE_NOT_READY,
+                    f"site {self.site.name} has completed {self.rounds} rounds, not {rounds} yet",
+                )
+            if self.rounds > rounds:
+                raise StateUnavailable(
+                    wire_pb2.STATE_GONE,
+                    f"site {self.site.name} is past round {rounds} ({self.rounds} completed)",
+                )
+            if self._served is None or self._served[0] != rounds:
+                digest, blob = pack_state(
+                    {
+                        "rounds": self.rounds,
+                        "outer_steps": self.outer_steps,
+                        "inner_steps": self._steps_at_round,
+                        "sync_every": self.sync_every,
+                        "outer": self.outer.state_dict(),
+                    }
+                )
+                self._served = (rounds, digest, blob)
+            return self._served[1], self._served[2]
+
+    def rejoin(self) -> int:
+        """For a site that (re)starts while the others train: wait to be admitted,
+        pull the global state, and take part in the round it was admitted at (with
+        nothing of its own to contribute). Returns the inner step to train on from,
+        the same as the other sites'."""
+        self._tokens = 0
+        deltas = self.outer.pseudo_gradients()
+        self._round_as_member([d.zero_() for d in deltas], 0, False)
         self._round_clock = time.perf_counter()
+        # The others trained that round's steps: go on from where they are.
+        self.inner_steps += self.sync_every
+        return self.inner_steps
 
     def finish(self) -> None:
         """The last round, for the steps since the previous one. With time-budgeted
@@ -548,6 +809,11 @@ class DiLoCo(_LocalSteps):
             return  # the round that said so was the last one
         if self._tokens or self.round_seconds is not None:
             self.sync(last=True)
+
+
+def _abandoned(membership: Membership, rounds: int) -> bool:
+    """Whether the round after ``rounds`` must be run again under a newer view."""
+    return membership.newer_view(rounds) is not None
 
 
 def _nonfinite(tensors: Sequence[torch.Tensor]) -> int:

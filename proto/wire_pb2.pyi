@@ -18,6 +18,9 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UNKNOWN_CODEC: _ClassVar[ErrorCode]
     STALE_ROUND: _ClassVar[ErrorCode]
     TOO_LARGE: _ClassVar[ErrorCode]
+    STATE_NOT_READY: _ClassVar[ErrorCode]
+    STATE_GONE: _ClassVar[ErrorCode]
+    ROUND_AHEAD: _ClassVar[ErrorCode]
 ERROR_UNSPECIFIED: ErrorCode
 PROTOCOL_MISMATCH: ErrorCode
 WRONG_JOB: ErrorCode
@@ -28,6 +31,9 @@ WRONG_SHAPE: ErrorCode
 UNKNOWN_CODEC: ErrorCode
 STALE_ROUND: ErrorCode
 TOO_LARGE: ErrorCode
+STATE_NOT_READY: ErrorCode
+STATE_GONE: ErrorCode
+ROUND_AHEAD: ErrorCode
 
 class Handshake(_message.Message):
     __slots__ = ("job", "site", "rank", "protocol_version", "layout_fingerprint", "layout")
@@ -118,3 +124,39 @@ class Error(_message.Message):
     code: ErrorCode
     message: str
     def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class StateRequest(_message.Message):
+    __slots__ = ("job", "site", "rank", "protocol_version", "layout_fingerprint", "rounds", "offset")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    site: str
+    rank: int
+    protocol_version: int
+    layout_fingerprint: str
+    rounds: int
+    offset: int
+    def __init__(self, job: _Optional[str] = ..., site: _Optional[str] = ..., rank: _Optional[int] = ..., protocol_version: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., rounds: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class StatePart(_message.Message):
+    __slots__ = ("rounds", "total", "digest", "offset", "payload", "checksum", "error")
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    rounds: int
+    total: int
+    digest: str
+    offset: int
+    payload: bytes
+    checksum: int
+    error: Error
+    def __init__(self, rounds: _Optional[int] = ..., total: _Optional[int] = ..., digest: _Optional[str] = ..., offset: _Optional[int] = ..., payload: _Optional[bytes] = ..., checksum: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...

@@ -45,6 +45,11 @@ class PeerServiceStub:
                 request_serializer=isthmus_dot_proto_dot_wire__pb2.Chunk.SerializeToString,
                 response_deserializer=isthmus_dot_proto_dot_wire__pb2.Ack.FromString,
                 _registered_method=True)
+        self.FetchState = channel.unary_stream(
+                '/isthmus.wire.PeerService/FetchState',
+                request_serializer=isthmus_dot_proto_dot_wire__pb2.StateRequest.SerializeToString,
+                response_deserializer=isthmus_dot_proto_dot_wire__pb2.StatePart.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -65,6 +70,13 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchState(self, request, context):
+        """Streams the global state after a given number of rounds (see StateRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +89,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.Exchange,
                     request_deserializer=isthmus_dot_proto_dot_wire__pb2.Chunk.FromString,
                     response_serializer=isthmus_dot_proto_dot_wire__pb2.Ack.SerializeToString,
+            ),
+            'FetchState': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchState,
+                    request_deserializer=isthmus_dot_proto_dot_wire__pb2.StateRequest.FromString,
+                    response_serializer=isthmus_dot_proto_dot_wire__pb2.StatePart.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +151,33 @@ class PeerService:
             '/isthmus.wire.PeerService/Exchange',
             isthmus_dot_proto_dot_wire__pb2.Chunk.SerializeToString,
             isthmus_dot_proto_dot_wire__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/isthmus.wire.PeerService/FetchState',
+            isthmus_dot_proto_dot_wire__pb2.StateRequest.SerializeToString,
+            isthmus_dot_proto_dot_wire__pb2.StatePart.FromString,
             options,
             channel_credentials,
             insecure,

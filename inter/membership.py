@@ -1,0 +1,490 @@
+"""Who takes part in the rounds: views, the leader's decision, and the reports that feed it.
+
+A *view* is the set of member sites and the round from which it holds. Every
+round runs among the members of one view, so sites that apply the same view
+at the same round can never disagree on who counted. Views are numbered
+(``epoch``); the first, epoch 0, is every site of the job from round 0 on.
+
+How a view changes:
+
+* every site reports itself in its control-plane status: its phase
+  (``training``, ``stuck`` after a round failed, ``joining``, ``leaving``,
+  ``done`` once its training is over), how
+  many rounds it completed, the engine round it is at, and which sites it could
+  not reach; a site that dies is reported by its Last Will (``offline``);
+* the *leader*, the first live site in the job file's order, decides the next
+  view from those reports (:func:`decide`) and publishes it, retained, on the
+  control plane's membership topic; the broker's one ordered topic makes it
+  the sequence every site follows;
+* every site applies a view when it starts the view's ``start_round``: a site
+  still running an earlier round under the old view abandons it and runs it
+  again under the new one (the survivors' redo after a loss); a site named in
+  ``catch_up`` (a joiner, or a survivor that fell a round behind) first pulls
+  the global state after ``start_round`` rounds from ``donor`` over gRPC.
+
+The rule for a partial partition, stated once: sites are taken in the job
+file's order, and a site joins the view only if it and every site already in
+it can reach each other (by their reports). So of two sites that cannot reach
+each other, the later one is left out, by everyone alike.
+
+Below ``min_sites`` members, the view is still published, and sites wait at
+its start round, saying why, until enough sites are back (the quorum).
+
+Liveness hints only feed the decision: nothing but a published view changes
+who takes part in a round.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+PHASES = ("training", "stuck", "joining", "leaving", "done")
+ENGINE_MARGIN = 8
+"""A new view's engine rounds start this far above any engine round reported: chunks
+of abandoned rounds can never be taken for the new ones. Well below the engine's
+bound on rounds ahead (16)."""
+
+
+class MembershipError(RuntimeError):
+    """This site cannot go on as a member (left out for good, or told to leave)."""
+
+
+@dataclass(frozen=True)
+class View:
+    epoch: int
+    members: tuple[str, ...]
+    """In the job file's order."""
+    start_round: int
+    """The first round (counted from 0) this view holds for."""
+    engine_round: int
+    """The engine round number the view's first round uses (then counting up)."""
+    catch_up: tuple[str, ...] = ()
+    """Members that must pull the global state after ``start_round`` rounds first."""
+    donor: str | None = None
+    """The member they pull it from (one that completed exactly ``start_round``)."""
+    reason: str = ""
+    leader: str | None = None
+
+    def to_message(self) -> dict[str, Any]:
+        message = asdict(self)
+        message["members"] = list(self.members)
+        message["catch_up"] = list(self.catch_up)
+        return message
+
+    @classmethod
+    def from_message(cls, message: Mapping[str, Any], sites: Sequence[str]) -> View | str:
+        """The view in ``message``, or why it is not one of this job's."""
+
+        def count(key: str) -> int | str:
+            value = message.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                return value
+            return f"{key!r} must be an integer >= 0, got {value!r}"
+
+        numbers = {k: count(k) for k in ("epoch", "start_round", "engine_round")}
+        for problem in numbers.values():
+            if isinstance(problem, str):
+                return problem
+        lists = {}
+        for key in ("members", "catch_up"):
+            value = message.get(key, [])
+            if not (isinstance(value, list) and all(v in sites for v in value)):
+                return f"{key!r} must be a list of the job's sites {list(sites)}, got {value!r}"
+            lists[key] = tuple(s for s in sites if s in value)
+        if not lists["members"]:
+            return "'members' is empty"
+        if not set(lists["catch_up"]) <= set(lists["members"]):
+            return "'catch_up' names sites that are not members"
+        donor = message.get("donor")
+        if lists["catch_up"] and donor not in lists["members"]:
+            return f"'donor' must be a member when some catch up, got {donor!r}"
+        return cls(
+            epoch=numbers["epoch"],  # type: ignore[arg-type]
+            members=lists["members"],
+            start_round=numbers["start_round"],  # type: ignore[arg-type]
+            engine_round=numbers["engine_round"],  # type: ignore[arg-type]
+            catch_up=lists["catch_up"],
+            donor=donor if isinstance(donor, str) else None,
+            reason=str(message.get("reason", "")),
+            leader=message.get("leader") if isinstance(message.get("leader"), str) else None,
+        )
+
+
+def first_view(sites: Sequence[str]) -> View:
+    return View(epoch=0, members=tuple(sites), start_round=0, engine_round=0, reason="start")
+
+
+@dataclass(frozen=True)
+class Report:
+    """What a site says of itself (its status's ``membership`` object)."""
+
+    online: bool = True
+    phase: str = "training"
+    epoch: int = 0
+    """The newest view it applied."""
+    rounds: int = 0
+    """Rounds it completed."""
+    engine_round: int = 0
+    """The next engine round number it would use."""
+    unreachable: tuple[str, ...] = ()
+    conflict: int | None = None
+    """The epoch of a view it could not apply: it had completed more rounds than the
+    view's start."""
+
+    def to_message(self) -> dict[str, Any]:
+        message = asdict(self)
+        del message["online"]  # the status's own state says that
+        message["unreachable"] = list(self.unreachable)
+        return message
+
+    @classmethod
+    def from_status(cls, status: Mapping[str, Any], sites: Sequence[str]) -> Report | str | None:
+        """The report in a status message: None when it carries none (a site that
+        has not joined yet), a string when it is malformed."""
+        online = status.get("state") == "online"
+        body = status.get("membership")
+        if body is None:
+            return None if online else cls(online=False)
+        if not isinstance(body, Mapping):
+            return f"'membership' must be an object, got {body!r}"
+        phase = body.get("phase")
+        if phase not in PHASES:
+            return f"'membership.phase' must be one of {PHASES}, got {phase!r}"
+        numbers = {}
+        for key in ("epoch", "rounds", "engine_round"):
+            value = body.get(key)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+                return f"'membership.{key}' must be an integer >= 0, got {value!r}"
+            numbers[key] = value
+        unreachable = body.get("unreachable", [])
+        if not (isinstance(unreachable, list) and all(isinstance(s, str) for s in unreachable)):
+            return f"'membership.unreachable' must be a list of site names, got {unreachable!r}"
+        conflict = body.get("conflict")
+        if conflict is not None and not (isinstance(conflict, int) and conflict >= 0):
+            return f"'membership.conflict' must be an epoch or null, got {conflict!r}"
+        return cls(
+            online=online,
+            phase=phase,
+            unreachable=tuple(s for s in unreachable if s in sites),
+            conflict=conflict,
+            **numbers,
+        )
+
+
+def leader_of(sites: Sequence[str], reports: Mapping[str, Report | None], current: View) -> str:
+    """The first live site in the job's order. A member not heard from yet counts
+    as live (it may still be starting); a site whose status is offline does not."""
+    for site in sites:
+        if _live(site, reports, current):
+            return site
+    return current.members[0]
+
+
+def _live(site: str, reports: Mapping[str, Report | None], current: View) -> bool:
+    report = reports.get(site)
+    if report is None:
+        return site in current.members
+    return report.online and report.phase not in ("leaving", "done")
+
+
+def decide(
+    sites: Sequence[str], reports: Mapping[str, Report | None], current: View
+) -> View | None:
+    """The next view, or None while the current one stands. Pure: the same reports
+    give the same view on any site (only the leader publishes it).
+
+    The current view stands unless a member went offline, got stuck in a round
+    of this view, asks to leave, could not apply it (``conflict``), or a site
+    asks to join."""
+
+    def report(site: str) -> Report:
+        return reports.get(site) or Report()
+
+    def unreachable(site: str) -> tuple[str, ...]:
+        return report(site).unreachable
+
+    live = [s for s in sites if _live(s, reports, current)]
+    candidates = [s for s in live if s in current.members or report(s).phase == "joining"]
+    members: list[str] = []
+    for site in candidates:
+        if any(site in unreachable(m) or m in unreachable(site) for m in members):
+            continue
+        members.append(site)
+    stuck = [
+        m
+        for m in current.members
+        if m in members and report(m).phase == "stuck" and report(m).epoch == current.epoch
+    ]
+    conflicts = [m for m in members if report(m).conflict == current.epoch]
+    lost = [m for m in current.members if m not in members]
+    # A member that says it is joining restarted before anyone noticed it was gone:
+    # it has lost its state, and must catch up like any joiner.
+    joining = [
+        m
+        for m in members
+        if m not in current.members or (report(m).phase == "joining" and m not in current.catch_up)
+    ]
+    if not (lost or joining or stuck or conflicts):
+        return None
+    staying = [m for m in members if m not in joining] or members
+    if not members:
+        return None
+    rounds = {m: report(m).rounds for m in members}
+    if lost or stuck or conflicts:
+        # The round under way cannot finish as it is: everyone runs it again with
+        # the new members, from the furthest any member got.
+        start = max(rounds[m] for m in staying)
+        behind = [m for m in staying if rounds[m] < start]
+    else:
+        # Only joiners: the members finish the round under way, the joiners come in
+        # at the next.
+        start = max(rounds[m] for m in staying) + 1
+        behind = []
+    catch_up = tuple(m for m in members if m in joining or m in behind)
+    donor = next((m for m in staying if m not in catch_up), None) if catch_up else None
+    engine = max((r.engine_round for r in reports.values() if r is not None), default=0)
+    why = []
+    if lost:
+        why.append(f"left out {lost}")
+    if joining:
+        why.append(f"joining {joining}")
+    if stuck:
+        why.append(f"stuck {stuck}")
+    if conflicts:
+        why.append(f"ahead of the last view {conflicts}")
+    return View(
+        epoch=current.epoch + 1,
+        members=tuple(members),
+        start_round=start,
+        engine_round=max(engine, current.engine_round) + ENGINE_MARGIN,
+        catch_up=catch_up,
+        donor=donor,
+        reason="; ".join(why),
+    )
+
+
+@dataclass
+class _Mine:
+    """This site's own report, as it last said it."""
+
+    phase: str = "training"
+    rounds: int = 0
+    engine_round: int = 0
+    unreachable: tuple[str, ...] = ()
+    conflict: int | None = None
+
+
+class Membership:
+    """One site's side of the membership protocol (thread-safe).
+
+    The control plane's thread feeds it statuses and views; the training thread
+    asks it which view a round runs under, whether the round under way must be
+    abandoned, and tells it how its rounds went. Where this site is the leader,
+    status changes make it decide and publish the next view."""
+
+    def __init__(
+        self,
+        sites: Sequence[str],
+        me: str,
+        *,
+        min_sites: int,
+        joining: bool = False,
+    ) -> None:
+        if me not in sites:
+            raise ValueError(f"site {me!r} is not one of {list(sites)}")
+        if not 1 <= min_sites <= len(sites):
+            raise ValueError(f"min_sites must be in [1, {len(sites)}], got {min_sites}")
+        self.sites = list(sites)
+        self.me = me
+        self.min_sites = min_sites
+        self.applied = first_view(sites)
+        """The view this site's rounds run under now."""
+        self.latest = self.applied
+        """The newest view published (applied when its start round comes)."""
+        self.history: list[View] = []
+        """Every view this site applied after the first, in order."""
+        self._proposed: View | None = None
+        self._reports: dict[str, Report | None] = {}
+        self._mine = _Mine(phase="joining" if joining else "training")
+        self._admitted = not joining
+        """False until a view lets this (joining) site in: the views it finds are the
+        members' before it came back."""
+        self._changed = threading.Condition()
+        self.publish_report: Callable[[dict[str, Any]], None] = lambda report: None
+        """Set by the control plane: sends this site's report in its status."""
+        self.publish_view: Callable[[View], None] | None = None
+        """Set by the control plane: publishes a view (retained); None: cannot lead."""
+
+    # -- what the control plane feeds in (its own thread) ---------------------------
+    def on_status(self, site: str, status: Mapping[str, Any]) -> str | None:
+        """A site's status arrived; returns why it was ignored, if it was."""
+        report = Report.from_status(status, self.sites)
+        if isinstance(report, str):
+            return report
+        with self._changed:
+            self._reports[site] = report
+            self._changed.notify_all()
+        self._lead()
+        return None
+
+    def on_view(self, message: Mapping[str, Any]) -> str | None:
+        view = View.from_message(message, self.sites)
+        if isinstance(view, str):
+            return view
+        with self._changed:
+            if view.epoch <= self.latest.epoch:
+                return None
+            self.latest = view
+            self._changed.notify_all()
+        log.warning(
+            "site %s: view %d from round %d: members %s%s (%s)",
+            self.me,
+            view.epoch,
+            view.start_round,
+            list(view.members),
+            f", {list(view.catch_up)} catch up from {view.donor}" if view.catch_up else "",
+            view.reason,
+        )
+        self._lead()
+        return None
+
+    def _lead(self) -> None:
+        if self.publish_view is None:
+            return
+        with self._changed:
+            reports = dict(self._reports)
+            reports[self.me] = self._my_report()
+            current = self.latest
+            if self._proposed is not None and self._proposed.epoch > current.epoch:
+                return  # ours is on its way: decide again once it is back
+            if leader_of(self.sites, reports, current) != self.me:
+                return
+            view = decide(self.sites, reports, current)
+            if view is None:
+                return
+            view = View(**{**view.__dict__, "leader": self.me})
+            self._proposed = view
+        log.info("site %s leads: publishing view %d (%s)", self.me, view.epoch, view.reason)
+        self.publish_view(view)
+
+    # -- what the training thread reports ------------------------------------------
+    def _my_report(self) -> Report:
+        mine = self._mine
+        return Report(
+            phase=mine.phase,
+            epoch=self.applied.epoch,
+            rounds=mine.rounds,
+            engine_round=mine.engine_round,
+            unreachable=mine.unreachable,
+            conflict=mine.conflict,
+        )
+
+    def report_message(self) -> dict[str, Any]:
+        """This site's report as its status carries it."""
+        with self._changed:
+            return self._my_report().to_message()
+
+    def report(self, **fields: Any) -> None:
+        """Update this site's report (phase, rounds, engine_round, unreachable,
+        conflict) and send it."""
+        with self._changed:
+            for key, value in fields.items():
+                setattr(self._mine, key, tuple(value) if key == "unreachable" else value)
+            message = self._my_report().to_message()
+        self.publish_report(message)
+        self._lead()
+
+    # -- what the training thread asks ---------------------------------------------
+    def newer_view(self, rounds: int) -> View | None:
+        """The newest view if the round this site is running (after ``rounds``
+        completed) must be abandoned for it: it starts at or before this round, or
+        makes this site catch up or leaves it out."""
+        latest = self.latest
+        if latest.epoch <= self.applied.epoch:
+            return None
+        if latest.start_round <= rounds or self.me not in latest.members:
+            return latest
+        return None
+
+    def view_for(self, rounds: int, timeout_s: float, on_wait: Callable[[str], None]) -> View:
+        """The view that round ``rounds`` (counted from 0) runs under, applied: waits
+        while this site is left out or the members are below quorum (calling
+        ``on_wait`` with why, now and then). Raises :class:`MembershipError` if no
+        usable view comes within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        said = ""
+        with self._changed:
+            while True:
+                latest = self.latest
+                if latest.epoch > self.applied.epoch and (
+                    latest.start_round <= rounds or self.me in latest.catch_up
+                ):
+                    self.applied = latest
+                    self.history.append(latest)
+                    self._admitted |= self.me in latest.catch_up
+                view = self.applied
+                why = self._why_waiting(view)
+                if not why:
+                    return view
+                if self._members_gone(latest):
+                    raise MembershipError(
+                        f"site {self.me}: every other member of view {latest.epoch} has stopped "
+                        f"(training is over, or the run was stopped) while this site was {why}"
+                    )
+                if why != said:
+                    said = why
+                    self._changed.release()
+                    try:
+                        on_wait(why)
+                    finally:
+                        self._changed.acquire()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise MembershipError(f"site {self.me}: {why}, for {timeout_s:g} s; giving up")
+                self._changed.wait(min(remaining, 1.0))
+
+    def _members_gone(self, view: View) -> bool:
+        """Whether every other site of ``view`` stopped (offline, or done training)."""
+        reports = self._reports
+        return all(
+            (r := reports.get(m)) is not None and (not r.online or r.phase == "done")
+            for m in view.members
+            if m != self.me
+        )
+
+    def _why_waiting(self, view: View) -> str:
+        if not self._admitted:
+            return f"joining: waiting for the leader to let this site in (view {view.epoch} holds)"
+        if self.me not in view.members:
+            return (
+                f"left out of view {view.epoch} ({view.reason}); waiting to be let back in "
+                "(the leader admits a site once it and the members reach each other)"
+            )
+        if len(view.members) < self.min_sites:
+            return (
+                f"view {view.epoch} has {len(view.members)} of the {self.min_sites} sites the "
+                f"quorum needs (train.min_sites); training paused until more sites are back"
+            )
+        return ""
+
+    def wait_for_newer(self, epoch: int, timeout_s: float) -> View | None:
+        """Block until a view newer than ``epoch`` is published (None on timeout)."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while self.latest.epoch <= epoch:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._changed.wait(remaining)
+            return self.latest
+
+    def reports(self) -> dict[str, Report | None]:
+        with self._changed:
+            return dict(self._reports)
