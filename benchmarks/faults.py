@@ -19,8 +19,15 @@ for ``--for-s`` seconds, packets black-holed or connections reset: the run must
 finish with the same model on every site. Printed: how long the longest site
 took no step, and how much of that is beyond the partition (recovery).
 
+``kill``: an ``isthmus run --restart-lost`` of 3 sites (DiLoCo) whose third
+site is SIGKILLed after ``--after-rounds`` rounds and restarted by the launcher
+2 s later. Printed: how soon after the kill each survivor completed a round
+(target: within 10 s), and how soon after its restart the victim was training
+again, against a round's duration plus the state transfer (the target).
+
     python benchmarks/faults.py corrupt [--chunks 10000] [--json FILE]
     python benchmarks/faults.py partition [--for-s 30] [--json FILE]
+    python benchmarks/faults.py kill [--after-rounds 5] [--json FILE]
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from typing import Any
 
 from isthmus.deploy.bench_allreduce import run_sites
 from isthmus.deploy.run_records import read_records
+from isthmus.deploy.site_kill import kill_after_rounds, loss_figures
 
 
 def _flags(args: argparse.Namespace, repeats: int, inject: float) -> list[str]:
@@ -167,6 +175,49 @@ def partition(args: argparse.Namespace) -> dict[str, Any]:
     return {"partition_s": args.for_s, "at_s": args.at_s, "modes": rows}
 
 
+KILL_JOB = """\
+name: faults-kill
+sites:
+  - {{name: us-east, ranks: 1}}
+  - {{name: eu-west, ranks: 1}}
+  - {{name: asia-east, ranks: 1}}
+wan:
+  default: {{rtt_ms: 80, bandwidth_mbit: 200}}
+train: {{strategy: diloco, steps: {steps}, sync_every: {sync_every}}}
+"""
+
+
+def kill(args: argparse.Namespace) -> dict[str, Any]:
+    """One ``isthmus run --restart-lost`` of 3 sites, the third SIGKILLed mid-run."""
+    victim = "asia-east"
+    with tempfile.TemporaryDirectory(prefix="isthmus-faults-") as tmp:
+        job = Path(tmp) / "job.yaml"
+        job.write_text(KILL_JOB.format(steps=args.steps, sync_every=args.sync_every))
+        out = Path(tmp) / "run"
+        command = [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)]
+        run = subprocess.Popen(
+            [*command, "--restart-lost"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        print(f"faults kill: {victim} after {args.after_rounds} rounds ...", file=sys.stderr)
+        killed = kill_after_rounds(out, victim, args.after_rounds)
+        _, err = run.communicate(timeout=1800)
+        summary = json.loads((out / "summary.json").read_text())
+        figures = loss_figures(out, victim, killed)
+    digests = {n: s.get("param_sha256") for n, s in summary["sites"].items()}
+    return {
+        "exit_status": run.returncode,
+        "status": summary["status"],
+        "same_model_on_every_site": len(set(digests.values())) == 1 and None not in digests,
+        "inner_steps": {n: s.get("inner_steps") for n, s in summary["sites"].items()},
+        **figures,
+        "wall_seconds": round(summary["wall_seconds"], 1),
+        "stderr_tail": err[-500:] if run.returncode else "",
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="fault", required=True)
@@ -193,10 +244,18 @@ def main() -> int:
         help="blackhole: packets vanish; reset: connections torn down and refused",
     )
     p.add_argument("--json", type=Path, help="also write the figures here")
+    k = commands.add_parser("kill", help="a site SIGKILLed mid-run, then restarted: it rejoins")
+    k.add_argument("--after-rounds", type=int, default=5, help="rounds the victim completes first")
+    k.add_argument("--steps", type=int, default=400)
+    k.add_argument("--sync-every", type=int, default=20)
+    k.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     if args.fault == "corrupt":
         figures = corrupt(args)
         ok = figures["rounds_with_a_wrong_result"] == 0
+    elif args.fault == "kill":
+        figures = kill(args)
+        ok = figures["status"] == "finished" and figures["same_model_on_every_site"]
     else:
         figures = partition(args)
         ok = all(

@@ -195,14 +195,18 @@ def _live(site: str, reports: Mapping[str, Report | None], current: View) -> boo
 
 
 def decide(
-    sites: Sequence[str], reports: Mapping[str, Report | None], current: View
+    sites: Sequence[str],
+    reports: Mapping[str, Report | None],
+    current: View,
+    min_sites: int = 1,
 ) -> View | None:
     """The next view, or None while the current one stands. Pure: the same reports
     give the same view on any site (only the leader publishes it).
 
     The current view stands unless a member went offline, got stuck in a round
     of this view, asks to leave, could not apply it (``conflict``), or a site
-    asks to join."""
+    asks to join. ``min_sites``: the quorum; below it the members wait at the
+    round they are in, so a joiner comes in at that round."""
 
     def report(site: str) -> Report:
         return reports.get(site) or Report()
@@ -237,7 +241,7 @@ def decide(
     if not members:
         return None
     rounds = {m: report(m).rounds for m in members}
-    if lost or stuck or conflicts:
+    if lost or stuck or conflicts or len(current.members) < min_sites:
         # The round under way cannot finish as it is: everyone runs it again with
         # the new members, from the furthest any member got.
         start = max(rounds[m] for m in staying)
@@ -366,7 +370,7 @@ class Membership:
                 return  # ours is on its way: decide again once it is back
             if leader_of(self.sites, reports, current) != self.me:
                 return
-            view = decide(self.sites, reports, current)
+            view = decide(self.sites, reports, current, self.min_sites)
             if view is None:
                 return
             view = View(**{**view.__dict__, "leader": self.me})
@@ -435,8 +439,8 @@ class Membership:
                     return view
                 if self._members_gone(latest):
                     raise MembershipError(
-                        f"site {self.me}: every other member of view {latest.epoch} has stopped "
-                        f"(training is over, or the run was stopped) while this site was {why}"
+                        f"site {self.me}: every other site is done training (view "
+                        f"{latest.epoch}) while this site was {why}"
                     )
                 if why != said:
                     said = why
@@ -451,11 +455,12 @@ class Membership:
                 self._changed.wait(min(remaining, 1.0))
 
     def _members_gone(self, view: View) -> bool:
-        """Whether every other site of ``view`` stopped (offline, or done training)."""
+        """Whether every other site of the job is done training (a site that died may
+        come back; one that is done will not)."""
         reports = self._reports
         return all(
-            (r := reports.get(m)) is not None and (not r.online or r.phase == "done")
-            for m in view.members
+            (r := reports.get(m)) is not None and r.phase == "done"
+            for m in self.sites
             if m != self.me
         )
 

@@ -1,0 +1,236 @@
+"""The membership protocol's pieces: the leader's decision, the messages, the
+views a site waits for, and the state transfer over a real gRPC server."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from isthmus.inter.membership import (
+    ENGINE_MARGIN,
+    Membership,
+    MembershipError,
+    Report,
+    View,
+    decide,
+    first_view,
+    leader_of,
+)
+from isthmus.inter.peer import Identity, PeerClient, PeerServer
+from isthmus.inter.state_transfer import (
+    StateGone,
+    StateUnavailable,
+    fetch_state,
+    pack_state,
+)
+from isthmus.proto import wire_pb2
+
+SITES = ["a", "b", "c"]
+
+
+def training(rounds: int, engine: int = 10, **fields) -> Report:
+    return Report(phase="training", rounds=rounds, engine_round=engine, **fields)
+
+
+def test_a_dead_site_is_left_out_and_the_round_under_way_is_run_again():
+    reports = {"a": training(7), "b": training(7), "c": Report(online=False)}
+    view = decide(SITES, reports, first_view(SITES))
+    assert view is not None
+    assert view.members == ("a", "b")
+    assert view.start_round == 7  # the round they were in, again
+    assert view.catch_up == ()
+    assert view.engine_round == 10 + ENGINE_MARGIN
+    assert view.epoch == 1
+
+
+def test_a_survivor_a_round_behind_catches_up_from_one_that_finished_it():
+    reports = {"a": training(8), "b": training(7), "c": Report(online=False)}
+    view = decide(SITES, reports, first_view(SITES))
+    assert view is not None
+    assert (view.start_round, view.catch_up, view.donor) == (8, ("b",), "a")
+
+
+def test_a_partial_partition_leaves_out_the_later_site_of_the_pair_for_everyone():
+    reports = {
+        "a": Report(phase="stuck", rounds=3, unreachable=("c",)),
+        "b": training(3),
+        "c": Report(phase="stuck", rounds=3, unreachable=("a",)),
+    }
+    view = decide(SITES, reports, first_view(SITES))
+    assert view is not None
+    assert view.members == ("a", "b")
+    # The same reports give the same view wherever it is decided.
+    assert decide(SITES, dict(reversed(reports.items())), first_view(SITES)) == view
+
+
+def test_a_joining_site_comes_in_at_the_next_round_and_pulls_the_state_first():
+    current = View(epoch=1, members=("a", "b"), start_round=4, engine_round=30)
+    reports = {"a": training(6, 40), "b": training(6, 40), "c": Report(phase="joining")}
+    view = decide(SITES, reports, current)
+    assert view is not None
+    assert view.members == ("a", "b", "c")
+    assert view.start_round == 7  # the members finish round 6 without it
+    assert (view.catch_up, view.donor) == (("c",), "a")
+
+
+def test_below_quorum_a_joiner_comes_in_at_the_round_the_members_wait_in():
+    current = View(epoch=1, members=("a",), start_round=4, engine_round=30)
+    reports = {"a": training(4, 31), "b": Report(phase="joining")}
+    view = decide(["a", "b"], reports, current, min_sites=2)
+    assert view is not None
+    assert (view.start_round, view.catch_up, view.donor) == (4, ("b",), "a")
+
+
+def test_a_stuck_member_without_a_culprit_restarts_the_round_with_new_numbers():
+    reports = {"a": Report(phase="stuck", rounds=2, engine_round=9), "b": training(2, 9)}
+    current = first_view(["a", "b"])
+    view = decide(["a", "b"], reports, current)
+    assert view is not None
+    assert view.members == ("a", "b")
+    assert view.start_round == 2
+    assert view.engine_round == 9 + ENGINE_MARGIN
+
+
+def test_nothing_changes_while_every_member_trains():
+    reports = {s: training(5) for s in SITES}
+    assert decide(SITES, reports, first_view(SITES)) is None
+    # A member not heard from yet is not taken for dead.
+    assert decide(SITES, {"a": training(5)}, first_view(SITES)) is None
+
+
+def test_a_member_ahead_of_the_view_makes_the_leader_decide_again():
+    current = View(epoch=1, members=("a", "b"), start_round=5, engine_round=20)
+    reports = {"a": training(6, 22, conflict=1), "b": training(5, 21), "c": Report(online=False)}
+    view = decide(SITES, reports, current)
+    assert view is not None
+    assert (view.start_round, view.catch_up, view.donor) == (6, ("b",), "a")
+
+
+def test_the_leader_is_the_first_live_site():
+    current = first_view(SITES)
+    assert leader_of(SITES, {}, current) == "a"
+    assert leader_of(SITES, {"a": Report(online=False)}, current) == "b"
+    assert leader_of(SITES, {"a": Report(phase="done")}, current) == "b"
+
+
+def test_malformed_reports_and_views_are_refused_with_the_field():
+    assert "phase" in Report.from_status({"state": "online", "membership": {"phase": "x"}}, SITES)
+    bad = {"state": "online", "membership": {"phase": "training", "epoch": -1}}
+    assert "membership.epoch" in Report.from_status(bad, SITES)
+    assert Report.from_status({"state": "online"}, SITES) is None
+    assert Report.from_status({"state": "offline"}, SITES) == Report(online=False)
+    good = first_view(SITES).to_message()
+    assert View.from_message(good, SITES) == first_view(SITES)
+    assert "members" in View.from_message({**good, "members": ["zz"]}, SITES)
+    assert "donor" in View.from_message({**good, "catch_up": ["b"], "donor": None}, SITES)
+    assert "epoch" in View.from_message({**good, "epoch": "1"}, SITES)
+
+
+def test_the_leader_publishes_once_and_every_site_applies_the_view_at_its_round():
+    published: list[View] = []
+    a = Membership(SITES, "a", min_sites=2)
+    a.publish_view = published.append
+    a.on_status("b", {"state": "online", "membership": training(4).to_message()})
+    a.report(rounds=4, engine_round=12)
+    assert published == []
+    a.on_status("c", {"state": "offline"})
+    a.on_status("c", {"state": "offline"})  # the same news again: no second view
+    assert len(published) == 1
+    view = published[0]
+    assert view.members == ("a", "b") and view.leader == "a"
+    assert a.newer_view(4) is None  # not back from the broker yet
+    a.on_view(view.to_message())
+    assert a.newer_view(4) == view  # the round under way must be run again
+    assert a.view_for(4, timeout_s=1, on_wait=print) == view
+    assert a.history == [view]
+
+
+def test_below_quorum_a_site_waits_and_says_why():
+    b = Membership(SITES, "b", min_sites=2)
+    view = View(epoch=1, members=("b",), start_round=3, engine_round=20)
+    b.on_view(view.to_message())
+    said: list[str] = []
+    with pytest.raises(MembershipError, match="quorum"):
+        b.view_for(3, timeout_s=0.3, on_wait=said.append)
+    assert "1 of the 2 sites" in said[0]
+
+
+def test_a_joining_site_waits_to_be_let_in_and_gives_up_when_the_others_stop():
+    c = Membership(SITES, "c", min_sites=2, joining=True)
+    assert Report.from_status(
+        {"state": "online", "membership": c.report_message()}, SITES
+    ).phase == ("joining")
+    admitted = View(
+        epoch=2, members=tuple(SITES), start_round=9, engine_round=40, catch_up=("c",), donor="a"
+    )
+    threading.Timer(0.2, c.on_view, [admitted.to_message()]).start()
+    assert c.view_for(0, timeout_s=5, on_wait=lambda why: None) == admitted
+
+    late = Membership(SITES, "c", min_sites=2, joining=True)
+    for site in ("a", "b"):
+        done = Report(phase="done", rounds=9).to_message()
+        late.on_status(site, {"state": "offline", "membership": done})
+    with pytest.raises(MembershipError, match="done training"):
+        late.view_for(0, timeout_s=5, on_wait=lambda why: None)
+
+
+# -- state transfer over a real server ------------------------------------------------
+
+
+def identity(site: str) -> Identity:
+    return Identity(job="j", site=site, rank=0, layout_fingerprint="f")
+
+
+def test_the_state_is_pulled_whole_in_parts_and_only_once_the_donor_is_there():
+    state = {"rounds": 3, "outer": {"global": [torch.arange(50_000.0)]}}
+    digest, blob = pack_state(state)
+    asked: list[int] = []
+
+    def provider(rounds: int) -> tuple[str, bytes]:
+        asked.append(rounds)
+        if len(asked) < 3:
+            raise StateUnavailable(wire_pb2.STATE_NOT_READY, "not there yet")
+        if rounds != 3:
+            raise StateUnavailable(wire_pb2.STATE_GONE, "past it")
+        return digest, blob
+
+    async def scenario():
+        server = PeerServer(identity("a"), ["a", "b"], lambda chunk: None)
+        server.servicer.state_provider = provider
+        server.servicer.part_bytes = 16 * 1024  # many parts
+        port = await server.start()
+        client = PeerClient(identity("b"), f"127.0.0.1:{port}", peer_site="a")
+        try:
+            fetched = await fetch_state(client, 3, deadline_s=20)
+            with pytest.raises(StateGone):
+                await fetch_state(client, 2, deadline_s=20)
+        finally:
+            await client.close()
+            await server.stop()
+        return fetched
+
+    fetched = asyncio.run(scenario())
+    assert fetched.bytes == len(blob)
+    assert torch.equal(fetched.state["outer"]["global"][0], state["outer"]["global"][0])
+    assert asked[:3] == [3, 3, 3]  # waited while the donor was not there
+
+
+def test_a_stranger_gets_no_state():
+    async def scenario():
+        server = PeerServer(identity("a"), ["a", "b"], lambda chunk: None)
+        server.servicer.state_provider = lambda rounds: pack_state({"secret": 1})
+        port = await server.start()
+        stranger = Identity(job="other", site="b", rank=0, layout_fingerprint="f")
+        client = PeerClient(stranger, f"127.0.0.1:{port}", peer_site="a")
+        try:
+            with pytest.raises(RuntimeError, match="job"):
+                await fetch_state(client, 0, deadline_s=5)
+        finally:
+            await client.close()
+            await server.stop()
+        return server.servicer.refusals
+
+    assert asyncio.run(scenario())["WRONG_JOB"] == 1

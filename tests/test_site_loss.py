@@ -1,0 +1,77 @@
+"""Site loss and rejoin on real processes over the emulator: a SIGKILLed site is
+left out, the others train on, the restarted site pulls the global state from
+a live peer and trains on, and every site ends with the same model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from test_run import explain
+
+from isthmus.deploy.run_records import read_records
+from isthmus.deploy.site_kill import kill_after_rounds, loss_figures
+
+JOB = """\
+name: site-loss
+sites:
+  - {name: a, ranks: 1}
+  - {name: b, ranks: 1}
+SITE_C
+wan:
+  default: {rtt_ms: 20, bandwidth_mbit: 200}
+train: {strategy: diloco, steps: 150, sync_every: 5, warmup_steps: 2, min_sites: QUORUM}
+"""
+
+
+def run_and_kill(tmp_path, victim: str, *, sites: int, quorum: int, restart: bool):
+    text = JOB.replace("SITE_C", "  - {name: c, ranks: 1}" if sites == 3 else "")
+    job = tmp_path / "job.yaml"
+    job.write_text(text.replace("QUORUM", str(quorum)))
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)]
+    run = subprocess.Popen(
+        command + (["--restart-lost"] if restart else []),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        killed = kill_after_rounds(out, victim, 4, timeout_s=300)
+        _, err = run.communicate(timeout=600)
+    finally:
+        run.kill()
+    assert run.returncode == 0, err + explain(out)
+    summary = json.loads((out / "summary.json").read_text())
+    return out, summary, loss_figures(out, victim, killed)
+
+
+@pytest.mark.slow
+def test_a_killed_site_is_left_out_then_rejoins_and_every_site_ends_with_the_same_model(tmp_path):
+    out, summary, figures = run_and_kill(tmp_path, "c", sites=3, quorum=2, restart=True)
+    assert summary["status"] == "finished"
+    sites = summary["sites"]
+    assert len({s["param_sha256"] for s in sites.values()}) == 1, sites
+    assert all(s["inner_steps"] == 150 for s in sites.values())
+    # The survivors went on without c, then took it back.
+    members = [v["members"] for v in figures["views"]]
+    assert ["a", "b"] in members
+    assert members[-1] == ["a", "b", "c"] or ["a", "b", "c"] in members
+    assert all(t is not None for t in figures["survivors_next_round_after_kill_s"].values())
+    assert figures["state_transfer_bytes"] > 0
+    rejoin = [r for r in read_records(out / "metrics.jsonl") if r["kind"] == "rejoin"]
+    assert len(rejoin) == 1 and rejoin[0]["site"] == "c"
+
+
+@pytest.mark.slow
+def test_below_the_quorum_training_pauses_until_the_lost_site_is_back(tmp_path):
+    out, summary, figures = run_and_kill(tmp_path, "b", sites=2, quorum=2, restart=True)
+    assert summary["status"] == "finished"
+    sites = summary["sites"]
+    assert len({s["param_sha256"] for s in sites.values()}) == 1, sites
+    log = (out / "logs" / "a-r0.log").read_text()
+    assert "quorum" in log  # a said why it waited
+    assert figures["rejoined_at_round"] is not None
