@@ -49,9 +49,23 @@ def loss_figures(run_dir: Path, victim: str, killed: float) -> dict[str, Any]:
         if r.get("site"):
             by_site.setdefault(r["site"], []).append(r)
     survivors = [s for s in by_site if s != victim]
+    # The first round the survivors completed that the victim never did (a round
+    # the victim finished just before it died may be recorded just after).
+    victim_rounds = max(
+        (
+            r["outer_steps"]
+            for r in by_site.get(victim, [])
+            if r["kind"] == "round" and r["t"] <= killed
+        ),
+        default=0,
+    )
     next_round = {
         s: min(
-            (r["t"] - killed for r in by_site[s] if r["kind"] == "round" and r["t"] > killed),
+            (
+                r["t"] - killed
+                for r in by_site[s]
+                if r["kind"] == "round" and r["outer_steps"] > victim_rounds
+            ),
             default=None,
         )
         for s in survivors
