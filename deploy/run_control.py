@@ -79,30 +79,28 @@ class SiteControl:
         if broker is not None and rank == 0:
             broker_address, wait_s = broker
             status = {"ranks": ranks, "step": 0, "round": 0, "address": address}
-            self.plane = ControlPlane(
-                broker_address,
-                job.name,
-                site,
-                settings=job.train,
-                status=status,
-                membership=membership,
-            )
-            try:
-                self.plane.start(wait_s=wait_s)
-            except ConnectionError as exc:
-                if job.control is not None:
-                    raise  # the job names a broker: say it is not there
-                # The embedded one is late: training never depends on the control
-                # plane, so go on and keep retrying in the background.
-                log.warning("%s", exc)
-                self.plane = ControlPlane(
+
+            def client() -> ControlPlane:
+                return ControlPlane(
                     broker_address,
                     job.name,
                     site,
                     settings=job.train,
                     status=status,
                     membership=membership,
-                ).start()
+                )
+
+            self.plane = client()
+            try:
+                self.plane.start(wait_s=wait_s)
+            except ConnectionError as exc:
+                if job.control is not None:
+                    raise  # the job names a broker: say it is not there
+                # The embedded one is late: the run goes on and the client keeps
+                # retrying in the background (a site lost meanwhile holds the
+                # others at the round's deadline until it connects).
+                log.warning("%s", exc)
+                self.plane = client().start()
 
     def step(self, step: int, outer_round: int) -> None:
         if self.plane is not None and time.monotonic() - self._last_status >= STATUS_EVERY_S:
