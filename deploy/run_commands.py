@@ -192,7 +192,8 @@ def _print_outcome(summary: dict[str, Any], report: Path) -> None:
     for name, site in summary["sites"].items():
         if site.get("reason"):
             print(f"site {name} {site['status']}: {site['reason']}", file=sys.stderr)
-    digests = {s["param_sha256"] for s in summary["sites"].values()}
+    # Sites that left on purpose keep the model they had when they left.
+    digests = {s["param_sha256"] for s in summary["sites"].values() if s["status"] != "left"}
     same = len(digests) == 1 and None not in digests
     losses = [s["eval_loss"] for s in summary["sites"].values() if s["eval_loss"] is not None]
     held_out = f"held-out loss {losses[0]:.3f}, " if losses else ""

@@ -62,7 +62,8 @@ class SiteState:
     procs: list[subprocess.Popen] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
     status: str = "starting"
-    """starting, computing, waiting, syncing, finished, failed or lost."""
+    """starting, computing, waiting, syncing, rejoining, leaving, left, finished, failed
+    or lost."""
     reason: str = ""
     step: int = 0
     loss: float | None = None
@@ -431,7 +432,7 @@ class Launcher:
                     running = True
                 continue
             if all(c == 0 for c in codes):
-                site.status = "finished"
+                site.status = "left" if site.status in ("left", "leaving") else "finished"
             else:
                 running = True
         if running:

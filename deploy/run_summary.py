@@ -30,7 +30,7 @@ def build_summary(state: RunState, *, ended: float | None = None) -> dict[str, A
     sent_to: dict[str, dict[str, int]] = {}
     for name, site in state.sites.items():
         result = _read_result(state.run_dir / "sites" / name / "result.json")
-        if site.status == "finished" and result is not None:
+        if site.status in ("finished", "left") and result is not None:
             entry = {key: result.get(key) for key in SITE_FIELDS}
             sent_to[name] = result.get("wan_bytes_sent_to", {})
         else:  # what its records said last

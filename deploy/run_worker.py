@@ -14,6 +14,9 @@ final model, ``RUN_DIR/model.safetensors``. Files appear whole or not at all.
 With ``train.checkpoint_every``, every rank checkpoints after every that many
 rounds into ``RUN_DIR/checkpoints/SITE/round-N/``; ``--resume-round N`` (which
 ``isthmus run --resume`` passes) goes on from there, bit for bit.
+With a run that survives the loss of a site (diloco, one rank per site),
+SIGUSR1 makes the site leave at the next round: the others go on without
+it, and it writes ``result.json`` with ``status: "left"``.
 Rank 0 is also the site's control-plane client (:mod:`isthmus.deploy.run_control`):
 status, metrics per round, live settings.
 """
@@ -40,6 +43,7 @@ from isthmus.deploy.run_control import SiteControl, apply_settings, membership_f
 from isthmus.deploy.run_records import RecordWriter, parameter_digest, write_json_atomic
 from isthmus.deploy.site_errors import run_site_main
 from isthmus.inter.join import SiteRuntime, start_site
+from isthmus.inter.membership import LeftTheRun
 from isthmus.inter.settings import TrainSettings
 from isthmus.inter.strategies import AsyncDiLoCo, DiLoCo, Strategy, StreamingDiLoCo, Sync
 from isthmus.intra.checkpoint import checkpoint_path, load_checkpoint, load_extra, save_checkpoint
@@ -123,6 +127,23 @@ class _Stop(Exception):
 
 def _on_sigterm(signum: int, frame: object) -> None:
     raise _Stop()
+
+
+_leave_requested = False
+
+
+def _on_sigusr1(signum: int, frame: object) -> None:
+    """An operator asks this site to leave the run at the next round (the training
+    loop passes it on: a signal handler must not take the membership's lock)."""
+    global _leave_requested
+    _leave_requested = True
+
+
+def _ask_to_leave(site: SiteRuntime, records: RecordWriter) -> None:
+    assert site.membership is not None
+    if site.membership.report_message()["phase"] != "leaving":
+        site.membership.report(phase="leaving")
+        records.write("state", state="leaving")
 
 
 def train(
@@ -240,7 +261,10 @@ def _train(
     round_started, round_tokens, waiting_s, blocked_s = time.perf_counter(), tokens, 0.0, 0.0
     round_compute_s, round_step = compute_s, start_step
     steps_done = start_step
+    left = False
     for step in range(start_step, settings.steps):
+        if _leave_requested and site.membership is not None:
+            _ask_to_leave(site, records)
         x, y = first if step == start_step else next(batches)
         step_started = time.perf_counter()
         for group in optimizer.param_groups:
@@ -253,7 +277,12 @@ def _train(
                     grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                     dist.all_reduce(grad, group=replicas)
                     grad.div_(site.layout.dp)
-        optimizer.step()  # the strategy's rounds run inside this call
+        try:
+            optimizer.step()  # the strategy's rounds run inside this call
+        except LeftTheRun as exc:
+            records.write("state", state="left", reason=str(exc))
+            left = True
+            break
         compute_s += time.perf_counter() - step_started - sum(b.seconds for b in strategy.blocked)
         tokens += y.numel() * site.layout.dp
         loss = _site_mean(rank_loss, site)
@@ -342,9 +371,10 @@ def _train(
                 seconds=time.perf_counter() - saved,
             )
 
-    # Every run ends with a final synchronisation: the same model on every site.
-    records.write("state", state="syncing")
-    strategy.finish()
+    if not left:
+        # Every run ends with a final synchronisation: the same model on every site.
+        records.write("state", state="syncing")
+        strategy.finish()
     strategy.close()
     _write_blocked(records, strategy)
     wall_s = time.time() - train_started
@@ -360,7 +390,7 @@ def _train(
     if site.site_index == 0:
         save_model(final, run_dir / "model.safetensors", job)
     result = {
-        "status": "finished",
+        "status": "left" if left else "finished",
         "final_loss": loss,
         "eval_loss": eval_loss,
         "tokens": tokens,
@@ -374,7 +404,7 @@ def _train(
         "param_sha256": parameter_digest(final),
     }
     write_json_atomic(run_dir / "sites" / site.name / "result.json", result)
-    records.write("state", state="finished")
+    records.write("state", state=result["status"])
     return 0
 
 
@@ -539,6 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGUSR1, _on_sigusr1)
     try:
         return train(args.run_dir, args.site, args.resume_round, args.rejoin)
     except _Stop:

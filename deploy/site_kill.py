@@ -23,9 +23,11 @@ from typing import Any
 from isthmus.deploy.run_records import read_records
 
 
-def kill_after_rounds(run_dir: Path, site: str, rounds: int, timeout_s: float = 600) -> float:
-    """SIGKILL ``site``'s processes once it has recorded ``rounds`` rounds; returns
-    the time of the kill (``time.time()``)."""
+def kill_after_rounds(
+    run_dir: Path, site: str, rounds: int, timeout_s: float = 600, sig: int = signal.SIGKILL
+) -> float:
+    """SIGKILL ``site``'s processes once it has recorded ``rounds`` rounds (or send
+    them ``sig``); returns the time of the kill (``time.time()``)."""
     metrics = run_dir / "sites" / site / "metrics.jsonl"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -35,7 +37,7 @@ def kill_after_rounds(run_dir: Path, site: str, rounds: int, timeout_s: float = 
                 pids = json.loads((run_dir / "pids.json").read_text())[site]
                 killed = time.time()
                 for pid in pids:
-                    os.kill(pid, signal.SIGKILL)
+                    os.kill(pid, sig)
                 return killed
         time.sleep(0.1)
     raise TimeoutError(f"site {site} did not reach {rounds} rounds within {timeout_s:g} s")

@@ -53,7 +53,11 @@ bound on rounds ahead (16)."""
 
 
 class MembershipError(RuntimeError):
-    """This site cannot go on as a member (left out for good, or told to leave)."""
+    """This site cannot go on as a member (no usable view came, or the others stopped)."""
+
+
+class LeftTheRun(Exception):
+    """This site asked to leave and the view that lets it go has come: stop training."""
 
 
 @dataclass(frozen=True)
@@ -227,7 +231,17 @@ def decide(
         if m in members and report(m).phase == "stuck" and report(m).epoch == current.epoch
     ]
     conflicts = [m for m in members if report(m).conflict == current.epoch]
-    lost = [m for m in current.members if m not in members]
+    # A member that asks to leave takes part in the round under way and is left
+    # out from the next; one that is done training has left already.
+    leaving = [
+        m
+        for m in current.members
+        if m not in members
+        and (r := reports.get(m)) is not None
+        and r.online
+        and r.phase == "leaving"
+    ]
+    lost = [m for m in current.members if m not in members and m not in leaving]
     # A member that says it is joining restarted before anyone noticed it was gone:
     # it has lost its state, and must catch up like any joiner.
     joining = [
@@ -235,7 +249,7 @@ def decide(
         for m in members
         if m not in current.members or (report(m).phase == "joining" and m not in current.catch_up)
     ]
-    if not (lost or joining or stuck or conflicts):
+    if not (lost or leaving or joining or stuck or conflicts):
         return None
     staying = [m for m in members if m not in joining] or members
     if not members:
@@ -247,9 +261,9 @@ def decide(
         start = max(rounds[m] for m in staying)
         behind = [m for m in staying if rounds[m] < start]
     else:
-        # Only joiners: the members finish the round under way, the joiners come in
-        # at the next.
-        start = max(rounds[m] for m in staying) + 1
+        # Only joiners and leavers: the members finish the round under way (the
+        # leavers with them), the joiners come in at the next.
+        start = max([rounds[m] for m in staying] + [report(m).rounds for m in leaving]) + 1
         behind = []
     catch_up = tuple(m for m in members if m in joining or m in behind)
     donor = next((m for m in staying if m not in catch_up), None) if catch_up else None
@@ -259,6 +273,8 @@ def decide(
         why.append(f"left out {lost}")
     if joining:
         why.append(f"joining {joining}")
+    if leaving:
+        why.append(f"leaving {leaving}")
     if stuck:
         why.append(f"stuck {stuck}")
     if conflicts:
@@ -413,8 +429,10 @@ class Membership:
         latest = self.latest
         if latest.epoch <= self.applied.epoch:
             return None
-        if latest.start_round <= rounds or self.me not in latest.members:
+        if latest.start_round <= rounds:
             return latest
+        if self.me not in latest.members and self._mine.phase != "leaving":
+            return latest  # left out: the others will not finish this round with it
         return None
 
     def view_for(self, rounds: int, timeout_s: float, on_wait: Callable[[str], None]) -> View:
@@ -465,6 +483,8 @@ class Membership:
         )
 
     def _why_waiting(self, view: View) -> str:
+        if self.me not in view.members and self._mine.phase == "leaving":
+            raise LeftTheRun(f"site {self.me} left the run at round {view.start_round}")
         if not self._admitted:
             return f"joining: waiting for the leader to let this site in (view {view.epoch} holds)"
         if self.me not in view.members:

@@ -11,6 +11,7 @@ import torch
 
 from isthmus.inter.membership import (
     ENGINE_MARGIN,
+    LeftTheRun,
     Membership,
     MembershipError,
     Report,
@@ -82,6 +83,24 @@ def test_below_quorum_a_joiner_comes_in_at_the_round_the_members_wait_in():
     view = decide(["a", "b"], reports, current, min_sites=2)
     assert view is not None
     assert (view.start_round, view.catch_up, view.donor) == (4, ("b",), "a")
+
+
+def test_a_leaving_member_finishes_the_round_under_way_and_is_left_out_after():
+    reports = {"a": training(6, 40), "b": training(6, 40), "c": Report(phase="leaving", rounds=6)}
+    view = decide(SITES, reports, first_view(SITES))
+    assert view is not None
+    assert view.members == ("a", "b")
+    assert view.start_round == 7  # nobody runs round 6 again
+    assert "leaving ['c']" in view.reason
+
+
+def test_a_leaving_site_stops_when_the_view_without_it_begins():
+    c = Membership(SITES, "c", min_sites=2)
+    c.report(phase="leaving", rounds=6)
+    c.on_view(View(epoch=1, members=("a", "b"), start_round=7, engine_round=50).to_message())
+    assert c.newer_view(6) is None  # the round under way goes on with it
+    with pytest.raises(LeftTheRun):
+        c.view_for(7, timeout_s=1, on_wait=print)
 
 
 def test_a_stuck_member_without_a_culprit_restarts_the_round_with_new_numbers():

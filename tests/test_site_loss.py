@@ -5,6 +5,7 @@ a live peer and trains on, and every site ends with the same model."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 
@@ -75,3 +76,26 @@ def test_below_the_quorum_training_pauses_until_the_lost_site_is_back(tmp_path):
     log = (out / "logs" / "a-r0.log").read_text()
     assert "quorum" in log  # a said why it waited
     assert figures["rejoined_at_round"] is not None
+
+
+@pytest.mark.slow
+def test_a_site_that_leaves_on_purpose_is_let_go_and_the_others_go_on(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB.replace("SITE_C", "  - {name: c, ranks: 1}").replace("QUORUM", "2"))
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)]
+    run = subprocess.Popen(command, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    try:
+        kill_after_rounds(out, "c", 4, timeout_s=300, sig=signal.SIGUSR1)
+        _, err = run.communicate(timeout=600)
+    finally:
+        run.kill()
+    assert run.returncode == 0, err + explain(out)
+    summary = json.loads((out / "summary.json").read_text())
+    sites = summary["sites"]
+    assert sites["c"]["status"] == "left"
+    assert sites["c"]["inner_steps"] < 150
+    assert sites["a"]["param_sha256"] == sites["b"]["param_sha256"]
+    assert all(sites[s]["inner_steps"] == 150 for s in "ab")
+    views = [r for r in read_records(out / "metrics.jsonl") if r["kind"] == "view"]
+    assert any("leaving ['c']" in v["reason"] for v in views if v["site"] == "a")
