@@ -45,12 +45,10 @@ def run_broker(job: Job, run_dir: Path, site: str) -> tuple[Broker, float] | Non
 
 def membership_for(job: Job, run_dir: Path, site: str, *, rejoining: bool) -> Membership | None:
     """The site's side of the membership protocol, where the run can lose and regain
-    sites: the diloco strategy, one rank per site (a site of several ranks would
-    also have to agree in-site on each round's outcome; not built yet), and a
-    control plane to carry it."""
+    sites: the diloco strategy, and a control plane to carry it."""
     if job.train.strategy != "diloco" or len(job.sites) < 2:
         return None
-    if any(s.ranks > 1 for s in job.sites) or run_broker(job, run_dir, site) is None:
+    if run_broker(job, run_dir, site) is None:
         return None
     names = [s.name for s in job.sites]
     return Membership(names, site, min_sites=job.train.quorum(len(names)), joining=rejoining)
@@ -74,8 +72,15 @@ class SiteControl:
         control plane carries."""
         self.ranks = ranks
         self.plane: ControlPlane | None = None
+        self.observer: ControlPlane | None = None
+        """The other ranks' read-only client: each rank follows the membership views
+        itself, since a rank waiting on a round cannot hear from rank 0."""
         self._last_status = 0.0
         broker = run_broker(job, run_dir, site)
+        if broker is not None and rank != 0 and membership is not None:
+            self.observer = ControlPlane(
+                broker[0], job.name, None, settings=job.train, membership=membership
+            ).start()
         if broker is not None and rank == 0:
             broker_address, wait_s = broker
             status = {"ranks": ranks, "step": 0, "round": 0, "address": address}
@@ -122,6 +127,8 @@ class SiteControl:
         return changes
 
     def close(self) -> None:
+        if self.observer is not None:
+            self.observer.close()
         if self.plane is not None:
             if self.plane.membership is not None:
                 # Gone on purpose: the others must not wait for it, nor take it for lost.

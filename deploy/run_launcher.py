@@ -232,7 +232,7 @@ class Launcher:
         if restart_lost and not self.survives_loss:
             raise RunError(
                 "--restart-lost: only a run that survives the loss of a site can take a site "
-                "back: train.strategy diloco, at least 2 sites, one rank per site"
+                "back: train.strategy diloco, at least 2 sites"
             )
         self.restart_lost = restart_lost
         self.resume_round = resume_round
@@ -510,11 +510,7 @@ class Launcher:
 def _survives_loss(job: Job) -> bool:
     """Whether the run goes on when a site is lost (the membership protocol runs:
     see :func:`isthmus.deploy.run_control.membership_for`)."""
-    return (
-        job.train.strategy == "diloco"
-        and len(job.sites) >= 2
-        and all(s.ranks == 1 for s in job.sites)
-    )
+    return job.train.strategy == "diloco" and len(job.sites) >= 2
 
 
 def _launch(

@@ -14,8 +14,8 @@ final model, ``RUN_DIR/model.safetensors``. Files appear whole or not at all.
 With ``train.checkpoint_every``, every rank checkpoints after every that many
 rounds into ``RUN_DIR/checkpoints/SITE/round-N/``; ``--resume-round N`` (which
 ``isthmus run --resume`` passes) goes on from there, bit for bit.
-With a run that survives the loss of a site (diloco, one rank per site),
-SIGUSR1 makes the site leave at the next round: the others go on without
+With a run that survives the loss of a site (diloco), SIGUSR1 (to any of
+its ranks) makes the site leave at the next round: the others go on without
 it, and it writes ``result.json`` with ``status: "left"``.
 Rank 0 is also the site's control-plane client (:mod:`isthmus.deploy.run_control`):
 status, metrics per round, live settings.
@@ -139,13 +139,6 @@ def _on_sigusr1(signum: int, frame: object) -> None:
     _leave_requested = True
 
 
-def _ask_to_leave(site: SiteRuntime, records: RecordWriter) -> None:
-    assert site.membership is not None
-    if site.membership.report_message()["phase"] != "leaving":
-        site.membership.report(phase="leaving")
-        records.write("state", state="leaving")
-
-
 def train(
     run_dir: Path, site_name: str, resume_round: int | None = None, rejoin: bool = False
 ) -> int:
@@ -158,8 +151,8 @@ def train(
     membership = membership_for(job, run_dir, site_name, rejoining=rejoin)
     if rejoin and membership is None:
         raise SiteError(
-            "--rejoin needs a run that can lose and regain sites: strategy diloco, one rank "
-            "per site, and a control plane"
+            "--rejoin needs a run that can lose and regain sites: strategy diloco and a "
+            "control plane"
         )
     site = start_site(job, site_name, parameters=named, state=state, rejoining=rejoin)
     site.membership = membership
@@ -263,8 +256,9 @@ def _train(
     steps_done = start_step
     left = False
     for step in range(start_step, settings.steps):
-        if _leave_requested and site.membership is not None:
-            _ask_to_leave(site, records)
+        if _leave_requested and isinstance(strategy, DiLoCo) and not strategy.leave_requested:
+            strategy.leave_requested = True  # acted on at the next round
+            records.write("state", state="leaving")
         x, y = first if step == start_step else next(batches)
         step_started = time.perf_counter()
         for group in optimizer.param_groups:

@@ -24,10 +24,16 @@ from isthmus.deploy.run_records import read_records
 
 
 def kill_after_rounds(
-    run_dir: Path, site: str, rounds: int, timeout_s: float = 600, sig: int = signal.SIGKILL
+    run_dir: Path,
+    site: str,
+    rounds: int,
+    timeout_s: float = 600,
+    sig: int = signal.SIGKILL,
+    ranks: list[int] | None = None,
 ) -> float:
-    """SIGKILL ``site``'s processes once it has recorded ``rounds`` rounds (or send
-    them ``sig``); returns the time of the kill (``time.time()``)."""
+    """SIGKILL ``site``'s processes (``ranks``: only those) once it has recorded
+    ``rounds`` rounds, or send them ``sig``; returns the time of the kill
+    (``time.time()``)."""
     metrics = run_dir / "sites" / site / "metrics.jsonl"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -35,6 +41,8 @@ def kill_after_rounds(
             done = sum(1 for r in read_records(metrics) if r["kind"] == "round")
             if done >= rounds:
                 pids = json.loads((run_dir / "pids.json").read_text())[site]
+                if ranks is not None:
+                    pids = [pids[r] for r in ranks]
                 killed = time.time()
                 for pid in pids:
                     os.kill(pid, sig)

@@ -155,7 +155,8 @@ class ControlPlane:
             # In the first status already: a joining site must say so to be let in.
             self._status["membership"] = membership.report_message()
             membership.publish_report = lambda report: self.update_status(membership=report)
-            membership.publish_view = self._publish_view
+            # An observer (another rank of the site) follows the views; it never leads.
+            membership.publish_view = self._publish_view if site is not None else None
 
     # -- life ----------------------------------------------------------------------
     def start(self, wait_s: float | None = None) -> ControlPlane:

@@ -214,7 +214,7 @@ class PendingAverage:
         if abort is None:
             results, stats = self._future.result(step.timeout_s)
         else:
-            results, stats = self._wait_unless(abort)
+            results, stats = self._wait_agreed(abort)
         for lane, result in results.items():
             self._values[lane].copy_(result)
         wan_s = time.perf_counter() - self._started
@@ -233,6 +233,26 @@ class PendingAverage:
             wan_bytes_sent=stats.bytes_sent,
             wan_bytes_received=stats.bytes_received,
         )
+
+    def _wait_agreed(self, abort: Callable[[], bool]) -> tuple[dict[int, torch.Tensor], RoundStats]:
+        """:meth:`_wait_unless`, then, in a site of several ranks, agree with the
+        others on the outcome before anything is applied: one rank that could not
+        finish (abandoned, failed) makes every rank of the site give the round up,
+        so the ranks never hold different parameters."""
+        try:
+            outcome = self._wait_unless(abort)
+            error: BaseException | None = None
+        except Exception as exc:
+            outcome, error = None, exc
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor([0 if error is not None else 1], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            if error is None and not flag.item():
+                error = RoundAborted("another rank of this site could not finish the round")
+        if error is not None:
+            raise error
+        assert outcome is not None
+        return outcome
 
     def _wait_unless(self, abort: Callable[[], bool]) -> tuple[dict[int, torch.Tensor], RoundStats]:
         timeout = self._step.timeout_s

@@ -449,6 +449,10 @@ class DiLoCo(_LocalSteps):
         """How long a site waits for a usable membership view (quorum, readmission)
         before it gives up with :class:`MembershipError`."""
         self._entered_epoch = 0
+        self.leave_requested = False
+        """Set (on any rank) to leave the run: at the next round this site asks the
+        leader to let it go, and stops when the view without it begins."""
+        self._leaving = False
         self._state_lock = threading.Lock()
         self._served: tuple[int, str, bytes] | None = None
         self._steps_at_round = 0
@@ -619,10 +623,15 @@ class DiLoCo(_LocalSteps):
         """The round under the membership view that holds for it: run again among
         the new members if the view changes under it (a site lost), after pulling
         the global state first if this site must catch up (then it contributes
-        nothing this round: weight 0)."""
+        nothing this round: weight 0). The ranks of a site agree on the view, on
+        each round's outcome and on every catch-up, so they never part ways."""
         site = self.site
         membership = site.membership
         assert membership is not None
+        if self._site_any(self.leave_requested) and not self._leaving:
+            self._leaving = True
+            membership.report(phase="leaving")
+            log.warning("site %s: leaving the run at the next round, as asked", site.name)
         tokens = self._tokens
         while True:
             view, caught_up = self._enter_view()
@@ -634,9 +643,11 @@ class DiLoCo(_LocalSteps):
             abandoned = functools.partial(_abandoned, membership, rounds)
             try:
                 self._round(view.members, deltas, bad, tokens, last, abort=abandoned)
-            except RoundAborted:
-                continue  # a newer view holds for this round: run it under that one
-            except (RoundError, PeerError, TimeoutError) as exc:
+            except (RoundAborted, RoundError, PeerError, TimeoutError) as exc:
+                if isinstance(exc, RoundAborted) and membership.newer_view(rounds) is not None:
+                    continue  # a newer view holds for this round: run it under that one
+                # Failed here, or on another rank of this site (while the other sites
+                # may have completed the round): ask the leader for a new view.
                 unreachable = [exc.site] if isinstance(exc, RoundError) else []
                 unreachable = [s for s in unreachable if s in view.members and s != site.name]
                 log.warning(
@@ -647,19 +658,40 @@ class DiLoCo(_LocalSteps):
                     exc,
                 )
                 membership.report(phase="stuck", unreachable=unreachable)
-                if membership.wait_for_newer(view.epoch, self.member_timeout_s) is None:
-                    raise MembershipError(
-                        f"site {site.name}: round {rounds} failed ({exc}) and no new "
-                        f"membership view came within {self.member_timeout_s:g} s"
-                    ) from None
+                with self._blocking("waiting"):
+                    if membership.wait_for_newer(view.epoch, self.member_timeout_s) is None:
+                        raise MembershipError(
+                            f"site {site.name}: round {rounds} failed ({exc}) and no new "
+                            f"membership view came within {self.member_timeout_s:g} s"
+                        ) from None
                 continue
             membership.report(
-                phase="training",
+                phase="leaving" if self._leaving else "training",
                 rounds=self.rounds,
                 engine_round=site.engine_round + 1,
                 unreachable=(),
             )
             return
+
+    def _agreed_view(self) -> View:
+        """The view the next round runs under, the same on every rank of the site
+        (each rank follows the views itself; one may have seen a new one first)."""
+        membership = self.site.membership
+        assert membership is not None
+        while True:
+            with self._blocking("waiting"):
+                view = membership.view_for(
+                    self.rounds, timeout_s=self.member_timeout_s, on_wait=self._say_waiting
+                )
+            if self.site.site.ranks == 1:
+                return view
+            epochs = torch.tensor([-view.epoch, view.epoch], dtype=torch.int64)
+            dist.all_reduce(epochs, op=dist.ReduceOp.MAX)
+            lowest, highest = -int(epochs[0]), int(epochs[1])
+            if lowest == highest:
+                return view
+            if view.epoch < highest:
+                membership.wait_for_newer(view.epoch, self.member_timeout_s)
 
     def _enter_view(self) -> tuple[View, bool]:
         """The view this round runs under, entered: a new one moves the engine to its
@@ -669,12 +701,10 @@ class DiLoCo(_LocalSteps):
         assert membership is not None
         caught_up = False
         while True:
-            with self._blocking("waiting"):
-                view = membership.view_for(
-                    self.rounds, timeout_s=self.member_timeout_s, on_wait=self._say_waiting
-                )
+            view = self._agreed_view()
             if view.epoch == self._entered_epoch:
                 return view, caught_up
+            problem = ""
             try:
                 if site.name in view.catch_up:
                     # The members send this view's rounds as soon as they get there:
@@ -684,8 +714,10 @@ class DiLoCo(_LocalSteps):
                     self._catch_up(view)
                     caught_up = True
                 elif self.rounds > view.start_round:
-                    raise StateGone(f"this site completed {self.rounds} rounds")
+                    problem = f"this site completed {self.rounds} rounds"
             except StateGone as exc:
+                problem = str(exc)
+            if self._site_any(bool(problem)):
                 # The view was decided on stale reports: say how far this site (or its
                 # donor) got, and let the leader decide again.
                 log.warning(
@@ -693,7 +725,7 @@ class DiLoCo(_LocalSteps):
                     site.name,
                     view.epoch,
                     view.start_round,
-                    exc,
+                    problem or "another rank of this site could not",
                 )
                 membership.report(conflict=view.epoch, rounds=self.rounds)
                 with self._blocking("waiting"):
@@ -709,6 +741,15 @@ class DiLoCo(_LocalSteps):
             membership.report(conflict=None)
             return view, caught_up
 
+    def _site_any(self, flag: bool) -> bool:
+        """Whether ``flag`` is set on any rank of the site (a collective when it has
+        several)."""
+        if self.site.site.ranks == 1:
+            return flag
+        value = torch.tensor([int(flag)], dtype=torch.int64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
     def _say_waiting(self, why: str) -> None:
         log.warning("site %s: %s", self.site.name, why)
 
@@ -716,6 +757,13 @@ class DiLoCo(_LocalSteps):
         """Pull the global state after ``view.start_round`` rounds from the view's donor."""
         site = self.site
         assert view.donor is not None
+        donor_layout = site.job.site(view.donor).layout
+        if donor_layout != site.layout:
+            raise MembershipError(
+                f"site {site.name}: the state is pulled rank by rank from a site of the same "
+                f"layout, but the donor {view.donor} has {donor_layout} and this site "
+                f"{site.layout}; give the sites the same layout (ranks, tp, pp)"
+            )
         client = site.client_for(view.donor)
         with self._blocking("waiting"):
             fetched = site.loop.run(

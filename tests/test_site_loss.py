@@ -99,3 +99,39 @@ def test_a_site_that_leaves_on_purpose_is_let_go_and_the_others_go_on(tmp_path):
     assert all(sites[s]["inner_steps"] == 150 for s in "ab")
     views = [r for r in read_records(out / "metrics.jsonl") if r["kind"] == "view"]
     assert any("leaving ['c']" in v["reason"] for v in views if v["site"] == "a")
+
+
+TWO_RANK_SITES = """\
+name: site-loss-ranks
+sites:
+  - {name: a, ranks: 2}
+  - {name: b, ranks: 2}
+wan:
+  default: {rtt_ms: 20, bandwidth_mbit: 200}
+train: {strategy: diloco, steps: 100, sync_every: 5, warmup_steps: 2, min_sites: 1}
+"""
+
+
+@pytest.mark.slow
+def test_a_site_of_several_ranks_that_loses_one_is_restarted_whole_and_rejoins(tmp_path):
+    """One rank of b dies (a lost GPU): the launcher stops b's other rank, a trains
+    on alone (quorum 1), b comes back, every rank pulls its own part of the state
+    from its counterpart in a, and both sites end with the same model."""
+    job = tmp_path / "job.yaml"
+    job.write_text(TWO_RANK_SITES)
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)]
+    run = subprocess.Popen(
+        [*command, "--restart-lost"], cwd=tmp_path, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        kill_after_rounds(out, "b", 4, timeout_s=300, ranks=[1])
+        _, err = run.communicate(timeout=600)
+    finally:
+        run.kill()
+    assert run.returncode == 0, err + explain(out)
+    sites = json.loads((out / "summary.json").read_text())["sites"]
+    assert sites["a"]["param_sha256"] == sites["b"]["param_sha256"], sites
+    assert all(s["inner_steps"] == 100 for s in sites.values())
+    rejoin = [r for r in read_records(out / "metrics.jsonl") if r["kind"] == "rejoin"]
+    assert [r["site"] for r in rejoin] == ["b"]
