@@ -154,7 +154,14 @@ def train(
             "--rejoin needs a run that can lose and regain sites: strategy diloco and a "
             "control plane"
         )
-    site = start_site(job, site_name, parameters=named, state=state, rejoining=rejoin)
+    site = start_site(
+        job,
+        site_name,
+        parameters=named,
+        state=state,
+        rejoining=rejoin,
+        deadline_s=settings.round_deadline_s,
+    )
     site.membership = membership
     leader = site.rank == 0  # rank 0 reports for the whole site
     records = RecordWriter(run_dir / "sites" / site_name / "metrics.jsonl", site_name, leader)

@@ -46,6 +46,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 PHASES = ("training", "stuck", "joining", "leaving", "done")
+PROBE_EVERY_S = 2.0
+"""How often a site waiting to be let in checks which members it can reach."""
 ENGINE_MARGIN = 8
 """A new view's engine rounds start this far above any engine round reported: chunks
 of abandoned rounds can never be taken for the new ones. Well below the engine's
@@ -341,6 +343,9 @@ class Membership:
         """Set by the control plane: sends this site's report in its status."""
         self.publish_view: Callable[[View], None] | None = None
         """Set by the control plane: publishes a view (retained); None: cannot lead."""
+        self.probe: Callable[[Sequence[str]], list[str]] | None = None
+        """Set by the strategy: which of these sites this one cannot reach now (asked
+        while it waits to be let in)."""
 
     # -- what the control plane feeds in (its own thread) ---------------------------
     def on_status(self, site: str, status: Mapping[str, Any]) -> str | None:
@@ -442,6 +447,7 @@ class Membership:
         usable view comes within ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         said = ""
+        next_probe = 0.0
         with self._changed:
             while True:
                 latest = self.latest
@@ -451,10 +457,19 @@ class Membership:
                     self.applied = latest
                     self.history.append(latest)
                     self._admitted |= self.me in latest.catch_up
+                    if self.me not in latest.members and self._mine.phase != "leaving":
+                        # Left out while alive (cut off): ask to be let back in, which
+                        # takes the state of those that went on.
+                        self._admitted = False
+                        self._mine.phase = "joining"
+                        self._send_report()
                 view = self.applied
                 why = self._why_waiting(view)
                 if not why:
                     return view
+                if not self._admitted and time.monotonic() >= next_probe:
+                    next_probe = time.monotonic() + PROBE_EVERY_S
+                    self._probe_members(latest)
                 if self._members_gone(latest):
                     raise MembershipError(
                         f"site {self.me}: every other site is done training (view "
@@ -471,6 +486,30 @@ class Membership:
                 if remaining <= 0:
                     raise MembershipError(f"site {self.me}: {why}, for {timeout_s:g} s; giving up")
                 self._changed.wait(min(remaining, 1.0))
+
+    def _probe_members(self, view: View) -> None:
+        """(Lock held.) Say which members this waiting site cannot reach: the leader
+        lets it in only once it and the members reach each other."""
+        if self.probe is None:
+            return
+        others = [m for m in view.members if m != self.me]
+        self._changed.release()
+        try:
+            unreachable = self.probe(others)
+        finally:
+            self._changed.acquire()
+        if tuple(unreachable) != self._mine.unreachable:
+            self._mine.unreachable = tuple(unreachable)
+            self._send_report()
+
+    def _send_report(self) -> None:
+        """(Lock held.) Send this site's report as it stands."""
+        message = self._my_report().to_message()
+        self._changed.release()
+        try:
+            self.publish_report(message)
+        finally:
+            self._changed.acquire()
 
     def _members_gone(self, view: View) -> bool:
         """Whether every other site of the job is done training (a site that died may

@@ -88,6 +88,12 @@ class TrainSettings:
     RUN_DIR`` can go on after a stop. 0: no checkpoints. ``sync`` and ``diloco`` only
     (the others have exchanges in flight at every step)."""
 
+    round_deadline_s: float = 120.0
+    """``isthmus run``: how long a round waits for a site that does not deliver (down,
+    cut off, slow) before it fails; with ``diloco`` the others then go on without
+    that site. Longer than the slowest round, shorter than an outage worth
+    waiting out."""
+
     min_sites: int = 0
     """``isthmus run`` with ``diloco``: the quorum. When sites are lost, the others
     train on while at least this many sites remain, and pause (saying so) below
@@ -157,6 +163,11 @@ class TrainSettings:
                 "exchange in flight at every step; use sync or diloco, or checkpoint_every: 0",
             )
 
+        if not (_is_number(self.round_deadline_s) and self.round_deadline_s > 0):
+            raise SettingError(
+                "round_deadline_s",
+                f"must be a number of seconds > 0, got {self.round_deadline_s!r}",
+            )
         if not (
             isinstance(self.min_sites, int)
             and not isinstance(self.min_sites, bool)

@@ -19,6 +19,7 @@ everywhere), so strategies can be switched between rounds.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import math
@@ -49,6 +50,10 @@ from isthmus.inter.state_transfer import StateGone, StateUnavailable, fetch_stat
 from isthmus.proto import wire_pb2
 
 log = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 3.0
+"""How long a cut-off site waits for a member's handshake before it says it cannot
+reach it."""
 
 
 def _codec(value: str | Codec) -> Codec:
@@ -472,6 +477,7 @@ class DiLoCo(_LocalSteps):
         )
         if site.membership is not None:
             site.endpoint.server.servicer.state_provider = self.state_after
+            site.membership.probe = self._unreachable
 
     def __enter__(self) -> DiLoCo:
         self._round_clock = time.perf_counter()  # the first round starts with training
@@ -740,6 +746,21 @@ class DiLoCo(_LocalSteps):
             self._entered_epoch = view.epoch
             membership.report(conflict=None)
             return view, caught_up
+
+    def _unreachable(self, sites: Sequence[str]) -> list[str]:
+        """Which of ``sites`` do not answer a handshake within ``PROBE_TIMEOUT_S``."""
+
+        async def answers(name: str) -> bool:
+            try:
+                await asyncio.wait_for(self.site.client_for(name).hello(), PROBE_TIMEOUT_S)
+            except (PeerError, TimeoutError):
+                return False
+            return True
+
+        async def probe() -> list[bool]:
+            return await asyncio.gather(*(answers(name) for name in sites))
+
+        return [name for name, ok in zip(sites, self.site.loop.run(probe()), strict=True) if not ok]
 
     def _site_any(self, flag: bool) -> bool:
         """Whether ``flag`` is set on any rank of the site (a collective when it has
