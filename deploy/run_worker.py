@@ -262,7 +262,8 @@ def _train(
     round_compute_s, round_step = compute_s, start_step
     steps_done = start_step
     left = False
-    for step in range(start_step, settings.steps):
+    step = start_step
+    while step < settings.steps:
         if _leave_requested and isinstance(strategy, DiLoCo) and not strategy.leave_requested:
             strategy.leave_requested = True  # acted on at the next round
             records.write("state", state="leaving")
@@ -371,6 +372,14 @@ def _train(
                 path=str(path.relative_to(run_dir)),
                 seconds=time.perf_counter() - saved,
             )
+        if isinstance(strategy, DiLoCo) and strategy.inner_steps != step + 1:
+            # This site fell behind (cut off, left out) and pulled the others' state:
+            # go on from their step, with the batches of that step.
+            step = start_step = steps_done = strategy.inner_steps
+            batches = _batches(job, settings, site, dataset, step)
+            first = next(batches)
+        else:
+            step += 1
 
     if not left:
         # Every run ends with a final synchronisation: the same model on every site.

@@ -456,7 +456,17 @@ class Membership:
                 ):
                     self.applied = latest
                     self.history.append(latest)
-                    self._admitted |= self.me in latest.catch_up
+                    if self._mine.phase == "stuck":
+                        # This view answers it: stuck in it would ask for yet another.
+                        self._mine.phase = "training"
+                        self._send_report()
+                    if self.me in latest.catch_up and self._mine.phase == "joining":
+                        # Let in: no longer asking (a site still saying "joining" when a
+                        # later view does not name it restarted unnoticed).
+                        self._admitted = True
+                        self._mine.phase = "training"
+                        self._mine.unreachable = ()
+                        self._send_report()
                     if self.me not in latest.members and self._mine.phase != "leaving":
                         # Left out while alive (cut off): ask to be let back in, which
                         # takes the state of those that went on.

@@ -653,15 +653,19 @@ class DiLoCo(_LocalSteps):
                 if isinstance(exc, RoundAborted) and membership.newer_view(rounds) is not None:
                     continue  # a newer view holds for this round: run it under that one
                 # Failed here, or on another rank of this site (while the other sites
-                # may have completed the round): ask the leader for a new view.
-                unreachable = [exc.site] if isinstance(exc, RoundError) else []
-                unreachable = [s for s in unreachable if s in view.members and s != site.name]
+                # may have completed the round): ask the leader for a new view. The
+                # site that did not deliver may itself be waiting on another, so
+                # name only the members that do not answer a handshake now.
+                others = [m for m in view.members if m != site.name]
+                unreachable = self._unreachable(others)
                 log.warning(
-                    "site %s: round %d under view %d failed (%s); asking for a new view",
+                    "site %s: round %d under view %d failed (%s); cannot reach %s; asking "
+                    "for a new view",
                     site.name,
                     rounds,
                     view.epoch,
                     exc,
+                    unreachable or "no one",
                 )
                 membership.report(phase="stuck", unreachable=unreachable)
                 with self._blocking("waiting"):
@@ -671,6 +675,10 @@ class DiLoCo(_LocalSteps):
                             f"membership view came within {self.member_timeout_s:g} s"
                         ) from None
                 continue
+            if caught_up:
+                # The others trained this round's steps while this site took part with
+                # nothing: go on from where they are.
+                self.inner_steps += self.sync_every
             membership.report(
                 phase="leaving" if self._leaving else "training",
                 rounds=self.rounds,
@@ -867,8 +875,6 @@ class DiLoCo(_LocalSteps):
         deltas = self.outer.pseudo_gradients()
         self._round_as_member([d.zero_() for d in deltas], 0, False)
         self._round_clock = time.perf_counter()
-        # The others trained that round's steps: go on from where they are.
-        self.inner_steps += self.sync_every
         return self.inner_steps
 
     def finish(self) -> None:

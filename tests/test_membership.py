@@ -167,6 +167,19 @@ def test_the_leader_publishes_once_and_every_site_applies_the_view_at_its_round(
     assert a.history == [view]
 
 
+def test_a_stuck_site_that_enters_the_next_view_no_longer_asks_for_one():
+    published: list[View] = []
+    a = Membership(["a", "b"], "a", min_sites=1)
+    a.publish_view = published.append
+    a.on_status("b", {"state": "online", "membership": training(3, 9).to_message()})
+    a.report(phase="stuck", rounds=3, engine_round=9)
+    assert len(published) == 1
+    a.on_view(published[0].to_message())
+    a.view_for(3, timeout_s=1, on_wait=print)
+    a.on_status("b", {"state": "online", "membership": training(3, 9).to_message()})
+    assert len(published) == 1, published
+
+
 def test_below_quorum_a_site_waits_and_says_why():
     b = Membership(SITES, "b", min_sites=2)
     view = View(epoch=1, members=("b",), start_round=3, engine_round=20)

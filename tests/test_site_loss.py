@@ -135,3 +135,49 @@ def test_a_site_of_several_ranks_that_loses_one_is_restarted_whole_and_rejoins(t
     assert all(s["inner_steps"] == 100 for s in sites.values())
     rejoin = [r for r in read_records(out / "metrics.jsonl") if r["kind"] == "rejoin"]
     assert [r["site"] for r in rejoin] == ["b"]
+
+
+CUT_OFF = """\
+name: cut-off
+sites:
+  - {name: a, ranks: 1}
+  - {name: b, ranks: 1}
+  - {name: c, ranks: 1}
+wan:
+  default: {rtt_ms: 20, bandwidth_mbit: 200}
+  faults:
+    - {at_s: 20, link: [a, c], action: partition, for_s: 40, mode: blackhole}
+train:
+  strategy: diloco
+  steps: 200
+  sync_every: 5
+  warmup_steps: 2
+  round_deadline_s: 15
+"""
+
+
+@pytest.mark.slow
+def test_a_site_cut_off_past_the_deadline_is_left_out_and_let_back_in_when_it_heals(tmp_path):
+    """The link a-c is cut for longer than the round's deadline: c (the later of the
+    pair in the job's order) is left out by everyone, a and b train on, and once
+    the link heals c reaches them again, is let in and catches up."""
+    job = tmp_path / "job.yaml"
+    job.write_text(CUT_OFF)
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr + explain(out)
+    sites = json.loads((out / "summary.json").read_text())["sites"]
+    assert len({s["param_sha256"] for s in sites.values()}) == 1, sites
+    records = read_records(out / "metrics.jsonl")
+    views = [r for r in records if r["kind"] == "view" and r["site"] == "b"]
+    assert any(v["members"] == ["a", "b"] for v in views), views
+    assert views[-1]["members"] == ["a", "b", "c"] or any(
+        "joining ['c']" in v["reason"] for v in views
+    )
+    assert any(r["kind"] == "catch_up" and r["site"] == "c" for r in records)
