@@ -162,6 +162,9 @@ def _rows(plane: ControlPlane, job: Job) -> list[list[str]]:
         quiet = time.time() - status.get("t", time.time())
         if state == "online" and quiet > SILENT_S:
             state = f"silent {quiet:.0f}s"
+        phase = (status.get("membership") or {}).get("phase")
+        if state == "online" and phase not in (None, "training"):
+            state = f"online, {phase}"
         rows.append(
             [
                 site,
@@ -190,12 +193,21 @@ def _table(plane: ControlPlane, job: Job) -> Any:
         if config
         else "config: as the job file says"
     )
+    if plane.view is not None:
+        caption += f"; {_view_line(plane.view)}"
     table = Table(title=f"{job.name} via {plane.broker.url}", caption=caption)
     for column in COLUMNS:
         table.add_column(column)
     for row in _rows(plane, job):
         table.add_row(*row)
     return table
+
+
+def _view_line(view: dict[str, Any]) -> str:
+    return (
+        f"view {view.get('epoch')}: members {view.get('members')} from round "
+        f"{view.get('start_round')} ({view.get('reason', '')})"
+    )
 
 
 def _print_table(plane: ControlPlane, job: Job) -> None:
@@ -205,4 +217,6 @@ def _print_table(plane: ControlPlane, job: Job) -> None:
     if plane.config is not None:
         c = plane.config
         print(f"config v{c.version}: {json.dumps(c.settings)} from round {c.from_round}")
+    if plane.view is not None:
+        print(_view_line(plane.view))
     sys.stdout.flush()

@@ -132,6 +132,8 @@ class ControlPlane:
         """Every site's last metrics message, by name."""
         self.config: ConfigChange | None = None
         """The newest valid config message seen."""
+        self.view: dict[str, Any] | None = None
+        """The newest membership view message seen, as received."""
         self._applied_version = -1
         self.connected = threading.Event()
         self.connections = 0
@@ -418,6 +420,7 @@ class ControlPlane:
         if isinstance(message, str):
             return self._ignore(topic, message)
         if topic == membership_topic(self.job):
+            self.view = message  # for observers (isthmus watch); a site checks it below
             if self.membership is not None:
                 problem = self.membership.on_view(message)
                 if problem:
