@@ -19,7 +19,7 @@ sites:
 wan:
   default: {rtt_ms: 20, bandwidth_mbit: 200}
   faults:
-    - {at_s: 8, link: [a, b], action: partition, for_s: 8, mode: MODE}
+    - {at_s: 20, link: [a, b], action: partition, for_s: 8, mode: MODE}
 train: {strategy: diloco, steps: STEPS, sync_every: 5, warmup_steps: 2}
 """
 
