@@ -50,8 +50,10 @@ PROBE_EVERY_S = 2.0
 """How often a site waiting to be let in checks which members it can reach."""
 ENGINE_MARGIN = 8
 """A new view's engine rounds start this far above any engine round reported: chunks
-of abandoned rounds can never be taken for the new ones. Well below the engine's
-bound on rounds ahead (16)."""
+of abandoned rounds can never be taken for the new ones."""
+PROPOSAL_WAIT_S = 5.0
+"""How long the leader waits for its published view to come back from the broker
+before it decides (and publishes) again: a publish can be lost with the connection."""
 
 
 class MembershipError(RuntimeError):
@@ -333,6 +335,7 @@ class Membership:
         self.history: list[View] = []
         """Every view this site applied after the first, in order."""
         self._proposed: View | None = None
+        self._proposed_at = 0.0
         self._reports: dict[str, Report | None] = {}
         self._mine = _Mine(phase="joining" if joining else "training")
         self._admitted = not joining
@@ -387,7 +390,11 @@ class Membership:
             reports = dict(self._reports)
             reports[self.me] = self._my_report()
             current = self.latest
-            if self._proposed is not None and self._proposed.epoch > current.epoch:
+            if (
+                self._proposed is not None
+                and self._proposed.epoch > current.epoch
+                and time.monotonic() - self._proposed_at < PROPOSAL_WAIT_S
+            ):
                 return  # ours is on its way: decide again once it is back
             if leader_of(self.sites, reports, current) != self.me:
                 return
@@ -396,6 +403,7 @@ class Membership:
                 return
             view = View(**{**view.__dict__, "leader": self.me})
             self._proposed = view
+            self._proposed_at = time.monotonic()
         log.info("site %s leads: publishing view %d (%s)", self.me, view.epoch, view.reason)
         self.publish_view(view)
 

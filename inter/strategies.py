@@ -534,7 +534,13 @@ class DiLoCo(_LocalSteps):
         its contribution, and a site with no tokens since the last round has
         none: the seal leaves both out, on every site alike, and they take the
         round's average like the others. If no site has a contribution, the
-        global parameters stay as they were."""
+        global parameters stay as they were.
+
+        With a membership (``site.membership``, which ``isthmus run`` sets up over
+        the control plane), the round runs among the members of the view that
+        holds for it: a site lost mid-round makes the others run it again
+        without it, and a site that rejoins or fell behind pulls the global
+        state from a member first (see :mod:`isthmus.inter.membership`)."""
         site = self.site
         if self.training_over:
             seal = self.last_seal
