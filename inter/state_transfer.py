@@ -132,10 +132,14 @@ class Fetched:
     """Times the transfer went on from where a broken or bad part left it."""
 
 
-async def fetch_state(client: PeerClient, rounds: int, *, deadline_s: float) -> Fetched:
+async def fetch_state(
+    client: PeerClient, rounds: int, *, deadline_s: float, max_bytes: int
+) -> Fetched:
     """The donor's global state after ``rounds`` rounds, verified, resuming after a
-    broken stream or a bad part until ``deadline_s``. Raises :class:`StateGone` if
-    the donor is past that round, TimeoutError naming the donor at the deadline."""
+    broken stream or a bad part until ``deadline_s``. ``max_bytes``: the most this
+    site's state can take (a donor that announces more is refused, not believed).
+    Raises :class:`StateGone` if the donor is past that round, TimeoutError naming
+    the donor at the deadline."""
     me = client.identity
     loop = asyncio.get_running_loop()
     started = loop.time()
@@ -191,6 +195,13 @@ async def fetch_state(client: PeerClient, rounds: int, *, deadline_s: float) -> 
                     last_problem = "the donor's state changed mid-transfer"
                     call.cancel()
                     break
+                if part.total > max_bytes:
+                    call.cancel()
+                    raise RuntimeError(
+                        f"state transfer from {client.peer_site}: it announces {part.total} "
+                        f"bytes, more than this site's state can take ({max_bytes}); the "
+                        "sites do not run the same model"
+                    )
                 if part.offset != len(received) or part.rounds != rounds:
                     last_problem = f"part at byte {part.offset}, expected {len(received)}"
                     call.cancel()

@@ -801,8 +801,15 @@ class DiLoCo(_LocalSteps):
             )
         client = site.client_for(view.donor)
         with self._blocking("waiting"):
+            # Parameters and momentum, float32, plus room for the counters and framing.
+            expected = sum(g.numel() for g in self.outer.global_params) * 4 * 2
             fetched = site.loop.run(
-                fetch_state(client, view.start_round, deadline_s=self.member_timeout_s)
+                fetch_state(
+                    client,
+                    view.start_round,
+                    deadline_s=self.member_timeout_s,
+                    max_bytes=expected + (1 << 20) + expected // 10,
+                )
             )
         state = fetched.state
         shapes = [tuple(g.shape) for g in self.outer.global_params]

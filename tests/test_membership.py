@@ -236,9 +236,11 @@ def test_the_state_is_pulled_whole_in_parts_and_only_once_the_donor_is_there():
         port = await server.start()
         client = PeerClient(identity("b"), f"127.0.0.1:{port}", peer_site="a")
         try:
-            fetched = await fetch_state(client, 3, deadline_s=20)
+            fetched = await fetch_state(client, 3, deadline_s=20, max_bytes=1 << 20)
             with pytest.raises(StateGone):
-                await fetch_state(client, 2, deadline_s=20)
+                await fetch_state(client, 2, deadline_s=20, max_bytes=1 << 20)
+            with pytest.raises(RuntimeError, match="more than"):
+                await fetch_state(client, 3, deadline_s=20, max_bytes=1000)
         finally:
             await client.close()
             await server.stop()
@@ -259,10 +261,46 @@ def test_a_stranger_gets_no_state():
         client = PeerClient(stranger, f"127.0.0.1:{port}", peer_site="a")
         try:
             with pytest.raises(RuntimeError, match="job"):
-                await fetch_state(client, 0, deadline_s=5)
+                await fetch_state(client, 0, deadline_s=5, max_bytes=1 << 20)
         finally:
             await client.close()
             await server.stop()
         return server.servicer.refusals
 
     assert asyncio.run(scenario())["WRONG_JOB"] == 1
+
+
+def test_a_transfer_goes_on_from_the_last_good_byte_after_a_bad_part(monkeypatch):
+    from isthmus.inter import state_transfer
+
+    digest, blob = pack_state({"outer": {"global": [torch.randn(40_000)]}})
+    offsets: list[int] = []
+    original = state_transfer.serve_state
+
+    async def garbling(provider, request, **kw):
+        offsets.append(request.offset)
+        index = 0
+        async for part in original(provider, request, **kw):
+            if len(offsets) == 1 and index == 3:  # the first stream's fourth part
+                part.payload = bytes([part.payload[0] ^ 1]) + part.payload[1:]
+            index += 1
+            yield part
+
+    monkeypatch.setattr(state_transfer, "serve_state", garbling)
+
+    async def scenario():
+        server = PeerServer(identity("a"), ["a", "b"], lambda chunk: None)
+        server.servicer.state_provider = lambda rounds: (digest, blob)
+        server.servicer.part_bytes = 16 * 1024
+        port = await server.start()
+        client = PeerClient(identity("b"), f"127.0.0.1:{port}", peer_site="a")
+        try:
+            return await fetch_state(client, 0, deadline_s=20, max_bytes=1 << 20)
+        finally:
+            await client.close()
+            await server.stop()
+
+    fetched = asyncio.run(scenario())
+    assert fetched.resumed == 1
+    assert offsets == [0, 3 * 16 * 1024]  # asked again from the last good byte
+    assert fetched.bytes == len(blob)
