@@ -40,8 +40,37 @@ def write_report(run_dir: Path) -> Path:
         ("Where the time went", _plot_timeline(by_site, summary, started, plots / "timeline.png")),
     ]
     report = run_dir / "report.md"
-    report.write_text(_markdown(summary, images))
+    report.write_text(_markdown(summary, images) + _membership(records))
     return report
+
+
+def _membership(records: list[dict[str, Any]]) -> str:
+    """The membership views and state transfers of a run that lost or regained
+    sites, as the first site that entered each view recorded it."""
+    views: dict[int, dict[str, Any]] = {}
+    for r in records:
+        if r["kind"] == "view":
+            views.setdefault(r["epoch"], r)
+    pulls = [r for r in records if r["kind"] in ("catch_up", "rejoin")]
+    if not views and not pulls:
+        return ""
+    started = min(r["t"] for r in records)
+    lines = ["", "## Membership", "", "| view | at | from round | members | why |"]
+    lines.append("| --- | --- | --- | --- | --- |")
+    for epoch, r in sorted(views.items()):
+        lines.append(
+            f"| {epoch} | {r['t'] - started:.1f} s | {r['start_round']} | "
+            f"{', '.join(r['members'])} | {r['reason']} |"
+        )
+    if pulls:
+        lines += ["", "| site | pulled the state after round | from | MB | seconds |"]
+        lines.append("| --- | --- | --- | --- | --- |")
+        lines += [
+            f"| {r['site']} | {r['round']} | {r['donor']} | {r['bytes'] / 1e6:.2f} | "
+            f"{r['seconds']:.2f} |"
+            for r in pulls
+        ]
+    return "\n".join(lines) + "\n"
 
 
 def _plot_loss(by_site: dict[str, list[dict[str, Any]]], started: float, path: Path) -> str:
