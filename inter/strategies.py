@@ -674,12 +674,7 @@ class DiLoCo(_LocalSteps):
                     unreachable or "no one",
                 )
                 membership.report(phase="stuck", unreachable=unreachable)
-                with self._blocking("waiting"):
-                    if membership.wait_for_newer(view.epoch, self.member_timeout_s) is None:
-                        raise MembershipError(
-                            f"site {site.name}: round {rounds} failed ({exc}) and no new "
-                            f"membership view came within {self.member_timeout_s:g} s"
-                        ) from None
+                self._await_view_after(view, f"round {rounds} failed ({exc})")
                 continue
             if caught_up:
                 # The others trained this round's steps while this site took part with
@@ -748,18 +743,24 @@ class DiLoCo(_LocalSteps):
                     problem or "another rank of this site could not",
                 )
                 membership.report(conflict=view.epoch, rounds=self.rounds)
-                with self._blocking("waiting"):
-                    if membership.wait_for_newer(view.epoch, self.member_timeout_s) is None:
-                        raise MembershipError(
-                            f"site {site.name}: no membership view after view {view.epoch} "
-                            f"within {self.member_timeout_s:g} s"
-                        ) from None
+                self._await_view_after(view, f"view {view.epoch} could not be entered")
                 continue
             if view.engine_round > site.engine_round:
                 site.skip_to_round(view.engine_round)
             self._entered_epoch = view.epoch
             membership.report(conflict=None)
             return view, caught_up
+
+    def _await_view_after(self, view: View, what: str) -> None:
+        """Wait for the leader's next view after ``view``; raise if none comes."""
+        membership = self.site.membership
+        assert membership is not None
+        with self._blocking("waiting"):
+            if membership.wait_for_newer(view.epoch, self.member_timeout_s) is None:
+                raise MembershipError(
+                    f"site {self.site.name}: {what} and no new membership view came within "
+                    f"{self.member_timeout_s:g} s"
+                )
 
     def _unreachable(self, sites: Sequence[str]) -> list[str]:
         """Which of ``sites`` do not answer a handshake within ``PROBE_TIMEOUT_S``."""
