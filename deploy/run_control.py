@@ -18,6 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from isthmus.deploy.jobfile import Job
+from isthmus.deploy.run_launcher import survives_site_loss
 from isthmus.inter.control import Broker, ControlPlane
 from isthmus.inter.membership import Membership
 from isthmus.inter.settings import TrainSettings
@@ -46,9 +47,7 @@ def run_broker(job: Job, run_dir: Path, site: str) -> tuple[Broker, float] | Non
 def membership_for(job: Job, run_dir: Path, site: str, *, rejoining: bool) -> Membership | None:
     """The site's side of the membership protocol, where the run can lose and regain
     sites: the diloco strategy, and a control plane to carry it."""
-    if job.train.strategy != "diloco" or len(job.sites) < 2:
-        return None
-    if run_broker(job, run_dir, site) is None:
+    if not survives_site_loss(job) or run_broker(job, run_dir, site) is None:
         return None
     names = [s.name for s in job.sites]
     return Membership(names, site, min_sites=job.train.quorum(len(names)), joining=rejoining)

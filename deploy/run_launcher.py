@@ -228,7 +228,7 @@ class Launcher:
         """``restart_lost``: start a lost site again (as its operator would) so it
         rejoins; needs a run that survives the loss of a site."""
         self.job = job
-        self.survives_loss = _survives_loss(job)
+        self.survives_loss = survives_site_loss(job)
         if restart_lost and not self.survives_loss:
             raise RunError(
                 "--restart-lost: only a run that survives the loss of a site can take a site "
@@ -507,9 +507,9 @@ class Launcher:
         self._poll_links()
 
 
-def _survives_loss(job: Job) -> bool:
-    """Whether the run goes on when a site is lost (the membership protocol runs:
-    see :func:`isthmus.deploy.run_control.membership_for`)."""
+def survives_site_loss(job: Job) -> bool:
+    """Whether the run goes on when a site is lost: the membership protocol runs
+    (:func:`isthmus.deploy.run_control.membership_for`)."""
     return job.train.strategy == "diloco" and len(job.sites) >= 2
 
 

@@ -248,10 +248,12 @@ def _train(
             view=pulled.view,
             bytes=pulled.bytes,
             seconds=pulled.seconds,
+            resumed=pulled.resumed,
         )
         batches = _batches(job, settings, site, dataset, start_step)
         first = next(batches)
-    views_seen = (0, 0)
+    # Views from the first on; pulls after the rejoin's own (recorded just above).
+    views_seen = (0, len(getattr(strategy, "caught_up", [])))
 
     tokens = int(resumed.get("tokens", 0))
     compute_s = float(resumed.get("compute_s", 0.0))
@@ -513,6 +515,7 @@ def _write_views(
             donor=pull.donor,
             bytes=pull.bytes,
             seconds=pull.seconds,
+            resumed=pull.resumed,
         )
     return len(history), len(caught_up)
 

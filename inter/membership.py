@@ -36,6 +36,7 @@ who takes part in a round.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -401,7 +402,7 @@ class Membership:
             view = decide(self.sites, reports, current, self.min_sites)
             if view is None:
                 return
-            view = View(**{**view.__dict__, "leader": self.me})
+            view = dataclasses.replace(view, leader=self.me)
             self._proposed = view
             self._proposed_at = time.monotonic()
         log.info("site %s leads: publishing view %d (%s)", self.me, view.epoch, view.reason)
@@ -566,7 +567,3 @@ class Membership:
                     return None
                 self._changed.wait(remaining)
             return self.latest
-
-    def reports(self) -> dict[str, Report | None]:
-        with self._changed:
-            return dict(self._reports)

@@ -79,10 +79,10 @@ class CatchUp:
     donor: str
     rounds: int
     """Rounds the pulled state is after."""
-    inner_steps: int
     bytes: int
     seconds: float
     resumed: int
+    """Times the transfer went on from the last good byte (a broken stream, a bad part)."""
 
 
 @dataclass(frozen=True)
@@ -836,7 +836,6 @@ class DiLoCo(_LocalSteps):
                 view=view.epoch,
                 donor=view.donor,
                 rounds=self.rounds,
-                inner_steps=self.inner_steps,
                 bytes=fetched.bytes,
                 seconds=fetched.seconds,
                 resumed=fetched.resumed,

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from test_run import explain
+from test_run import explain, isthmus
 
 from isthmus.deploy.run_records import read_records
 from isthmus.deploy.site_kill import kill_after_rounds, loss_figures
@@ -27,32 +27,40 @@ train: {strategy: diloco, steps: 150, sync_every: 5, warmup_steps: 2, min_sites:
 """
 
 
-def run_and_kill(tmp_path, victim: str, *, sites: int, quorum: int, restart: bool):
-    text = JOB.replace("SITE_C", "  - {name: c, ranks: 1}" if sites == 3 else "")
+def job_text(*, sites: int, quorum: int) -> str:
+    return JOB.replace("SITE_C", "  - {name: c, ranks: 1}" if sites == 3 else "").replace(
+        "QUORUM", str(quorum)
+    )
+
+
+def run_with_fault(tmp_path, text: str, victim: str, *flags: str, **fault):
+    """``isthmus run`` of the job ``text``; once ``victim`` has done 4 rounds, SIGKILL it
+    (``fault``: see :func:`kill_after_rounds`). Returns the run directory, its
+    summary, and what followed the fault."""
     job = tmp_path / "job.yaml"
-    job.write_text(text.replace("QUORUM", str(quorum)))
+    job.write_text(text)
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)]
     run = subprocess.Popen(
-        command + (["--restart-lost"] if restart else []),
+        [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out), *flags],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        killed = kill_after_rounds(out, victim, 4, timeout_s=300)
+        hit = kill_after_rounds(out, victim, 4, timeout_s=300, **fault)
         _, err = run.communicate(timeout=600)
     finally:
         run.kill()
     assert run.returncode == 0, err + explain(out)
     summary = json.loads((out / "summary.json").read_text())
-    return out, summary, loss_figures(out, victim, killed)
+    return out, summary, loss_figures(out, victim, hit)
 
 
 @pytest.mark.slow
 def test_a_killed_site_is_left_out_then_rejoins_and_every_site_ends_with_the_same_model(tmp_path):
-    out, summary, figures = run_and_kill(tmp_path, "c", sites=3, quorum=2, restart=True)
+    text = job_text(sites=3, quorum=2)
+    out, summary, figures = run_with_fault(tmp_path, text, "c", "--restart-lost")
     assert summary["status"] == "finished"
     sites = summary["sites"]
     assert len({s["param_sha256"] for s in sites.values()}) == 1, sites
@@ -60,7 +68,7 @@ def test_a_killed_site_is_left_out_then_rejoins_and_every_site_ends_with_the_sam
     # The survivors went on without c, then took it back.
     members = [v["members"] for v in figures["views"]]
     assert ["a", "b"] in members
-    assert members[-1] == ["a", "b", "c"] or ["a", "b", "c"] in members
+    assert ["a", "b", "c"] in members
     assert all(t is not None for t in figures["survivors_next_round_after_kill_s"].values())
     assert figures["state_transfer_bytes"] > 0
     rejoin = [r for r in read_records(out / "metrics.jsonl") if r["kind"] == "rejoin"]
@@ -69,7 +77,8 @@ def test_a_killed_site_is_left_out_then_rejoins_and_every_site_ends_with_the_sam
 
 @pytest.mark.slow
 def test_below_the_quorum_training_pauses_until_the_lost_site_is_back(tmp_path):
-    out, summary, figures = run_and_kill(tmp_path, "b", sites=2, quorum=2, restart=True)
+    text = job_text(sites=2, quorum=2)
+    out, summary, figures = run_with_fault(tmp_path, text, "b", "--restart-lost")
     assert summary["status"] == "finished"
     sites = summary["sites"]
     assert len({s["param_sha256"] for s in sites.values()}) == 1, sites
@@ -80,18 +89,8 @@ def test_below_the_quorum_training_pauses_until_the_lost_site_is_back(tmp_path):
 
 @pytest.mark.slow
 def test_a_site_that_leaves_on_purpose_is_let_go_and_the_others_go_on(tmp_path):
-    job = tmp_path / "job.yaml"
-    job.write_text(JOB.replace("SITE_C", "  - {name: c, ranks: 1}").replace("QUORUM", "2"))
-    out = tmp_path / "run"
-    command = [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)]
-    run = subprocess.Popen(command, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
-    try:
-        kill_after_rounds(out, "c", 4, timeout_s=300, sig=signal.SIGUSR1)
-        _, err = run.communicate(timeout=600)
-    finally:
-        run.kill()
-    assert run.returncode == 0, err + explain(out)
-    summary = json.loads((out / "summary.json").read_text())
+    text = job_text(sites=3, quorum=2)
+    out, summary, _ = run_with_fault(tmp_path, text, "c", sig=signal.SIGUSR1)
     sites = summary["sites"]
     assert sites["c"]["status"] == "left"
     assert sites["c"]["inner_steps"] < 150
@@ -117,20 +116,8 @@ def test_a_site_of_several_ranks_that_loses_one_is_restarted_whole_and_rejoins(t
     """One rank of b dies (a lost GPU): the launcher stops b's other rank, a trains
     on alone (quorum 1), b comes back, every rank pulls its own part of the state
     from its counterpart in a, and both sites end with the same model."""
-    job = tmp_path / "job.yaml"
-    job.write_text(TWO_RANK_SITES)
-    out = tmp_path / "run"
-    command = [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)]
-    run = subprocess.Popen(
-        [*command, "--restart-lost"], cwd=tmp_path, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        kill_after_rounds(out, "b", 4, timeout_s=300, ranks=[1])
-        _, err = run.communicate(timeout=600)
-    finally:
-        run.kill()
-    assert run.returncode == 0, err + explain(out)
-    sites = json.loads((out / "summary.json").read_text())["sites"]
+    out, summary, _ = run_with_fault(tmp_path, TWO_RANK_SITES, "b", "--restart-lost", ranks=[1])
+    sites = summary["sites"]
     assert sites["a"]["param_sha256"] == sites["b"]["param_sha256"], sites
     assert all(s["inner_steps"] == 100 for s in sites.values())
     rejoin = [r for r in read_records(out / "metrics.jsonl") if r["kind"] == "rejoin"]
@@ -164,13 +151,7 @@ def test_a_site_cut_off_past_the_deadline_is_left_out_and_let_back_in_when_it_he
     job = tmp_path / "job.yaml"
     job.write_text(CUT_OFF)
     out = tmp_path / "run"
-    done = subprocess.run(
-        [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    done = isthmus("run", str(job), "--out", str(out), cwd=tmp_path, timeout=900)
     assert done.returncode == 0, done.stderr + explain(out)
     sites = json.loads((out / "summary.json").read_text())["sites"]
     assert len({s["param_sha256"] for s in sites.values()}) == 1, sites
