@@ -48,11 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
         job_commands,
         run_commands,
         sim_commands,
+        site_commands,
         tune_commands,
         wan_commands,
     )
 
     run_commands.register(commands)
+    site_commands.register(commands)
     control_commands.register(commands)
     sim_commands.register(commands)
     tune_commands.register(commands)

@@ -29,10 +29,15 @@ def describe_job(job: Job) -> str:
     lines = [f"job {job.name!r}: {len(job.sites)} sites, strategy {job.train.strategy}"]
     for site in job.sites:
         where = "{}:{}".format(*site.address) if site.address else "(free ports when emulated)"
-        extra = f", advertise {site.advertise[0]}:{site.advertise[1]}" if site.advertise else ""
+        extra = (
+            ", advertise " + ", ".join("{}:{}".format(*a) for a in site.advertise)
+            if site.advertise
+            else ""
+        )
         cap = f", uplink {site.uplink_mbit:g} Mbit/s" if site.uplink_mbit else ""
         noun = "rank" if site.ranks == 1 else "ranks"
-        lines.append(f"  site {site.name}: {site.ranks} {noun} at {where}{extra}{cap}")
+        on = f" on {site.nodes} nodes" if site.nodes > 1 else ""
+        lines.append(f"  site {site.name}: {site.ranks} {noun}{on} at {where}{extra}{cap}")
     if job.wan is None:
         lines.append("  wan: none (real network; peers dial each site's advertised address)")
     else:

@@ -69,7 +69,7 @@ TOP_LEVEL_KEYS = (
 )
 CONTROL_KEYS = ("broker", "username", "password", "password_env", "tls", "wait_s")
 TLS_KEYS = ("ca", "cert", "key")
-SITE_KEYS = ("name", "ranks", "address", "advertise", "uplink_mbit", "parallel")
+SITE_KEYS = ("name", "ranks", "nodes", "address", "advertise", "uplink_mbit", "parallel")
 WAN_KEYS = ("default", "links", "faults")
 FAULT_KEYS = ("at_s", "link", "action", "for_s", "mode", "period_s", "down_s", "rate", "changes")
 
@@ -96,10 +96,14 @@ class SiteSpec:
 
     name: str
     ranks: int = 1
+    nodes: int = 1
+    """Machines the site's ranks run on, ``ranks / nodes`` each (``isthmus site``
+    starts torchrun with this layout, and checks the one torchrun reports)."""
     address: tuple[str, int] | None = None
-    """Where rank 0's peer service listens; rank r listens on port + r."""
-    advertise: tuple[str, int] | None = None
-    """The address peers dial (NAT, load balancer); rank r is port + r. Default: address."""
+    """Where rank 0's peer service listens; rank r listens on port + r (on its node)."""
+    advertise: tuple[tuple[str, int], ...] | None = None
+    """The addresses peers dial (NAT, port forwarding, load balancers): one for rank 0
+    (rank r is port + r) or one per rank (a site on several nodes). Default: address."""
     uplink_mbit: float | None = None
     """Emulation only: cap on the site's total WAN egress, and on its ingress."""
     parallel: Layout | None = None
@@ -118,11 +122,17 @@ class SiteSpec:
 
     def dial_addresses(self) -> list[tuple[str, int]] | None:
         """Where peers reach each rank without emulation."""
-        base = self.advertise or self.address
+        if self.advertise is not None and len(self.advertise) == self.ranks:
+            return list(self.advertise)
+        base = self.advertise[0] if self.advertise else self.address
         if base is None:
             return None
         host, port = base
         return [(host, port + r) for r in range(self.ranks)]
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.ranks // self.nodes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -288,8 +298,10 @@ def load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)
 
 
-def load_job(path: str | Path) -> Job:
-    """Read and validate a job file; raise :class:`JobFileError` listing every problem."""
+def load_job(path: str | Path, *, check_files: bool = True) -> Job:
+    """Read and validate a job file; raise :class:`JobFileError` listing every problem.
+    ``check_files=False``: the files it names need not exist yet (``isthmus certs``
+    makes the certificates the job file already names)."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -297,10 +309,10 @@ def load_job(path: str | Path) -> Job:
         raise JobFileError(str(path), [("", None, "file not found; check the path")]) from None
     except OSError as exc:
         raise JobFileError(str(path), [("", None, f"cannot read: {exc.strerror}")]) from None
-    return parse_job(text, source=str(path))
+    return parse_job(text, source=str(path), check_files=check_files)
 
 
-def parse_job(text: str, *, source: str = "<job>") -> Job:
+def parse_job(text: str, *, source: str = "<job>", check_files: bool = True) -> Job:
     try:
         data = load_yaml(text)
         lines = _line_map(yaml.compose(text, Loader=_Loader))
@@ -309,7 +321,7 @@ def parse_job(text: str, *, source: str = "<job>") -> Job:
         line = mark.line + 1 if mark is not None else None
         problem = getattr(exc, "problem", None) or str(exc)
         raise JobFileError(source, [("", line, f"not valid YAML: {problem}")]) from None
-    return _Validator(source, lines).job(data)
+    return _Validator(source, lines, check_files).job(data)
 
 
 def _line_map(node: yaml.Node | None, path: str = "") -> dict[str, int]:
@@ -332,9 +344,10 @@ def _line_map(node: yaml.Node | None, path: str = "") -> dict[str, int]:
 class _Validator:
     """Walks the parsed YAML, collecting every problem instead of stopping at the first."""
 
-    def __init__(self, source: str, lines: dict[str, int]) -> None:
+    def __init__(self, source: str, lines: dict[str, int], check_files: bool = True) -> None:
         self.source = source
         self.lines = lines
+        self.check_files = check_files
         self.problems: list[tuple[str, int | None, str]] = []
         self.named_sites: list[str] = []
 
@@ -480,8 +493,19 @@ class _Validator:
                 f"{path}.ranks", f"must be an integer >= 1 (processes in the site), got {ranks!r}"
             )
             ok = False
+        nodes = raw.get("nodes", 1)
+        if not (isinstance(nodes, int) and not isinstance(nodes, bool) and nodes >= 1):
+            self.fail(f"{path}.nodes", f"must be an integer >= 1 (machines), got {nodes!r}")
+            ok = False
+        elif ok and ranks % nodes:
+            self.fail(
+                f"{path}.nodes",
+                f"{ranks} ranks do not split evenly over {nodes} nodes; every node runs "
+                "ranks / nodes processes: change ranks or nodes",
+            )
+            ok = False
         address = self.address(raw.get("address"), f"{path}.address", ranks if ok else 1)
-        advertise = self.address(raw.get("advertise"), f"{path}.advertise", ranks if ok else 1)
+        advertise = self.advertised(raw.get("advertise"), f"{path}.advertise", ranks if ok else 1)
         uplink = raw.get("uplink_mbit")
         if uplink is not None and not (_is_number(uplink) and uplink > 0):
             self.fail(f"{path}.uplink_mbit", f"must be a positive number of Mbit/s, got {uplink!r}")
@@ -506,6 +530,7 @@ class _Validator:
         return SiteSpec(
             name=name,
             ranks=ranks,
+            nodes=nodes,
             address=address,
             advertise=advertise,
             uplink_mbit=uplink,
@@ -528,16 +553,37 @@ class _Validator:
             return None
         return parsed
 
+    def advertised(self, value: Any, path: str, ranks: int) -> tuple[tuple[str, int], ...] | None:
+        """``advertise``: one address (rank r is port + r) or a list, one per rank."""
+        if value is None:
+            return None
+        if not isinstance(value, list):
+            one = self.address(value, path, ranks)
+            return None if one is None else (one,)
+        if len(value) != ranks:
+            self.fail(
+                path,
+                f"a list needs one address per rank: {ranks}, got {len(value)}; or give one "
+                "address, and rank r is dialled at its port + r",
+            )
+            return None
+        parsed = [self.address(v, f"{path}[{i}]", 1) for i, v in enumerate(value)]
+        return None if any(p is None for p in parsed) else tuple(parsed)  # type: ignore[arg-type]
+
     def check_ports(self, sites: list[SiteSpec]) -> None:
+        """Two sites must not be dialled at the same address. Sites on separate
+        machines may listen on the same one (0.0.0.0:7100) when they advertise others."""
         used: dict[tuple[str, int], str] = {}
         for i, site in enumerate(sites):
-            for host, port in site.listen_addresses() or []:
+            field = "advertise" if site.advertise else "address"
+            for host, port in site.dial_addresses() or []:
                 other = used.get((host, port))
                 if other is not None:
                     self.fail(
-                        f"sites[{i}].address",
+                        f"sites[{i}].{field}",
                         f"{host}:{port} is also used by site {other!r} (rank r listens on "
-                        "port + r); give each site its own port range",
+                        "port + r); give each site its own port range, or its own "
+                        "advertised address",
                     )
                     break
                 used[(host, port)] = site.name
@@ -750,7 +796,7 @@ class _Validator:
                 continue
             path = (base / str(tls[key])).resolve()
             # A per-site client certificate ({site}) exists only where that site runs.
-            if "{site}" not in str(tls[key]) and not path.is_file():
+            if self.check_files and "{site}" not in str(tls[key]) and not path.is_file():
                 self.fail(f"control.tls.{key}", f"no file {str(path)!r}")
             options[f"tls_{key}"] = str(path)
         if (options.get("tls_cert") is None) != (options.get("tls_key") is None):
@@ -813,7 +859,7 @@ class _Validator:
         # Relative to the job file, so a job runs the same from any directory.
         base = Path(self.source).parent if self.source != "<job>" else Path.cwd()
         path = (base / value).resolve()
-        if not path.is_file():
+        if self.check_files and not path.is_file():
             self.fail(
                 "data",
                 f"no file {str(path)!r} (relative paths start at the job file's folder); "

@@ -167,7 +167,9 @@ def train(
     records = RecordWriter(run_dir / "sites" / site_name / "metrics.jsonl", site_name, leader)
     control = None
     try:
-        host, port = site.addresses.listen[0]
+        # The address the others dial (a real network: the advertised one, not 0.0.0.0).
+        dialled = None if state is not None else site.site.dial_addresses()
+        host, port = (dialled or site.addresses.listen)[0]
         address = f"{host}:{port}"
         control = SiteControl(
             job, run_dir, site_name, site.rank, site.site.ranks, address, membership
@@ -581,10 +583,17 @@ def main(argv: list[str] | None = None) -> int:
         "from one of them, and train on",
     )
     args = parser.parse_args(argv)
+    return train_until_stopped(args.run_dir, args.site, args.resume_round, args.rejoin)
+
+
+def train_until_stopped(
+    run_dir: Path, site: str, resume_round: int | None = None, rejoin: bool = False
+) -> int:
+    """:func:`train`, ending cleanly on SIGTERM (143); SIGUSR1 makes the site leave."""
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGUSR1, _on_sigusr1)
     try:
-        return train(args.run_dir, args.site, args.resume_round, args.rejoin)
+        return train(run_dir, site, resume_round, rejoin)
     except _Stop:
         return 143
 

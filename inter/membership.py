@@ -246,7 +246,9 @@ def decide(
         and r.online
         and r.phase == "leaving"
     ]
-    lost = [m for m in current.members if m not in members and m not in leaving]
+    # A member that finished its training ends with the others: no new view for it.
+    finished = [m for m in current.members if m not in members and report(m).phase == "done"]
+    lost = [m for m in current.members if m not in members + leaving + finished]
     # A member that says it is joining restarted before anyone noticed it was gone:
     # it has lost its state, and must catch up like any joiner.
     joining = [

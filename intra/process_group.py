@@ -41,6 +41,9 @@ def init_site_group(site: str, ranks: int, backend: str | None = None) -> int:
             f"{world} process(es); launch it with --nproc-per-node {ranks}"
         )
     if world > 1 and not dist.is_initialized():
+        if torch.cuda.is_available():
+            # One GPU per local rank, chosen before NCCL binds the communicator to one.
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
     return rank
 

@@ -120,6 +120,16 @@ def test_nothing_changes_while_every_member_trains():
     assert decide(SITES, {"a": training(5)}, first_view(SITES)) is None
 
 
+def test_a_member_that_finished_training_needs_no_new_view():
+    done = Report(phase="done", rounds=8, engine_round=10)
+    reports = {"a": training(7), "b": done, "c": Report(phase="done", online=False, rounds=8)}
+    assert decide(SITES, reports, first_view(SITES)) is None
+    # A site that dies while the others still train is still left out.
+    reports["c"] = Report(online=False)
+    view = decide(SITES, reports, first_view(SITES))
+    assert view is not None and "c" not in view.members and "c" in view.reason
+
+
 def test_a_member_ahead_of_the_view_makes_the_leader_decide_again():
     current = View(epoch=1, members=("a", "b"), start_round=5, engine_round=20)
     reports = {"a": training(6, 22, conflict=1), "b": training(5, 21), "c": Report(online=False)}
