@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         certs,
         control_commands,
         job_commands,
+        render_commands,
         run_commands,
         sim_commands,
         site_commands,
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     wan_commands.register(commands)
     bench_commands.register(commands)
     certs.register(commands)
+    render_commands.register(commands)
     return parser
 
 

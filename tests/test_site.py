@@ -1,0 +1,337 @@
+"""``isthmus site``: one site of a job on a real cluster, and the job file's
+multi-node and advertised addresses.
+
+The slow tests train real jobs site by site, as operators start them: two
+sites on this host (one under a torchrun the user starts), and three sites as
+separate hosts of the packet-level emulator (``scripts/separate_hosts.sh``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from test_control import Mosquitto
+
+from isthmus.deploy.cli import main
+from isthmus.deploy.jobfile import JobFileError, parse_job
+from isthmus.deploy.site_commands import SiteProgress, torchrun_layout_flags
+from isthmus.sim.hosts import HostsUnavailable, check_support
+
+ROOT = Path(__file__).resolve().parents[1]
+ISTHMUS = [sys.executable, "-m", "isthmus"]
+MOSQUITTO = shutil.which("mosquitto") or (
+    "/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None
+)
+
+MULTI_NODE = """\
+name: clusters
+sites:
+  - name: us-east
+    ranks: 4
+    nodes: 2
+    address: 0.0.0.0:7100
+    advertise: [lb-0.us.example:7100, lb-0.us.example:7101, lb-1.us.example:7102,
+                lb-1.us.example:7103]
+  - {name: eu-west, ranks: 2, address: 0.0.0.0:7100, advertise: 198.51.100.9:9100}
+control: {broker: mqtt://broker.example:1883}
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "job.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def free_port_block(count: int) -> int:
+    """A base port with ``count`` free ports after it (on loopback)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + count > 65535:
+            continue
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise AssertionError("no block of free ports")
+
+
+# -- the job file ------------------------------------------------------------------------
+
+
+def test_a_multi_node_site_is_dialled_at_one_advertised_address_per_rank():
+    job = parse_job(MULTI_NODE)
+    east, west = job.sites
+    assert (east.nodes, east.ranks_per_node) == (2, 2)
+    assert east.listen_addresses() == [("0.0.0.0", 7100 + r) for r in range(4)]
+    assert east.dial_addresses()[2] == ("lb-1.us.example", 7102)
+    assert west.dial_addresses() == [("198.51.100.9", 9100), ("198.51.100.9", 9101)]
+
+
+def test_sites_on_separate_machines_may_listen_alike_but_not_be_dialled_alike():
+    same = MULTI_NODE.replace("198.51.100.9:9100", "lb-0.us.example:7100")
+    with pytest.raises(JobFileError) as info:
+        parse_job(same)
+    assert "sites[1].advertise" in str(info.value) and "us-east" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "words"),
+    [
+        ("nodes: 2\n    address", "sites[0].nodes", "do not split evenly"),
+        ("nodes: 0\n    address", "sites[0].nodes", "integer >= 1"),
+    ],
+)
+def test_nodes_must_split_the_ranks(change, field, words):
+    text = MULTI_NODE.replace("ranks: 4\n    nodes: 2\n    address", "ranks: 3\n    " + change)
+    with pytest.raises(JobFileError) as info:
+        parse_job(text)
+    assert field in str(info.value) and words in str(info.value)
+
+
+def test_an_advertise_list_needs_one_address_per_rank():
+    text = MULTI_NODE.replace("lb-1.us.example:7102,", "lb-1.us.example:7102]").replace(
+        "\n                lb-1.us.example:7103]", ""
+    )
+    with pytest.raises(JobFileError) as info:
+        parse_job(text)
+    assert "sites[0].advertise: a list needs one address per rank: 4, got 3" in str(info.value)
+
+
+# -- the command's checks ----------------------------------------------------------------
+
+
+def test_print_ports_lists_every_rank_and_what_the_site_dials(tmp_path, capsys):
+    job = write(tmp_path, MULTI_NODE)
+    code, out, _ = cli(capsys, "site", str(job), "--site", "us-east", "--print-ports")
+    assert code == 0
+    assert "rank 3 (node 1): listens on 0.0.0.0:7103 (dialled at lb-1.us.example:7103)" in out
+    assert "eu-west: 198.51.100.9:9100, 198.51.100.9:9101" in out
+    assert "broker (TCP): broker.example:1883" in out
+    assert "rendezvous (TCP 29400" in out
+
+
+def test_a_name_not_in_the_job_is_refused_with_the_sites(tmp_path, capsys):
+    job = write(tmp_path, MULTI_NODE)
+    code, _, err = cli(capsys, "site", str(job), "--site", "us-eats")
+    assert code == 2
+    assert "--site: the job 'clusters' has no site 'us-eats'; did you mean 'us-east'?" in err
+
+
+def test_a_site_needs_the_broker_and_everyone_s_address(tmp_path, capsys):
+    no_broker = write(
+        tmp_path, MULTI_NODE.replace("control: {broker: mqtt://broker.example:1883}\n", "")
+    )
+    code, _, err = cli(capsys, "site", str(no_broker), "--site", "eu-west")
+    assert code == 2 and "control.broker:" in err
+    no_address = write(
+        tmp_path,
+        MULTI_NODE.replace(
+            "{name: eu-west, ranks: 2, address: 0.0.0.0:7100, advertise: 198.51.100.9:9100}",
+            "{name: eu-west, ranks: 2}",
+        ),
+        "two.yaml",
+    )
+    code, _, err = cli(capsys, "site", str(no_address), "--site", "us-east")
+    assert code == 2 and "'eu-west'" in err and "address" in err
+
+
+def test_an_address_this_machine_cannot_listen_on_is_refused_naming_the_field(tmp_path, capsys):
+    # 192.0.2.0/24 is reserved for documentation: never an address of this machine.
+    job = write(
+        tmp_path,
+        MULTI_NODE.replace("ranks: 2, address: 0.0.0.0:7100", "ranks: 1, address: 192.0.2.1:7100"),
+    )
+    code, _, err = cli(capsys, "site", str(job), "--site", "eu-west", "--out", str(tmp_path / "o"))
+    assert code == 2
+    assert "sites[1].address: rank 0 cannot listen on 192.0.2.1:7100" in err
+    assert "not an address of this machine" in err and "advertise" in err
+
+
+def test_a_port_in_use_is_refused_naming_the_field(tmp_path, capsys):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        job = write(
+            tmp_path,
+            MULTI_NODE.replace(
+                "ranks: 2, address: 0.0.0.0:7100, advertise: 198.51.100.9:9100",
+                f"ranks: 1, address: 127.0.0.1:{port}",
+            ),
+        )
+        code, _, err = cli(capsys, "site", str(job), "--site", "eu-west")
+    assert code == 2 and f"sites[1].address: rank 0 cannot listen on 127.0.0.1:{port}" in err
+    assert "in use" in err
+
+
+@pytest.mark.parametrize(
+    ("world", "local", "field", "fix"),
+    [
+        (3, 3, "sites[0].ranks", "--nnodes 2 --nproc-per-node 2"),
+        (4, 4, "sites[0].nodes", "--nnodes 2 --nproc-per-node 2"),
+    ],
+)
+def test_a_layout_unlike_the_one_torchrun_reports_is_refused(
+    tmp_path, capsys, monkeypatch, world, local, field, fix
+):
+    job = write(tmp_path, MULTI_NODE)
+    for name, value in {
+        "TORCHELASTIC_RUN_ID": "x",
+        "RANK": "0",
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(local),
+    }.items():
+        monkeypatch.setenv(name, value)
+    code, _, err = cli(capsys, "site", str(job), "--site", "us-east")
+    assert code == 2 and f"{field}:" in err and fix in err
+
+
+def test_a_multi_node_site_started_without_torchrun_needs_its_rendezvous(tmp_path, capsys):
+    job = write(tmp_path, MULTI_NODE)
+    code, _, err = cli(capsys, "site", str(job), "--site", "us-east")
+    assert code == 2 and "--rdzv-endpoint: site 'us-east' has 2 nodes" in err
+
+
+def test_torchrun_gets_the_site_s_layout():
+    job = parse_job(MULTI_NODE)
+    east, west = job.sites
+    flags = torchrun_layout_flags(job, east, "node0.us.example")
+    assert flags[:4] == ["--nnodes", "2", "--nproc-per-node", "2"]
+    assert "node0.us.example:29400" in flags and "isthmus-clusters-us-east" in flags
+    assert torchrun_layout_flags(job, west, None)[-1] == "--standalone"
+
+
+def test_progress_shows_rounds_once_views_and_the_end(tmp_path):
+    progress = SiteProgress(tmp_path, "a")
+    records = [
+        {"kind": "step", "loss": 3.25},
+        {"kind": "round", "step": 10, "outer_steps": 1, "wan_bytes_sent": 2_500_000},
+        {"kind": "round", "step": 10, "outer_steps": 1, "wan_bytes_sent": 2_500_000},
+        {"kind": "view", "epoch": 1, "members": ["a", "c"], "start_round": 2, "reason": "x"},
+        {"kind": "state", "state": "finished"},
+    ]
+    lines = [progress.line_for(r) for r in records]
+    assert lines == [
+        None,
+        "round 1 at step 10, loss 3.250, 2.5 MB sent",
+        None,
+        "view 1: members a, c from round 2 (x)",
+        "finished",
+    ]
+
+
+# -- real sites ------------------------------------------------------------------------
+
+
+def result(out: Path, site: str) -> dict:
+    return json.loads((out / "sites" / site / "result.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(MOSQUITTO is None, reason="mosquitto is not installed")
+def test_two_sites_train_one_model_each_started_on_its_own(tmp_path):
+    """Site a under a torchrun the operator starts, site b (one rank) on its own;
+    they meet only through the job file's addresses and broker."""
+    broker = Mosquitto(tmp_path).start()
+    try:
+        base = free_port_block(3)
+        job = write(
+            tmp_path,
+            f"""\
+            name: two-clusters
+            sites:
+              - {{name: a, ranks: 2, address: 127.0.0.1:{base}}}
+              - {{name: b, ranks: 1, address: 127.0.0.1:{base + 2}}}
+            train: {{strategy: diloco, steps: 20, sync_every: 10, warmup_steps: 2}}
+            control: {{broker: mqtt://127.0.0.1:{broker.port}}}
+            """,
+        )
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        torchrun += ["--nproc-per-node", "2", "-m", "isthmus"]
+        a = subprocess.Popen(
+            [*torchrun, "site", str(job), "--site", "a", "--out", str(tmp_path / "a")],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        b = subprocess.Popen(
+            [*ISTHMUS, "site", str(job), "--site", "b", "--out", str(tmp_path / "b")],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        out_a, _ = a.communicate(timeout=240)
+        out_b, _ = b.communicate(timeout=60)
+    finally:
+        broker.stop()
+    assert a.returncode == 0, out_a
+    assert b.returncode == 0, out_b
+    assert "a: round 2 at step 20" in out_a and "b: finished" in out_b
+    assert (
+        result(tmp_path / "a", "a")["param_sha256"] == result(tmp_path / "b", "b")["param_sha256"]
+    )
+    assert result(tmp_path / "a", "a")["outer_steps"] == 2
+    # Each site wrote only its own directory; the first site also the model.
+    assert not (tmp_path / "a" / "sites" / "b").exists()
+    assert (tmp_path / "a" / "model.safetensors").is_file()
+
+
+def _separate_hosts_unsupported() -> str | None:
+    try:
+        check_support()
+    except HostsUnavailable as exc:
+        return str(exc)
+    return None if MOSQUITTO else "mosquitto is not installed"
+
+
+@pytest.mark.slow
+@pytest.mark.root
+@pytest.mark.skipif(
+    _separate_hosts_unsupported() is not None, reason=str(_separate_hosts_unsupported())
+)
+def test_three_sites_on_separate_hosts_started_as_operators_would(tmp_path):
+    """scripts/separate_hosts.sh: each site its own network namespace behind the
+    emulated WAN, started with ``isthmus site`` through ``isthmus wan exec``, the
+    broker (mutual TLS) on one of the hosts."""
+    out = tmp_path / "run"
+    env = {
+        **os.environ,
+        "ISTHMUS": str(Path(sys.executable).parent / "isthmus"),
+        "STEPS": "20",
+        "PRESET": "cross-country",
+    }
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "separate_hosts.sh"), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    digests = {result(out / "sites" / s, s)["param_sha256"] for s in "abc"}
+    assert len(digests) == 1
+    assert "every site holds the same model" in done.stdout
+    for site in "abc":
+        assert "round 2 at step 20" in (out / f"{site}.log").read_text()
