@@ -1,7 +1,8 @@
 """``isthmus certs JOB.yaml --out DIR``: a job CA and one certificate per site.
 
 The CA's key signs the site certificates and is needed again only to add a
-site; keep it off the training machines. Each site gets ``SITE.crt`` and
+site (run the command again with the same ``--out``: only the sites without a
+certificate get one); keep it off the training machines. Each site gets ``SITE.crt`` and
 ``SITE.key`` and the CA's certificate ``ca.crt``, nothing else. With
 ``--broker HOST``, the control plane's broker gets a server certificate for
 that host name or address (``broker.crt``, ``broker.key``) and the operator a
@@ -109,20 +110,20 @@ def make_certs(
 ) -> list[Path]:
     """Write ``ca.crt``, ``ca.key`` and ``SITE.crt`` / ``SITE.key`` for every site
     into ``out``, and with ``broker`` (its host names or addresses) ``broker.crt``
-    / ``.key`` and ``operator.crt`` / ``.key``; return the paths written. Refuses
-    to overwrite a CA: a new CA would lock out every site holding the old one."""
+    / ``.key`` and ``operator.crt`` / ``.key``; return the paths written.
+
+    A job has one CA: where ``out`` holds it already, only the sites without a
+    certificate get one, signed by it (a site added to a running job); a new CA
+    would lock out every site holding the old one."""
     if broker and (clash := {"broker", "operator"} & set(sites)):
         raise FileExistsError(
             f"a site is named {sorted(clash)[0]!r}, which the broker's or operator's "
             "files would overwrite; rename the site or leave out --broker"
         )
     out.mkdir(parents=True, exist_ok=True)
-    if (out / "ca.key").exists():
-        raise FileExistsError(
-            f"{out / 'ca.key'} exists: a job has one CA; use another --out, or remove "
-            "the old files if no site uses them"
-        )
     now = datetime.datetime.now(datetime.UTC)
+    if (out / "ca.key").exists():
+        return _add_sites(job, sites, out, now, days, broker)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name(
         [
@@ -164,6 +165,53 @@ def make_certs(
             site, alt, [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
         )
     if broker:
+        written += issue("broker", _names(broker), [ExtendedKeyUsageOID.SERVER_AUTH])
+        written += issue("operator", [], [ExtendedKeyUsageOID.CLIENT_AUTH])
+    return written
+
+
+def _add_sites(
+    job: str,
+    sites: Sequence[str],
+    out: Path,
+    now: datetime.datetime,
+    days: int,
+    broker: Sequence[str],
+) -> list[Path]:
+    """Certificates, signed by the job's existing CA, for the sites that have none."""
+    try:
+        ca_cert = x509.load_pem_x509_certificate((out / "ca.crt").read_bytes())
+        ca_key = serialization.load_pem_private_key((out / "ca.key").read_bytes(), None)
+    except (OSError, ValueError) as exc:
+        raise FileExistsError(
+            f"{out / 'ca.key'} exists but the CA cannot be read with {out / 'ca.crt'} ({exc}); "
+            "use another --out for a new job"
+        ) from None
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey) or ca_cert.subject != x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, f"isthmus job {job}"),
+            x509.NameAttribute(NameOID.COMMON_NAME, f"{job} CA"),
+        ]
+    ):
+        raise FileExistsError(
+            f"{out} holds the CA of another job ({ca_cert.subject.rfc4514_string()}); a job "
+            "has one CA: use another --out"
+        )
+    missing = [site for site in sites if not (out / f"{site}.crt").exists()]
+    wants_broker = bool(broker) and not (out / "broker.crt").exists()
+    if not missing and not wants_broker:
+        raise FileExistsError(
+            f"{out} holds this job's CA and a certificate for every site already; to add a "
+            "site, name it in the job file first"
+        )
+    issue = functools.partial(_leaf, job, ca_cert.subject, ca_key, now, days, out)
+    written: list[Path] = []
+    for site in missing:
+        alt = [x509.DNSName(site_dns_name(job, site))]
+        written += issue(
+            site, alt, [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+        )
+    if wants_broker:
         written += issue("broker", _names(broker), [ExtendedKeyUsageOID.SERVER_AUTH])
         written += issue("operator", [], [ExtendedKeyUsageOID.CLIENT_AUTH])
     return written

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from isthmus.deploy.jobfile import Job
 from isthmus.deploy.run_launcher import survives_site_loss
+from isthmus.inter import newcomers
 from isthmus.inter.control import Broker, ControlPlane
 from isthmus.inter.membership import Membership
 from isthmus.inter.settings import TrainSettings
@@ -83,6 +84,11 @@ class SiteControl:
         if broker is not None and rank == 0:
             broker_address, wait_s = broker
             status = {"ranks": ranks, "step": 0, "round": 0, "address": address}
+            spec = job.site(site)
+            # What sites running an older job file need to take this one in.
+            description = newcomers.describe(spec.layout, spec.dial_addresses())
+            if description is not None:
+                status["spec"] = description
 
             def client() -> ControlPlane:
                 return ControlPlane(

@@ -105,7 +105,13 @@ def build_strategy(
     }
     if settings.strategy == "diloco":
         return DiLoCo(
-            site, model, optimizer, **outer, **common, round_seconds=settings.round_seconds
+            site,
+            model,
+            optimizer,
+            **outer,
+            **common,
+            round_seconds=settings.round_seconds,
+            rejoin_timeout_s=settings.rejoin_timeout_s,
         )
     if settings.strategy == "async":
         return AsyncDiLoCo(site, model, optimizer, **outer, **common)
@@ -161,6 +167,8 @@ def train(
         state=state,
         rejoining=rejoin,
         deadline_s=settings.round_deadline_s,
+        collective_timeout_s=settings.collective_timeout_s,
+        site_wait_s=settings.site_wait_s,
     )
     site.membership = membership
     leader = site.rank == 0  # rank 0 reports for the whole site

@@ -248,9 +248,9 @@ class CrossSiteAllReduce:
 
     async def connect(self, *, lenient: bool = False) -> None:
         """Open a session with every peer (handshake checks job, protocol, layout).
-        ``lenient``: a peer that does not answer within ``LENIENT_HELLO_S`` is kept
-        without a handshake (a site rejoining a run where others may be down: the
-        first exchange with it waits for it); a peer that refuses still fails."""
+        ``lenient``: a peer that does not answer within ``LENIENT_HELLO_S``, or
+        refuses, is kept without a handshake (a site rejoining a run where others may
+        be down, or not know it yet: the first exchange with it tries again)."""
         for site, address in self.peers.items():
             client = PeerClient(
                 self.identity,
@@ -264,13 +264,29 @@ class CrossSiteAllReduce:
                     client.deadline_s = min(self.deadline_s, LENIENT_HELLO_S)
                 await client.hello()
             except PeerError as exc:
-                if not (lenient and exc.transient):
+                if not lenient:
                     await client.close()
                     raise RoundError(site, f"site {site!r}: {exc}") from None
+                # A site added to the job is refused until the others have heard of
+                # it; a real mismatch is refused again at the first exchange.
                 log.warning("site %r does not answer yet (%s); going on without it", site, exc)
             finally:
                 client.deadline_s = self.deadline_s
             self.clients[site] = client
+
+    def add_peer(self, site: str, address: str) -> None:
+        """A site added to the job while it runs: its session opens with the first
+        exchange (it is not a participant of any round before a view makes it one)."""
+        if site in self.clients:
+            return
+        self.peers[site] = address
+        self.clients[site] = PeerClient(
+            self.identity,
+            address,
+            settings=self.settings,
+            deadline_s=self.deadline_s,
+            peer_site=site,
+        )
 
     async def close(self) -> None:
         for client in self.clients.values():

@@ -9,8 +9,11 @@ topic                                       retained  payload (JSON object)
                                                       ``membership`` (the site's report:
                                                       ``phase``, ``epoch``, ``rounds``,
                                                       ``engine_round``, ``unreachable``,
-                                                      ``conflict``); the Last Will is the
-                                                      same with ``state: "offline"``
+                                                      ``conflict``), ``spec`` (on a real
+                                                      network: ``ranks``, ``parallel``,
+                                                      ``dial``, for sites that do not have
+                                                      it in their job file); the Last Will
+                                                      is the same with ``state: "offline"``
 ``isthmus/<job>/config``                    yes       ``settings`` (``train:`` keys),
                                                       ``from_round`` (the outer round from
                                                       which every site applies them),
@@ -20,7 +23,9 @@ topic                                       retained  payload (JSON object)
                                                       ``epoch``, ``members``,
                                                       ``start_round``, ``engine_round``,
                                                       ``catch_up``, ``donor``,
-                                                      ``reason``, ``leader``
+                                                      ``reason``, ``leader``,
+                                                      ``newcomers`` (member -> its ``spec``,
+                                                      for members not in the job file)
 ``isthmus/<job>/metrics/<site>``            no        one per round: ``round``, ``step``,
                                                       ``loss``, ``tokens_per_s``,
                                                       ``wan_bytes_sent``, ``round_s``,

@@ -77,8 +77,13 @@ class HierarchicalStep:
         dp_size: int,
         dp_group: dist.ProcessGroup | None = None,
         timeout_s: float | None = None,
+        wait_group: dist.ProcessGroup | None = None,
+        dp_wait_group: dist.ProcessGroup | None = None,
     ) -> None:
-        """``dp_group``: this rank's data-parallel peers in the site (None with one)."""
+        """``dp_group``: this rank's data-parallel peers in the site (None with one).
+        ``wait_group``, ``dp_wait_group``: the site's ranks and this rank's
+        data-parallel peers, for the collectives after the WAN part, where a rank
+        waits while the others finish theirs (None: the site group, ``dp_group``)."""
         if dp_size > 1 and dp_group is None:
             raise ValueError("a site with several data-parallel ranks needs their process group")
         if lanes % dp_size:
@@ -90,6 +95,8 @@ class HierarchicalStep:
         self.dp_size = dp_size
         self.dp_group = dp_group
         self.timeout_s = timeout_s
+        self.wait_group = wait_group
+        self.dp_wait_group = dp_wait_group or dp_group
         self.my_lanes = owned_lanes(dp_rank, dp_size, lanes)
 
     def average(
@@ -221,7 +228,7 @@ class PendingAverage:
         gather_started = time.perf_counter()
         if step.dp_size > 1:
             gathered = torch.empty(self._lane_len * step.lanes)
-            dist.all_gather_single(gathered, self._block, group=step.dp_group)
+            dist.all_gather_single(gathered, self._block, group=step.dp_wait_group)
         else:
             gathered = self._block
         _write_back(self._tensors, gathered[: self._numel])
@@ -246,7 +253,7 @@ class PendingAverage:
             outcome, error = None, exc
         if dist.is_initialized() and dist.get_world_size() > 1:
             flag = torch.tensor([0 if error is not None else 1], dtype=torch.int64)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._step.wait_group)
             if error is None and not flag.item():
                 error = RoundAborted("another rank of this site could not finish the round")
         if error is not None:

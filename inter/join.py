@@ -27,7 +27,7 @@ from isthmus.inter.membership import Membership
 from isthmus.inter.peer import Identity, PeerClient
 from isthmus.inter.transport import TransportSettings
 from isthmus.intra.layout import Layout
-from isthmus.intra.process_group import SiteError, dp_group, init_site_group
+from isthmus.intra.process_group import SiteError, dp_group, init_site_group, waiting_group
 
 
 def layout_fingerprint(
@@ -55,6 +55,9 @@ class SiteRuntime:
     endpoint: RankEndpoint
     step: HierarchicalStep
     dp_group: dist.ProcessGroup | None
+    wait_group: dist.ProcessGroup | None = None
+    """Every rank of the site, for collectives that wait on other sites or on the
+    membership (a longer timeout than the site group's); None: the site group."""
     membership: Membership | None = None
     """Who takes part in each round, when sites may be lost and rejoin (the
     control plane carries it); None: every site of the job, always."""
@@ -145,19 +148,27 @@ def start_site(
     deadline_s: float = 120.0,
     backend: str | None = None,
     rejoining: bool = False,
+    collective_timeout_s: float | None = None,
+    site_wait_s: float | None = None,
 ) -> SiteRuntime:
     """Start this rank of ``site``. ``parameters``: (name, shape) of what will cross
     the WAN, for the layout check at the handshake. ``state``: the emulator's
     state file contents, when sites talk through ``isthmus wan``. ``rejoining``: the
     other sites are training already, and some may be down: connect to those that
-    answer, and to the others when they come back."""
+    answer, and to the others when they come back. ``collective_timeout_s``: the
+    site group's timeout (a hung rank); ``site_wait_s``: the timeout of the groups
+    whose collectives wait on other sites (see :class:`SiteRuntime`)."""
     try:
         spec = job.site(site)
     except KeyError as exc:
         raise SiteError(exc.args[0]) from None
-    rank = init_site_group(site, spec.ranks, backend)
+    rank = init_site_group(site, spec.ranks, backend, collective_timeout_s)
     layout = spec.layout
     group = dp_group(layout, rank) if spec.ranks > 1 else None
+    waiting = dp_waiting = None
+    if spec.ranks > 1 and site_wait_s is not None:
+        waiting = waiting_group(spec.ranks, site_wait_s)
+        dp_waiting = dp_group(layout, rank, timeout_s=site_wait_s)
     addresses = resolve(job, site, state)
     lanes = lane_count([s.layout.dp for s in job.sites])
     coords = layout.coordinates(rank)
@@ -204,6 +215,8 @@ def start_site(
         dp_size=layout.dp,
         dp_group=group,
         timeout_s=deadline_s * 2,
+        wait_group=waiting,
+        dp_wait_group=dp_waiting,
     )
     return SiteRuntime(
         job=job,
@@ -217,6 +230,7 @@ def start_site(
         endpoint=endpoint,
         step=step,
         dp_group=group,
+        wait_group=waiting,
     )
 
 

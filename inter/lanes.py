@@ -119,6 +119,14 @@ class RankEndpoint:
     async def connect(self, *, lenient: bool = False) -> None:
         await asyncio.gather(*(engine.connect(lenient=lenient) for engine in self.engines.values()))
 
+    async def add_site(self, site: str, lane_addresses: Mapping[int, str]) -> None:
+        """Accept ``site``'s handshakes, and send each lane's share to its owner there
+        (``lane_addresses``, for every lane this rank owns): a site added to the job
+        while it runs. The handshake comes with the first exchange."""
+        self.server.servicer.sites.add(site)
+        for lane, address in lane_addresses.items():
+            self.engines[lane].add_peer(site, address)
+
     async def close(self) -> None:
         for engine in self.engines.values():
             await engine.close()

@@ -41,7 +41,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -80,11 +80,15 @@ class View:
     """The member they pull it from (one that completed exactly ``start_round``)."""
     reason: str = ""
     leader: str | None = None
+    newcomers: Mapping[str, Any] = field(default_factory=dict)
+    """Members that are not in the job file: name -> how the site describes itself
+    (see :mod:`isthmus.inter.newcomers`), for sites that have not heard of it yet."""
 
     def to_message(self) -> dict[str, Any]:
         message = asdict(self)
         message["members"] = list(self.members)
         message["catch_up"] = list(self.catch_up)
+        message["newcomers"] = dict(self.newcomers)
         return message
 
     @classmethod
@@ -114,6 +118,9 @@ class View:
         donor = message.get("donor")
         if lists["catch_up"] and donor not in lists["members"]:
             return f"'donor' must be a member when some catch up, got {donor!r}"
+        newcomers = message.get("newcomers") or {}
+        if not (isinstance(newcomers, Mapping) and set(newcomers) <= set(lists["members"])):
+            return f"'newcomers' must map members to their descriptions, got {newcomers!r}"
         return cls(
             epoch=numbers["epoch"],  # type: ignore[arg-type]
             members=lists["members"],
@@ -123,6 +130,7 @@ class View:
             donor=donor if isinstance(donor, str) else None,
             reason=str(message.get("reason", "")),
             leader=message.get("leader") if isinstance(message.get("leader"), str) else None,
+            newcomers=dict(newcomers),
         )
 
 
@@ -262,7 +270,9 @@ def decide(
     if not members:
         return None
     rounds = {m: report(m).rounds for m in members}
-    if lost or stuck or conflicts or len(current.members) < min_sites:
+    # Its old self was in the round under way and will never finish it.
+    restarted = [m for m in joining if m in current.members]
+    if lost or restarted or stuck or conflicts or len(current.members) < min_sites:
         # The round under way cannot finish as it is: everyone runs it again with
         # the new members, from the furthest any member got.
         start = max(rounds[m] for m in staying)
@@ -278,6 +288,8 @@ def decide(
     why = []
     if lost:
         why.append(f"left out {lost}")
+    if restarted:
+        why.append(f"restarted {restarted}")
     if joining:
         why.append(f"joining {joining}")
     if leaving:
@@ -352,10 +364,24 @@ class Membership:
         self.probe: Callable[[Sequence[str]], list[str]] | None = None
         """Set by the strategy: which of these sites this one cannot reach now (asked
         while it waits to be let in)."""
+        self.take_in: Callable[[str, Any], str | None] | None = None
+        """Set by the strategy: make ready to exchange with a site that is not in the
+        job file (added to a newer one), given how it describes itself; returns why
+        it cannot be taken in. None: this site takes in no new sites."""
+        self._job_sites = list(sites)
+        self._newcomers: dict[str, Any] = {}
+        """Sites taken in that are not in the job file -> their descriptions."""
+        self._refused: set[str] = set()
 
     # -- what the control plane feeds in (its own thread) ---------------------------
     def on_status(self, site: str, status: Mapping[str, Any]) -> str | None:
         """A site's status arrived; returns why it was ignored, if it was."""
+        if site not in self.sites:
+            if status.get("state") != "online":
+                return None  # a site never taken in went away: nothing to forget
+            problem = self._take_in(site, status.get("spec"))
+            if problem:
+                return problem
         report = Report.from_status(status, self.sites)
         if isinstance(report, str):
             return report
@@ -366,6 +392,13 @@ class Membership:
         return None
 
     def on_view(self, message: Mapping[str, Any]) -> str | None:
+        newcomers = message.get("newcomers")
+        if isinstance(newcomers, Mapping):
+            for name, description in newcomers.items():
+                if isinstance(name, str) and name not in self.sites:
+                    problem = self._take_in(name, description)
+                    if problem:
+                        return problem
         view = View.from_message(message, self.sites)
         if isinstance(view, str):
             return view
@@ -386,6 +419,28 @@ class Membership:
         self._lead()
         return None
 
+    def _take_in(self, site: str, description: Any) -> str | None:
+        """Make a site the job file does not name one of the sites; say why not (once
+        per site: a refused one keeps sending its status)."""
+        if site in self._refused:
+            return None
+        problem = (
+            f"site {site!r} is not in the job file, and this site takes in no new sites"
+            if self.take_in is None
+            else self.take_in(site, description)
+        )
+        if problem:
+            self._refused.add(site)
+            log.warning("site %s: not taking in site %r: %s", self.me, site, problem)
+            return problem
+        with self._changed:
+            self._newcomers[site] = description
+            # Job order, then the newcomers by name: the same on every site.
+            self.sites = self._job_sites + sorted(self._newcomers)
+            self._changed.notify_all()
+        log.info("site %s: site %r is not in the job file; taken in", self.me, site)
+        return None
+
     def _lead(self) -> None:
         if self.publish_view is None:
             return
@@ -404,7 +459,8 @@ class Membership:
             view = decide(self.sites, reports, current, self.min_sites)
             if view is None:
                 return
-            view = dataclasses.replace(view, leader=self.me)
+            newcomers = {m: self._newcomers[m] for m in view.members if m in self._newcomers}
+            view = dataclasses.replace(view, leader=self.me, newcomers=newcomers)
             self._proposed = view
             self._proposed_at = time.monotonic()
         log.info("site %s leads: publishing view %d (%s)", self.me, view.epoch, view.reason)

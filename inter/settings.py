@@ -94,6 +94,18 @@ class TrainSettings:
     that site. Longer than the slowest round, shorter than an outage worth
     waiting out."""
 
+    collective_timeout_s: float = 60.0
+    """``isthmus run``: how long a rank waits for the other ranks of its site in a
+    collective over the fast fabric (gradient averaging, FSDP, tensor parallel) before
+    the site fails. Shorter than ``round_deadline_s``: a site with a dead or hung rank
+    fails and can be restarted before the other sites give up on it. (In-site waits
+    for other sites or for the membership are bounded by the two settings below.)"""
+
+    rejoin_timeout_s: float = 600.0
+    """``isthmus run`` with ``diloco``: how long a site waits to be let into the run
+    (restarted, cut off, below quorum) before it gives up. Longer than
+    ``round_deadline_s``: the others may need that long to notice the site was gone."""
+
     min_sites: int = 0
     """``isthmus run`` with ``diloco``: the quorum. When sites are lost, the others
     train on while at least this many sites remain, and pause (saying so) below
@@ -168,6 +180,24 @@ class TrainSettings:
                 "round_deadline_s",
                 f"must be a number of seconds > 0, got {self.round_deadline_s!r}",
             )
+        for name in ("collective_timeout_s", "rejoin_timeout_s"):
+            value = getattr(self, name)
+            if not (_is_number(value) and value > 0):
+                raise SettingError(name, f"must be a number of seconds > 0, got {value!r}")
+        if self.collective_timeout_s >= self.round_deadline_s:
+            raise SettingError(
+                "collective_timeout_s",
+                f"{self.collective_timeout_s:g} s must be shorter than round_deadline_s "
+                f"({self.round_deadline_s:g} s): a site with a hung rank must fail before the "
+                "other sites give up on it; lower it, or raise round_deadline_s",
+            )
+        if self.rejoin_timeout_s <= self.round_deadline_s:
+            raise SettingError(
+                "rejoin_timeout_s",
+                f"{self.rejoin_timeout_s:g} s must be longer than round_deadline_s "
+                f"({self.round_deadline_s:g} s): a returning site must wait at least as long "
+                "as the others take to notice it was gone; raise it, or lower round_deadline_s",
+            )
         if not (
             isinstance(self.min_sites, int)
             and not isinstance(self.min_sites, bool)
@@ -178,6 +208,13 @@ class TrainSettings:
                 f"must be an integer >= 0 (sites; 0: half the job's, rounded up), got "
                 f"{self.min_sites!r}",
             )
+
+    @property
+    def site_wait_s(self) -> float:
+        """The longest a rank may wait for the others of its site in a collective that
+        waits on other sites or the membership (their own bounds are the round deadline
+        and the rejoin timeout; this only keeps the fabric from firing first)."""
+        return self.rejoin_timeout_s + 2 * self.round_deadline_s
 
     def quorum(self, sites: int) -> int:
         """``min_sites`` for a job of ``sites`` sites."""

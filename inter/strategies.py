@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from isthmus.inter import newcomers
 from isthmus.inter.allreduce import RoundError
 from isthmus.inter.codecs import Codec, parse_codec
 from isthmus.inter.commit import Seal, seal_round
@@ -431,6 +432,7 @@ class DiLoCo(_LocalSteps):
         tokens_per_step: int = 1,
         outer_device: str = "cpu",
         round_seconds: float | None = None,
+        rejoin_timeout_s: float = 600.0,
     ) -> None:
         if round_seconds is not None and not (
             isinstance(round_seconds, int | float)
@@ -450,7 +452,7 @@ class DiLoCo(_LocalSteps):
         self.caught_up: list[CatchUp] = []
         """Each time this site pulled the global state from a peer (a rejoin, a round
         it fell behind), newest last: for records."""
-        self.member_timeout_s = 600.0
+        self.member_timeout_s = rejoin_timeout_s
         """How long a site waits for a usable membership view (quorum, readmission)
         before it gives up with :class:`MembershipError`."""
         self._entered_epoch = 0
@@ -478,6 +480,7 @@ class DiLoCo(_LocalSteps):
         if site.membership is not None:
             site.endpoint.server.servicer.state_provider = self.state_after
             site.membership.probe = self._unreachable
+            site.membership.take_in = self._take_in_site
 
     def __enter__(self) -> DiLoCo:
         self._round_clock = time.perf_counter()  # the first round starts with training
@@ -701,7 +704,7 @@ class DiLoCo(_LocalSteps):
             if self.site.site.ranks == 1:
                 return view
             epochs = torch.tensor([-view.epoch, view.epoch], dtype=torch.int64)
-            dist.all_reduce(epochs, op=dist.ReduceOp.MAX)
+            dist.all_reduce(epochs, op=dist.ReduceOp.MAX, group=self.site.wait_group)
             lowest, highest = -int(epochs[0]), int(epochs[1])
             if lowest == highest:
                 return view
@@ -777,13 +780,27 @@ class DiLoCo(_LocalSteps):
 
         return [name for name, ok in zip(sites, self.site.loop.run(probe()), strict=True) if not ok]
 
+    def _take_in_site(self, name: str, description: Any) -> str | None:
+        """Make this rank ready to exchange with a site added to the job after it
+        started (see :mod:`isthmus.inter.newcomers`); say why it cannot be."""
+        site = self.site
+        layout = site.layout
+        new = newcomers.parse(name, description, tp=layout.tp, pp=layout.pp)
+        if isinstance(new, str):
+            return new
+        lanes = new.lane_addresses(site.lanes, site.step.my_lanes, layout.coordinates(site.rank))
+        if isinstance(lanes, str):
+            return lanes
+        site.loop.run(site.endpoint.add_site(name, lanes))
+        return None
+
     def _site_any(self, flag: bool) -> bool:
         """Whether ``flag`` is set on any rank of the site (a collective when it has
         several)."""
         if self.site.site.ranks == 1:
             return flag
         value = torch.tensor([int(flag)], dtype=torch.int64)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.site.wait_group)
         return bool(value.item())
 
     def _say_waiting(self, why: str) -> None:

@@ -189,6 +189,18 @@ def test_egress_overrides_one_direction():
             "train.error_feedback: must be true or false",
         ),
         (
+            "name: x\nsites: [{name: a}]\ntrain: {round_deadline_s: 30}\n",
+            "train.collective_timeout_s: 60 s must be shorter than round_deadline_s (30 s)",
+        ),
+        (
+            "name: x\nsites: [{name: a}]\ntrain: {round_deadline_s: 900}\n",
+            "train.rejoin_timeout_s: 600 s must be longer than round_deadline_s (900 s)",
+        ),
+        (
+            "name: x\nsites: [{name: a}]\ntrain: {collective_timeout_s: 0}\n",
+            "train.collective_timeout_s: must be a number of seconds > 0",
+        ),
+        (
             "name: x\nsites: [{name: a}]\ntrain: {round_seconds: 30}\ntune: {online: true}\n",
             "tune.online: rounds are time-budgeted",
         ),

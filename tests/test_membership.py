@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 
+from isthmus.inter import newcomers
 from isthmus.inter.membership import (
     ENGINE_MARGIN,
     LeftTheRun,
@@ -75,6 +76,17 @@ def test_a_joining_site_comes_in_at_the_next_round_and_pulls_the_state_first():
     assert view.members == ("a", "b", "c")
     assert view.start_round == 7  # the members finish round 6 without it
     assert (view.catch_up, view.donor) == (("c",), "a")
+
+
+def test_a_member_restarted_before_anyone_noticed_makes_the_round_under_way_run_again():
+    # b died in round 7 and is back, joining, before the leader left it out: the
+    # round under way waits on b's old self, so it is run again, with b caught up.
+    reports = {"a": training(7), "b": Report(phase="joining", rounds=0), "c": training(7)}
+    view = decide(SITES, reports, first_view(SITES))
+    assert view is not None
+    assert view.members == ("a", "b", "c")
+    assert (view.start_round, view.catch_up, view.donor) == (7, ("b",), "a")
+    assert "restarted ['b']" in view.reason
 
 
 def test_below_quorum_a_joiner_comes_in_at_the_round_the_members_wait_in():
@@ -175,6 +187,74 @@ def test_the_leader_publishes_once_and_every_site_applies_the_view_at_its_round(
     assert a.newer_view(4) == view  # the round under way must be run again
     assert a.view_for(4, timeout_s=1, on_wait=print) == view
     assert a.history == [view]
+
+
+NEWCOMER_SPEC = {
+    "ranks": 2,
+    "parallel": {"dp_replicate": 2},
+    "dial": ["10.0.0.9:7100", "10.0.0.9:7101"],
+}
+
+
+def test_a_site_added_to_the_job_file_is_taken_in_by_every_site_and_admitted_as_a_joiner():
+    """c is in a newer job file than a's and b's: a (the leader) hears of it from its
+    status, b only from the view that admits it; both get ready to exchange with it."""
+    taken: dict[str, list[str]] = {"a": [], "b": []}
+    published: list[View] = []
+    a = Membership(["a", "b"], "a", min_sites=1)
+    b = Membership(["a", "b"], "b", min_sites=1)
+    for name, site in (("a", a), ("b", b)):
+        site.take_in = lambda new, spec, name=name: taken[name].append(new)
+    a.publish_view = published.append
+    a.on_status("b", {"state": "online", "membership": training(3).to_message()})
+    a.report(rounds=3, engine_round=9)
+    joining = {"phase": "joining", "epoch": 0, "rounds": 0, "engine_round": 0}
+    a.on_status("c", {"state": "online", "membership": joining, "spec": NEWCOMER_SPEC})
+    assert taken["a"] == ["c"] and a.sites == ["a", "b", "c"]
+    (view,) = published
+    assert view.members == ("a", "b", "c")
+    assert (view.start_round, view.catch_up, view.donor) == (4, ("c",), "a")
+    assert view.newcomers == {"c": NEWCOMER_SPEC}
+    assert b.on_view(view.to_message()) is None
+    assert taken["b"] == ["c"] and b.sites == ["a", "b", "c"]
+    assert b.latest == view
+
+
+def test_a_site_added_that_does_not_fit_is_refused_once_with_the_reason():
+    a = Membership(["a", "b"], "a", min_sites=1)
+    published: list[View] = []
+    a.publish_view = published.append
+    a.take_in = lambda name, spec: "its tensor-parallel degree differs"
+    joining = {"phase": "joining", "epoch": 0, "rounds": 0, "engine_round": 0}
+    status = {"state": "online", "membership": joining, "spec": NEWCOMER_SPEC}
+    assert "tensor-parallel" in a.on_status("c", status)
+    assert a.on_status("c", status) is None  # said once; its statuses keep coming
+    assert published == [] and a.sites == ["a", "b"]
+    # A site that takes in no new sites says so.
+    b = Membership(["a", "b"], "b", min_sites=1)
+    assert "takes in no new sites" in b.on_status("c", status)
+
+
+def test_a_newcomer_s_description_is_checked_and_its_lane_owners_found():
+    new = newcomers.parse("c", NEWCOMER_SPEC, tp=1, pp=1)
+    assert isinstance(new, newcomers.NewSite) and new.layout.dp == 2
+    # Two lanes (sites of 2 and 1 data-parallel ranks): each rank of the new site owns one.
+    assert new.lane_addresses(2, range(1, 2), {"tp": 0, "pp": 0, "dp": 1}) == {1: "10.0.0.9:7101"}
+    assert new.lane_addresses(2, range(0, 2), {"tp": 0, "pp": 0, "dp": 0}) == {
+        0: "10.0.0.9:7100",
+        1: "10.0.0.9:7101",
+    }
+    assert "divide the job's 3 lanes" in new.lane_addresses(3, range(3), {"tp": 0, "pp": 0})
+    assert "tp 1 and pp 1; every site of this job has tp 2" in newcomers.parse(
+        "c", NEWCOMER_SPEC, tp=2, pp=1
+    )
+    assert "spec.dial" in newcomers.parse("c", {**NEWCOMER_SPEC, "dial": ["x:1"]}, tp=1, pp=1)
+    assert "spec.ranks" in newcomers.parse("c", {**NEWCOMER_SPEC, "ranks": -1}, tp=1, pp=1)
+    assert "spec.parallel" in newcomers.parse(
+        "c", {**NEWCOMER_SPEC, "parallel": {"dp_shard": 3}}, tp=1, pp=1
+    )
+    assert "describes no layout" in newcomers.parse("c", None, tp=1, pp=1)
+    assert newcomers.parse("c", new.to_message(), tp=1, pp=1) == new
 
 
 def test_a_stuck_site_that_enters_the_next_view_no_longer_asks_for_one():

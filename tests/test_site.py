@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from test_control import Mosquitto
 
 from isthmus.deploy.cli import main
 from isthmus.deploy.jobfile import JobFileError, parse_job
+from isthmus.deploy.run_records import read_records
 from isthmus.deploy.site_commands import SiteProgress, torchrun_layout_flags
 from isthmus.sim.hosts import HostsUnavailable, check_support
 
@@ -249,53 +251,131 @@ def result(out: Path, site: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.skipif(MOSQUITTO is None, reason="mosquitto is not installed")
-def test_two_sites_train_one_model_each_started_on_its_own(tmp_path):
-    """Site a under a torchrun the operator starts, site b (one rank) on its own;
-    they meet only through the job file's addresses and broker."""
+def test_three_sites_train_one_model_each_started_on_its_own(tmp_path):
+    """Site a under a torchrun the operator starts; site b (one rank) on its own;
+    site c on two "nodes", each started with ``isthmus site --rdzv-endpoint`` (its
+    torchrun meets the other node's through c10d). They meet only through the job
+    file's addresses and broker, and each node writes only its own directory."""
     broker = Mosquitto(tmp_path).start()
-    try:
-        base = free_port_block(3)
-        job = write(
-            tmp_path,
-            f"""\
-            name: two-clusters
-            sites:
-              - {{name: a, ranks: 2, address: 127.0.0.1:{base}}}
-              - {{name: b, ranks: 1, address: 127.0.0.1:{base + 2}}}
-            train: {{strategy: diloco, steps: 20, sync_every: 10, warmup_steps: 2}}
-            control: {{broker: mqtt://127.0.0.1:{broker.port}}}
-            """,
-        )
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        torchrun += ["--nproc-per-node", "2", "-m", "isthmus"]
-        a = subprocess.Popen(
-            [*torchrun, "site", str(job), "--site", "a", "--out", str(tmp_path / "a")],
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        b = subprocess.Popen(
-            [*ISTHMUS, "site", str(job), "--site", "b", "--out", str(tmp_path / "b")],
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        out_a, _ = a.communicate(timeout=240)
-        out_b, _ = b.communicate(timeout=60)
-    finally:
-        broker.stop()
-    assert a.returncode == 0, out_a
-    assert b.returncode == 0, out_b
-    assert "a: round 2 at step 20" in out_a and "b: finished" in out_b
-    assert (
-        result(tmp_path / "a", "a")["param_sha256"] == result(tmp_path / "b", "b")["param_sha256"]
+    base = free_port_block(6)
+    rendezvous = free_port_block(1)
+    job = write(
+        tmp_path,
+        f"""\
+        name: clusters
+        sites:
+          - {{name: a, ranks: 2, address: 127.0.0.1:{base}}}
+          - {{name: b, ranks: 1, address: 127.0.0.1:{base + 2}}}
+          - {{name: c, ranks: 2, nodes: 2, address: 127.0.0.1:{base + 3}}}
+        train: {{strategy: diloco, steps: 20, sync_every: 10, warmup_steps: 2}}
+        control: {{broker: mqtt://127.0.0.1:{broker.port}}}
+        """,
     )
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    torchrun += ["--nproc-per-node", "2", "-m", "isthmus"]
+    node = ["--rdzv-endpoint", f"127.0.0.1:{rendezvous}"]
+    commands = {
+        "a": [*torchrun, "site", str(job), "--site", "a", "--out", str(tmp_path / "a")],
+        "b": [*ISTHMUS, "site", str(job), "--site", "b", "--out", str(tmp_path / "b")],
+        "c0": [*ISTHMUS, "site", str(job), "--site", "c", "--out", str(tmp_path / "c0"), *node],
+        "c1": [*ISTHMUS, "site", str(job), "--site", "c", "--out", str(tmp_path / "c1"), *node],
+    }
+    procs = {
+        name: subprocess.Popen(
+            command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for name, command in commands.items()
+    }
+    try:
+        outputs = {name: proc.communicate(timeout=240)[0] for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.kill()
+        broker.stop()
+    for name, proc in procs.items():
+        assert proc.returncode == 0, f"{name}:\n{outputs[name]}"
+    assert "a: round 2 at step 20" in outputs["a"] and "b: finished" in outputs["b"]
+    # Site c's rank 0 is on whichever node the rendezvous made node 0.
+    (c_dir,) = [d for d in ("c0", "c1") if (tmp_path / d / "sites" / "c" / "result.json").exists()]
+    digests = {
+        result(tmp_path / d, s)["param_sha256"] for d, s in (("a", "a"), ("b", "b"), (c_dir, "c"))
+    }
+    assert len(digests) == 1
     assert result(tmp_path / "a", "a")["outer_steps"] == 2
-    # Each site wrote only its own directory; the first site also the model.
     assert not (tmp_path / "a" / "sites" / "b").exists()
     assert (tmp_path / "a" / "model.safetensors").is_file()
+
+
+def _wait_for_rounds(metrics: Path, rounds: int, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metrics.exists() and metrics.read_text().count('"kind": "round"') >= rounds:
+            return
+        assert proc.poll() is None, proc.communicate()[0]
+        time.sleep(0.5)
+    raise AssertionError(f"{metrics}: {rounds} rounds not reached in {timeout} s")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(MOSQUITTO is None, reason="mosquitto is not installed")
+def test_a_site_added_to_the_job_file_joins_the_running_sites(tmp_path):
+    """a and b train with a job file of two sites; c, appended to a copy of it (with
+    a certificate of the same CA), starts with --rejoin once they are 3 rounds in,
+    is taken in at a round boundary after pulling the state, and all three end with
+    the same model."""
+    broker = Mosquitto(tmp_path).start()
+    base = free_port_block(3)
+    two = f"""\
+        name: growing
+        sites:
+          - {{name: a, ranks: 1, address: 127.0.0.1:{base}}}
+          - {{name: b, ranks: 1, address: 127.0.0.1:{base + 1}}}
+        train: {{strategy: diloco, steps: 200, sync_every: 5, warmup_steps: 2}}
+        tls: {{ca: certs/ca.crt, cert: "certs/{{site}}.crt", key: "certs/{{site}}.key"}}
+        control: {{broker: mqtt://127.0.0.1:{broker.port}}}
+        """
+    job = write(tmp_path, two)
+    assert main(["certs", str(job), "--out", str(tmp_path / "certs")]) == 0
+    three = two.replace(
+        "        train:",
+        f"          - {{name: c, ranks: 1, address: 127.0.0.1:{base + 2}}}\n        train:",
+    )
+    grown = write(tmp_path, three, "grown.yaml")
+    assert main(["certs", str(grown), "--out", str(tmp_path / "certs")]) == 0  # c's only
+
+    def start(job_file: Path, site: str, *flags: str) -> subprocess.Popen:
+        command = [*ISTHMUS, "site", str(job_file), "--site", site, "--out", str(tmp_path / site)]
+        return subprocess.Popen(
+            [*command, *flags],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    procs = {"a": start(job, "a"), "b": start(job, "b")}
+    try:
+        _wait_for_rounds(tmp_path / "a" / "sites" / "a" / "metrics.jsonl", 3, procs["a"], 180)
+        procs["c"] = start(grown, "c", "--rejoin")
+        outputs = {name: proc.communicate(timeout=300)[0] for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.kill()
+        broker.stop()
+    for name, proc in procs.items():
+        assert proc.returncode == 0, f"{name}:\n{outputs[name]}"
+    results = {s: result(tmp_path / s, s) for s in "abc"}
+    assert len({r["param_sha256"] for r in results.values()}) == 1, results
+    assert "rejoined at round" in outputs["c"]
+    # c took part in the rounds after it joined, and trained the steps of those.
+    trained = read_records(tmp_path / "c" / "sites" / "c" / "metrics.jsonl")
+    assert 0 < sum(r["kind"] == "step" for r in trained) < 200
+    views = [
+        r
+        for r in read_records(tmp_path / "b" / "sites" / "b" / "metrics.jsonl")
+        if r["kind"] == "view"
+    ]
+    assert any(v["members"] == ["a", "b", "c"] for v in views), views
 
 
 def _separate_hosts_unsupported() -> str | None:

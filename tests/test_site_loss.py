@@ -140,6 +140,7 @@ train:
   sync_every: 5
   warmup_steps: 2
   round_deadline_s: 15
+  collective_timeout_s: 10
 """
 
 

@@ -106,8 +106,25 @@ def test_certs_are_written_with_private_keys_readable_by_the_owner_only(tmp_path
         mode = stat.S_IMODE(path.stat().st_mode)
         if path.suffix == ".key":
             assert mode == 0o600, path
-    with pytest.raises(FileExistsError, match="a job has one CA"):
+    with pytest.raises(FileExistsError, match="a certificate for every site already"):
         make_certs("job", ["a"], tmp_path / "c")
+    with pytest.raises(FileExistsError, match="the CA of another job"):
+        make_certs("other-job", ["a", "z"], tmp_path / "c")
+
+
+def test_a_site_added_to_the_job_gets_a_certificate_of_the_same_ca(tmp_path):
+    from cryptography import x509
+
+    make_certs("job", ["a", "b"], tmp_path / "c")
+    ca_before = (tmp_path / "c" / "ca.crt").read_bytes()
+    a_before = (tmp_path / "c" / "a.crt").read_bytes()
+    written = make_certs("job", ["a", "b", "new"], tmp_path / "c")
+    assert sorted(p.name for p in written) == ["new.crt", "new.key"]
+    assert (tmp_path / "c" / "ca.crt").read_bytes() == ca_before
+    assert (tmp_path / "c" / "a.crt").read_bytes() == a_before
+    ca = x509.load_pem_x509_certificate(ca_before)
+    new = x509.load_pem_x509_certificate((tmp_path / "c" / "new.crt").read_bytes())
+    new.verify_directly_issued_by(ca)
 
 
 def test_certs_for_the_broker_name_its_host_and_the_operator(tmp_path):
