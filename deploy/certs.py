@@ -21,7 +21,7 @@ import datetime
 import functools
 import ipaddress
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -158,16 +158,7 @@ def make_certs(
     )
     written = [_write(out / "ca.crt", _pem(ca_cert)), _write_key(out / "ca.key", ca_key)]
     issue = functools.partial(_leaf, job, ca_name, ca_key, now, days, out)
-    for site in sites:
-        # Every site is both a server (its peer service) and a client (it dials).
-        alt = [x509.DNSName(site_dns_name(job, site))]
-        written += issue(
-            site, alt, [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-        )
-    if broker:
-        written += issue("broker", _names(broker), [ExtendedKeyUsageOID.SERVER_AUTH])
-        written += issue("operator", [], [ExtendedKeyUsageOID.CLIENT_AUTH])
-    return written
+    return written + _issue(issue, job, sites, broker)
 
 
 def _add_sites(
@@ -205,13 +196,21 @@ def _add_sites(
             "site, name it in the job file first"
         )
     issue = functools.partial(_leaf, job, ca_cert.subject, ca_key, now, days, out)
+    return _issue(issue, job, missing, broker if wants_broker else ())
+
+
+def _issue(
+    issue: Callable[..., list[Path]], job: str, sites: Sequence[str], broker: Sequence[str]
+) -> list[Path]:
+    """A certificate for each site, and with ``broker`` the broker's and the operator's."""
     written: list[Path] = []
-    for site in missing:
+    for site in sites:
+        # Every site is both a server (its peer service) and a client (it dials).
         alt = [x509.DNSName(site_dns_name(job, site))]
         written += issue(
             site, alt, [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
         )
-    if wants_broker:
+    if broker:
         written += issue("broker", _names(broker), [ExtendedKeyUsageOID.SERVER_AUTH])
         written += issue("operator", [], [ExtendedKeyUsageOID.CLIENT_AUTH])
     return written

@@ -245,6 +245,20 @@ def test_progress_shows_rounds_once_views_and_the_end(tmp_path):
 # -- real sites ------------------------------------------------------------------------
 
 
+def finish(procs: dict[str, subprocess.Popen], broker: Mosquitto, timeout: float) -> dict[str, str]:
+    """Wait for every process, stop them all and the broker; their outputs, each
+    checked to have ended well."""
+    try:
+        outputs = {name: proc.communicate(timeout=timeout)[0] for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.kill()
+        broker.stop()
+    for name, proc in procs.items():
+        assert proc.returncode == 0, f"{name}:\n{outputs[name]}"
+    return outputs
+
+
 def result(out: Path, site: str) -> dict:
     return json.loads((out / "sites" / site / "result.json").read_text())
 
@@ -286,14 +300,7 @@ def test_three_sites_train_one_model_each_started_on_its_own(tmp_path):
         )
         for name, command in commands.items()
     }
-    try:
-        outputs = {name: proc.communicate(timeout=240)[0] for name, proc in procs.items()}
-    finally:
-        for proc in procs.values():
-            proc.kill()
-        broker.stop()
-    for name, proc in procs.items():
-        assert proc.returncode == 0, f"{name}:\n{outputs[name]}"
+    outputs = finish(procs, broker, timeout=240)
     assert "a: round 2 at step 20" in outputs["a"] and "b: finished" in outputs["b"]
     # Site c's rank 0 is on whichever node the rendezvous made node 0.
     (c_dir,) = [d for d in ("c0", "c1") if (tmp_path / d / "sites" / "c" / "result.json").exists()]
@@ -357,13 +364,8 @@ def test_a_site_added_to_the_job_file_joins_the_running_sites(tmp_path):
     try:
         _wait_for_rounds(tmp_path / "a" / "sites" / "a" / "metrics.jsonl", 3, procs["a"], 180)
         procs["c"] = start(grown, "c", "--rejoin")
-        outputs = {name: proc.communicate(timeout=300)[0] for name, proc in procs.items()}
     finally:
-        for proc in procs.values():
-            proc.kill()
-        broker.stop()
-    for name, proc in procs.items():
-        assert proc.returncode == 0, f"{name}:\n{outputs[name]}"
+        outputs = finish(procs, broker, timeout=300)
     results = {s: result(tmp_path / s, s) for s in "abc"}
     assert len({r["param_sha256"] for r in results.values()}) == 1, results
     assert "rejoined at round" in outputs["c"]
