@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from isthmus.deploy.addressing import load_state
+from isthmus.deploy.addressing import load_state, resolve
 from isthmus.deploy.jobfile import Job, load_job
 from isthmus.deploy.run_control import SiteControl, apply_settings, membership_for
 from isthmus.deploy.run_records import RecordWriter, parameter_digest, write_json_atomic
@@ -51,7 +51,7 @@ from isthmus.intra.data import Dataset, ShardSpec, load_corpus
 from isthmus.intra.model import GPT, config_for, lm_loss
 from isthmus.intra.parallelize import GPT_PLAN, ModelPlan, SiteModel
 from isthmus.intra.plugins import DataContext, load_callable, load_model
-from isthmus.intra.process_group import SiteError
+from isthmus.intra.process_group import SiteError, launcher_rank
 from isthmus.intra.schedule import warmup_cosine
 from isthmus.sim.tuner import LIVE_SYNC_EVERY
 
@@ -160,28 +160,32 @@ def train(
             "--rejoin needs a run that can lose and regain sites: strategy diloco and a "
             "control plane"
         )
-    site = start_site(
-        job,
-        site_name,
-        parameters=named,
-        state=state,
-        rejoining=rejoin,
-        deadline_s=settings.round_deadline_s,
-        collective_timeout_s=settings.collective_timeout_s,
-        site_wait_s=settings.site_wait_s,
-    )
+    # The broker first: a site that cannot reach it stops at once, before its peers
+    # wait on it (the address in its status is the one the others dial: on a real
+    # network the advertised one, not 0.0.0.0).
+    spec = job.site(site_name)
+    dialled = None if state is not None else spec.dial_addresses()
+    host, port = (dialled or resolve(job, site_name, state).listen)[0]
+    rank, _ = launcher_rank()
+    control = SiteControl(job, run_dir, site_name, rank, spec.ranks, f"{host}:{port}", membership)
+    try:
+        site = start_site(
+            job,
+            site_name,
+            parameters=named,
+            state=state,
+            rejoining=rejoin,
+            deadline_s=settings.round_deadline_s,
+            collective_timeout_s=settings.collective_timeout_s,
+            site_wait_s=settings.site_wait_s,
+        )
+    except BaseException:
+        control.close()
+        raise
     site.membership = membership
     leader = site.rank == 0  # rank 0 reports for the whole site
     records = RecordWriter(run_dir / "sites" / site_name / "metrics.jsonl", site_name, leader)
-    control = None
     try:
-        # The address the others dial (a real network: the advertised one, not 0.0.0.0).
-        dialled = None if state is not None else site.site.dial_addresses()
-        host, port = (dialled or site.addresses.listen)[0]
-        address = f"{host}:{port}"
-        control = SiteControl(
-            job, run_dir, site_name, site.rank, site.site.ranks, address, membership
-        )
         return _train(
             job,
             settings,
@@ -196,8 +200,7 @@ def train(
             rejoin,
         )
     finally:
-        if control is not None:
-            control.close()
+        control.close()
         records.close()
         site.close()
 
