@@ -137,20 +137,10 @@ def describe_ports(job: Job, spec: SiteSpec) -> str:
     lines = [f"site {spec.name!r} of job {job.name!r}:", "inbound, from the other sites (TCP):"]
     if not listen:
         lines.append("  (no address in the job file: give this site address: HOST:PORT)")
-    for rank, ((host, port), (dial_host, dial_port)) in enumerate(
-        zip(listen, dialled or listen, strict=True)
-    ):
+    for rank, (bound, dial) in enumerate(zip(listen, dialled or listen, strict=True)):
+        seen = f" (dialled at {dial[0]}:{dial[1]})" if dial != bound else ""
         node = rank // spec.ranks_per_node
-        seen = (
-            f" (dialled at {dial_host}:{dial_port})"
-            if (dial_host, dial_port)
-            != (
-                host,
-                port,
-            )
-            else ""
-        )
-        lines.append(f"  rank {rank} (node {node}): listens on {host}:{port}{seen}")
+        lines.append(f"  rank {rank} (node {node}): listens on {bound[0]}:{bound[1]}{seen}")
     lines.append("outbound, to the other sites (TCP):")
     for other in job.sites:
         if other.name == spec.name:
@@ -306,7 +296,8 @@ def _train_rank(
     from isthmus.deploy.run_worker import train_until_stopped
     from isthmus.deploy.site_errors import run_site_main
 
-    prepare_site_dir(job_path, job.name, spec.name, out, rejoin)
+    if not os.environ.get(SPAWNED_BY_SITE):  # else the launcher prepared it
+        prepare_site_dir(job_path, job.name, spec.name, out, rejoin)
     progress = None
     if rank == 0 and not os.environ.get(SPAWNED_BY_SITE):
         progress = SiteProgress(out, spec.name).start()

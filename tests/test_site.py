@@ -22,7 +22,7 @@ import pytest
 from test_control import Mosquitto
 
 from isthmus.deploy.cli import main
-from isthmus.deploy.jobfile import JobFileError, parse_job
+from isthmus.deploy.jobfile import JobFileError, free_port_blocks, parse_job
 from isthmus.deploy.run_records import read_records
 from isthmus.deploy.site_commands import SiteProgress, torchrun_layout_flags
 from isthmus.sim.hosts import HostsUnavailable, check_support
@@ -61,20 +61,7 @@ def cli(capsys, *args: str) -> tuple[int, str, str]:
 
 def free_port_block(count: int) -> int:
     """A base port with ``count`` free ports after it (on loopback)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count > 65535:
-            continue
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise AssertionError("no block of free ports")
+    return free_port_blocks("127.0.0.1", [count])[0]
 
 
 # -- the job file ------------------------------------------------------------------------
