@@ -232,7 +232,7 @@ class Launcher:
         if restart_lost and not self.survives_loss:
             raise RunError(
                 "--restart-lost: only a run that survives the loss of a site can take a site "
-                "back: train.strategy diloco, at least 2 sites"
+                f"back: train.strategy one of {', '.join(SURVIVING_STRATEGIES)}, at least 2 sites"
             )
         self.restart_lost = restart_lost
         self.resume_round = resume_round
@@ -507,10 +507,15 @@ class Launcher:
         self._poll_links()
 
 
+SURVIVING_STRATEGIES = ("sync", "diloco")
+"""The strategies whose rounds run under membership views
+(:mod:`isthmus.inter.member_rounds`)."""
+
+
 def survives_site_loss(job: Job) -> bool:
     """Whether the run goes on when a site is lost: the membership protocol runs
     (:func:`isthmus.deploy.run_control.membership_for`)."""
-    return job.train.strategy == "diloco" and len(job.sites) >= 2
+    return job.train.strategy in SURVIVING_STRATEGIES and len(job.sites) >= 2
 
 
 def _launch(

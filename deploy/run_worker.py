@@ -14,7 +14,7 @@ final model, ``RUN_DIR/model.safetensors``. Files appear whole or not at all.
 With ``train.checkpoint_every``, every rank checkpoints after every that many
 rounds into ``RUN_DIR/checkpoints/SITE/round-N/``; ``--resume-round N`` (which
 ``isthmus run --resume`` passes) goes on from there, bit for bit.
-With a run that survives the loss of a site (diloco), SIGUSR1 (to any of
+With a run that survives the loss of a site (sync or diloco), SIGUSR1 (to any of
 its ranks) makes the site leave at the next round: the others go on without
 it, and it writes ``result.json`` with ``status: "left"``.
 Rank 0 is also the site's control-plane client (:mod:`isthmus.deploy.run_control`):
@@ -43,6 +43,7 @@ from isthmus.deploy.run_control import SiteControl, apply_settings, membership_f
 from isthmus.deploy.run_records import RecordWriter, parameter_digest, write_json_atomic
 from isthmus.deploy.site_errors import run_site_main
 from isthmus.inter.join import SiteRuntime, start_site
+from isthmus.inter.member_rounds import MemberRounds
 from isthmus.inter.membership import LeftTheRun
 from isthmus.inter.settings import TrainSettings
 from isthmus.inter.strategies import AsyncDiLoCo, DiLoCo, Strategy, StreamingDiLoCo, Sync
@@ -97,7 +98,7 @@ def build_strategy(
         "tokens_per_step": tokens_per_step,
     }
     if settings.strategy == "sync":
-        return Sync(site, model, optimizer, **common)
+        return Sync(site, model, optimizer, **common, rejoin_timeout_s=settings.rejoin_timeout_s)
     outer: dict[str, Any] = {
         "sync_every": settings.sync_every,
         "outer_lr": settings.outer_lr,
@@ -157,8 +158,8 @@ def train(
     membership = membership_for(job, run_dir, site_name, rejoining=rejoin)
     if rejoin and membership is None:
         raise SiteError(
-            "--rejoin needs a run that can lose and regain sites: strategy diloco and a "
-            "control plane"
+            "--rejoin needs a run that can lose and regain sites: strategy sync or diloco "
+            "and a control plane"
         )
     # The broker first: a site that cannot reach it stops at once, before its peers
     # wait on it (the address in its status is the one the others dial: on a real
@@ -249,7 +250,7 @@ def _train(
     if resumed:
         records.write("resume", round=resume_round, step=start_step)
     if rejoin:
-        assert isinstance(strategy, DiLoCo)
+        assert isinstance(strategy, MemberRounds)
         records.write("state", state="rejoining")
         start_step = strategy.rejoin()
         pulled = strategy.caught_up[-1]
@@ -279,7 +280,7 @@ def _train(
     left = False
     step = start_step
     while step < settings.steps:
-        if _leave_requested and isinstance(strategy, DiLoCo) and not strategy.leave_requested:
+        if _leave_requested and isinstance(strategy, MemberRounds) and not strategy.leave_requested:
             strategy.leave_requested = True  # acted on at the next round
             records.write("state", state="leaving")
         x, y = first if step == start_step else next(batches)
@@ -387,7 +388,7 @@ def _train(
                 path=str(path.relative_to(run_dir)),
                 seconds=time.perf_counter() - saved,
             )
-        if isinstance(strategy, DiLoCo) and strategy.inner_steps != step + 1:
+        if isinstance(strategy, MemberRounds) and strategy.inner_steps != step + 1:
             # This site fell behind (cut off, left out) and pulled the others' state:
             # go on from their step, with the batches of that step.
             step = start_step = steps_done = strategy.inner_steps

@@ -213,6 +213,11 @@ class PendingAverage:
         """Whether the WAN part has finished (waiting would not block on it)."""
         return self._future.done()
 
+    def discard(self) -> None:
+        """Give the WAN part up without applying anything (the tensors keep their
+        values); every rank of the site discards the same averages."""
+        self._future.cancel()
+
     def wait(self, abort: Callable[[], bool] | None = None) -> StepReport:
         """The average, once the WAN part is done. ``abort``: polled while waiting;
         when it returns True the WAN part is cancelled and :class:`RoundAborted`

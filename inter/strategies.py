@@ -19,11 +19,8 @@ everywhere), so strategies can be switched between rounds.
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import logging
 import math
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -36,25 +33,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from isthmus.inter import newcomers
-from isthmus.inter.allreduce import RoundError
 from isthmus.inter.codecs import Codec, parse_codec
 from isthmus.inter.commit import Seal, seal_round
 from isthmus.inter.fragments import assign_fragments, count_blocks, sync_offsets
-from isthmus.inter.hierarchical import PendingAverage, RoundAborted, StepReport
+from isthmus.inter.hierarchical import PendingAverage, StepReport
 from isthmus.inter.join import SiteRuntime
-from isthmus.inter.membership import Membership, MembershipError, View
+from isthmus.inter.member_rounds import MemberRounds, shapes_match
+from isthmus.inter.membership import View
 from isthmus.inter.outer import OuterOptimizer
-from isthmus.inter.peer import PeerError
 from isthmus.inter.settings import SettingError
-from isthmus.inter.state_transfer import StateGone, StateUnavailable, fetch_state, pack_state
+from isthmus.inter.state_transfer import StateUnavailable
 from isthmus.proto import wire_pb2
 
 log = logging.getLogger(__name__)
-
-PROBE_TIMEOUT_S = 3.0
-"""How long a cut-off site waits for a member's handshake before it says it cannot
-reach it."""
 
 
 def _codec(value: str | Codec) -> Codec:
@@ -70,20 +61,6 @@ def _positive_int(name: str, value: Any) -> int:
     if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         raise SettingError(name, f"must be an integer >= 1, got {value!r}")
     return value
-
-
-@dataclass(frozen=True)
-class CatchUp:
-    """A pull of the global state from a peer, to enter a membership view."""
-
-    view: int
-    donor: str
-    rounds: int
-    """Rounds the pulled state is after."""
-    bytes: int
-    seconds: float
-    resumed: int
-    """Times the transfer went on from the last good byte (a broken stream, a bad part)."""
 
 
 @dataclass(frozen=True)
@@ -228,7 +205,7 @@ class Strategy:
         """Bring every site to the same parameters at the end of training."""
 
 
-class Sync(Strategy):
+class Sync(MemberRounds, Strategy):
     """Average gradients across sites before every optimizer step.
 
     Weights are each site's tokens per step (``tokens_per_step`` times its
@@ -243,6 +220,14 @@ class Sync(Strategy):
     runs while the first layers' are still being computed. Overlap assumes one
     backward pass per optimizer step; with gradient accumulation, use
     ``overlap=False``. The averages are the same, bit for bit, either way.
+
+    With a membership (``site.membership``), every optimizer step is a round
+    (see :mod:`isthmus.inter.member_rounds`): a site lost mid-step makes the
+    others run the step's exchange again without it, from the gradients they
+    had, and a site that comes back pulls the parameters and the optimizer
+    state from a member. The buckets then go after the backward pass, since the
+    step's view must be entered (and the state maybe pulled) before anything is
+    sent.
     """
 
     def __init__(
@@ -256,6 +241,7 @@ class Sync(Strategy):
         tokens_per_step: int = 1,
         bucket_mb: float = 25.0,
         overlap: bool = True,
+        rejoin_timeout_s: float = 600.0,
     ) -> None:
         if not (isinstance(bucket_mb, int | float) and bucket_mb > 0):
             raise SettingError("bucket_mb", f"must be a number > 0, got {bucket_mb!r}")
@@ -267,18 +253,28 @@ class Sync(Strategy):
             tokens_per_step=tokens_per_step,
             error_feedback=error_feedback,
         )
+        self._init_member_rounds(rejoin_timeout_s)
         self.weights = _static_weights(site, tokens_per_step)
         # FSDP sets its sharded gradients itself, after its own reduce-scatter:
         # per-parameter hooks would not see them, so DTensor models do not overlap.
-        self.overlap = overlap and not any(isinstance(p, DTensor) for p in self.params)
+        self.overlap = (
+            overlap
+            and site.membership is None
+            and not any(isinstance(p, DTensor) for p in self.params)
+        )
         self.buckets = _buckets(self.params, int(bucket_mb * 2**20))
         self._bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
         self._ready = [0] * len(self.buckets)
         self._pending: list[tuple[int, PendingAverage]] = []
+        self._exchanging = False
+        """Between the start of a step's exchange and its optimizer step: the only
+        time this site's state is that of a round's start, learning rate included."""
         if self.overlap:
             for p in self.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
         self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
+        if site.membership is not None:
+            self._hooks.append(optimizer.register_step_post_hook(self._after_member_step))
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         bucket = self._bucket_of[id(param)]
@@ -286,22 +282,39 @@ class Sync(Strategy):
         if self._ready[bucket] == len(self.buckets[bucket]):
             self._start(bucket)
 
-    def _start(self, bucket: int) -> None:
+    def _bucket_grads(self, bucket: int) -> list[torch.Tensor]:
+        grads = []
+        for p in self.buckets[bucket]:
+            if p.grad is None:  # every site must send the same vector
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        return grads
+
+    def _start(
+        self,
+        bucket: int,
+        weights: dict[str, float] | None = None,
+        participants: Sequence[str] | None = None,
+    ) -> PendingAverage:
         # Starting an exchange (in-site reduce, flattening, handing it to the engine)
         # runs on the training thread: time it as syncing, not compute.
         with self._blocking("syncing"):
-            grads = []
-            for p in self.buckets[bucket]:
-                if p.grad is None:  # every site must send the same vector
-                    p.grad = torch.zeros_like(p)
-                grads.append(p.grad)
+            grads = self._bucket_grads(bucket)
             in_site = not any(isinstance(g, DTensor) for g in grads)
             pending = self._exchange(
-                grads, self.weights, vector=f"bucket{bucket}", in_site_reduce=in_site
+                grads,
+                self.weights if weights is None else weights,
+                vector=f"bucket{bucket}",
+                in_site_reduce=in_site,
+                participants=participants,
             )
         self._pending.append((bucket, pending))
+        return pending
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.site.membership is not None:
+            self._step_as_member()
+            return
         started = {b for b, _ in self._pending}
         # Buckets the backward pass did not complete (parameters without a
         # gradient this step), in bucket order: the same on every site.
@@ -315,6 +328,95 @@ class Sync(Strategy):
         self._ready = [0] * len(self.buckets)
         self.inner_steps += 1
         self.outer_steps += 1
+
+    # -- membership: every step a round ----------------------------------------------
+    def _step_as_member(self) -> None:
+        grads = [g for b in range(len(self.buckets)) for g in self._bucket_grads(b)]
+        with self._blocking("syncing"):
+            own = [g.detach().clone() for g in grads]  # for a step run again
+        with self._state_lock:
+            self._exchanging = True
+
+        def attempt(view: View, caught_up: bool) -> None:
+            with torch.no_grad():
+                for grad, mine in zip(grads, own, strict=True):
+                    if caught_up:  # gradients of parameters this site no longer holds
+                        grad.zero_()
+                    else:
+                        grad.copy_(mine)
+            weights = self._member_weights(view, self.tokens_per_step)
+            abort = self._abandoned()
+            self._pending.clear()
+            for bucket in range(len(self.buckets)):
+                self._start(bucket, weights, view.members)
+            reports = []
+            try:
+                with self._blocking("syncing"):
+                    for _, pending in self._pending:
+                        reports.append(pending.wait(abort=abort))
+            except BaseException:
+                for _, pending in self._pending:
+                    pending.discard()
+                raise
+            finally:
+                self._pending.clear()
+            for report in reports:
+                self._account(report)
+
+        self._as_member(attempt, engine_rounds=len(self.buckets))
+
+    def _after_member_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        with self._state_lock:
+            self.inner_steps += 1
+            self.outer_steps += 1
+            self.rounds += 1
+            self._exchanging = False
+            self._served = None
+        self._report_round_done()
+
+    def _global_state(self) -> dict[str, Any]:
+        if not self._exchanging:
+            raise StateUnavailable(
+                wire_pb2.STATE_NOT_READY,
+                f"site {self.site.name} has not reached the exchange of step {self.rounds} yet",
+            )
+        return {
+            "inner_steps": self.inner_steps,
+            "outer_steps": self.outer_steps,
+            "params": [_local(p).detach() for p in self.params],
+            "optimizer": self.optimizer.state_dict(),
+        }
+
+    @torch.no_grad()
+    def _load_global_state(self, state: dict[str, Any], donor: str) -> None:
+        params = state.get("params")
+        shapes_match(self.site.name, donor, (_local(p) for p in self.params), params)
+        for p, value in zip(self.params, params, strict=True):
+            _local(p).copy_(value)
+        # The donor's learning rate for this step comes with its param_groups.
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.rounds = int(state["rounds"])
+        self.inner_steps = int(state["inner_steps"])
+        self.outer_steps = int(state["outer_steps"])
+
+    def _state_bytes(self) -> int:
+        # Parameters and (Adam's) two moments, with room for other optimizers.
+        return sum(_local(p).numel() * _local(p).element_size() for p in self.params) * 4
+
+    def rejoin(self) -> int:
+        """For a site that (re)starts while the others train: wait to be admitted, pull
+        the parameters and optimizer state, and take the step it was admitted at
+        with the others (with no gradients of its own). Returns the step to train on
+        from, the same as the other sites'."""
+        for p in self.params:
+            p.grad = torch.zeros_like(p)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return self.inner_steps
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _buckets(params: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
@@ -397,7 +499,7 @@ class _LocalSteps(Strategy):
         self.sync_every = int(state["sync_every"])
 
 
-class DiLoCo(_LocalSteps):
+class DiLoCo(MemberRounds, _LocalSteps):
     """Local SGD across sites (Douillard et al., 2023): ``sync_every`` inner steps,
     then an outer step on the averaged pseudo-gradient.
 
@@ -447,21 +549,6 @@ class DiLoCo(_LocalSteps):
         self.training_over = False
         """True once a site has said, in a round's seal, that it stopped training."""
         self.last_seal: Seal | None = None
-        self.rounds = 0
-        """Rounds completed (with or without an outer step): what membership views count."""
-        self.caught_up: list[CatchUp] = []
-        """Each time this site pulled the global state from a peer (a rejoin, a round
-        it fell behind), newest last: for records."""
-        self.member_timeout_s = rejoin_timeout_s
-        """How long a site waits for a usable membership view (quorum, readmission)
-        before it gives up with :class:`MembershipError`."""
-        self._entered_epoch = 0
-        self.leave_requested = False
-        """Set (on any rank) to leave the run: at the next round this site asks the
-        leader to let it go, and stops when the view without it begins."""
-        self._leaving = False
-        self._state_lock = threading.Lock()
-        self._served: tuple[int, str, bytes] | None = None
         self._steps_at_round = 0
         self._tokens = 0
         self._round_clock = time.perf_counter()
@@ -477,10 +564,7 @@ class DiLoCo(_LocalSteps):
             outer_device=outer_device,
             error_feedback=error_feedback,
         )
-        if site.membership is not None:
-            site.endpoint.server.servicer.state_provider = self.state_after
-            site.membership.probe = self._unreachable
-            site.membership.take_in = self._take_in_site
+        self._init_member_rounds(rejoin_timeout_s)
 
     def __enter__(self) -> DiLoCo:
         self._round_clock = time.perf_counter()  # the first round starts with training
@@ -635,266 +719,53 @@ class DiLoCo(_LocalSteps):
 
     # -- membership: site loss, rejoin, quorum ---------------------------------------
     def _round_as_member(self, deltas: list[torch.Tensor], bad: int, last: bool) -> None:
-        """The round under the membership view that holds for it: run again among
-        the new members if the view changes under it (a site lost), after pulling
-        the global state first if this site must catch up (then it contributes
-        nothing this round: weight 0). The ranks of a site agree on the view, on
-        each round's outcome and on every catch-up, so they never part ways."""
-        site = self.site
-        membership = site.membership
-        assert membership is not None
-        if self._site_any(self.leave_requested) and not self._leaving:
-            self._leaving = True
-            membership.report(phase="leaving")
-            log.warning("site %s: leaving the run at the next round, as asked", site.name)
+        """The round under the membership view that holds for it (see
+        :mod:`isthmus.inter.member_rounds`); a site that catches up takes part with
+        nothing (zero pseudo-gradient, no tokens)."""
         tokens = self._tokens
-        while True:
-            view, caught_up = self._enter_view()
-            if caught_up:
-                deltas = self.outer.pseudo_gradients()  # zeros: the model is the global one
-                bad, tokens = 0, 0
-            membership.report(rounds=self.rounds, engine_round=site.engine_round + 1)
-            rounds = self.rounds
-            abandoned = functools.partial(_abandoned, membership, rounds)
-            try:
-                self._round(view.members, deltas, bad, tokens, last, abort=abandoned)
-            except (RoundAborted, RoundError, PeerError, TimeoutError) as exc:
-                if isinstance(exc, RoundAborted) and membership.newer_view(rounds) is not None:
-                    continue  # a newer view holds for this round: run it under that one
-                # Failed here, or on another rank of this site (while the other sites
-                # may have completed the round): ask the leader for a new view. The
-                # site that did not deliver may itself be waiting on another, so
-                # name only the members that do not answer a handshake now.
-                others = [m for m in view.members if m != site.name]
-                unreachable = self._unreachable(others)
-                log.warning(
-                    "site %s: round %d under view %d failed (%s); cannot reach %s; asking "
-                    "for a new view",
-                    site.name,
-                    rounds,
-                    view.epoch,
-                    exc,
-                    unreachable or "no one",
+
+        def attempt(view: View, caught_up: bool) -> None:
+            if caught_up:  # the model is the pulled global one: zeros
+                self._round(
+                    view.members, self.outer.pseudo_gradients(), 0, 0, last, abort=self._abandoned()
                 )
-                membership.report(phase="stuck", unreachable=unreachable)
-                self._await_view_after(view, f"round {rounds} failed ({exc})")
-                continue
-            if caught_up:
-                # The others trained this round's steps while this site took part with
-                # nothing: go on from where they are.
-                self.inner_steps += self.sync_every
-            membership.report(
-                phase="leaving" if self._leaving else "training",
-                rounds=self.rounds,
-                engine_round=site.engine_round + 1,
-                unreachable=(),
-            )
-            return
+            else:
+                self._round(view.members, deltas, bad, tokens, last, abort=self._abandoned())
 
-    def _agreed_view(self) -> View:
-        """The view the next round runs under, the same on every rank of the site
-        (each rank follows the views itself; one may have seen a new one first)."""
-        membership = self.site.membership
-        assert membership is not None
-        while True:
-            with self._blocking("waiting"):
-                view = membership.view_for(
-                    self.rounds, timeout_s=self.member_timeout_s, on_wait=self._say_waiting
-                )
-            if self.site.site.ranks == 1:
-                return view
-            epochs = torch.tensor([-view.epoch, view.epoch], dtype=torch.int64)
-            dist.all_reduce(epochs, op=dist.ReduceOp.MAX, group=self.site.wait_group)
-            lowest, highest = -int(epochs[0]), int(epochs[1])
-            if lowest == highest:
-                return view
-            if view.epoch < highest:
-                membership.wait_for_newer(view.epoch, self.member_timeout_s)
+        if self._as_member(attempt):
+            # The others trained this round's steps while this site took part with
+            # nothing: go on from where they are.
+            self.inner_steps += self.sync_every
+        self._report_round_done()
 
-    def _enter_view(self) -> tuple[View, bool]:
-        """The view this round runs under, entered: a new one moves the engine to its
-        round numbers, and first pulls the global state where it says to."""
-        site = self.site
-        membership = site.membership
-        assert membership is not None
-        caught_up = False
-        while True:
-            view = self._agreed_view()
-            if view.epoch == self._entered_epoch:
-                return view, caught_up
-            problem = ""
-            try:
-                if site.name in view.catch_up:
-                    # The members send this view's rounds as soon as they get there:
-                    # take them from now on, while the state comes.
-                    if view.engine_round > site.engine_round:
-                        site.skip_to_round(view.engine_round)
-                    self._catch_up(view)
-                    caught_up = True
-                elif self.rounds > view.start_round:
-                    problem = f"this site completed {self.rounds} rounds"
-            except StateGone as exc:
-                problem = str(exc)
-            if self._site_any(bool(problem)):
-                # The view was decided on stale reports: say how far this site (or its
-                # donor) got, and let the leader decide again.
-                log.warning(
-                    "site %s: cannot enter view %d at round %d: %s; asking for a new one",
-                    site.name,
-                    view.epoch,
-                    view.start_round,
-                    problem or "another rank of this site could not",
-                )
-                membership.report(conflict=view.epoch, rounds=self.rounds)
-                self._await_view_after(view, f"view {view.epoch} could not be entered")
-                continue
-            if view.engine_round > site.engine_round:
-                site.skip_to_round(view.engine_round)
-            self._entered_epoch = view.epoch
-            membership.report(conflict=None)
-            return view, caught_up
+    def _global_state(self) -> dict[str, Any]:
+        return {
+            "outer_steps": self.outer_steps,
+            "inner_steps": self._steps_at_round,
+            "sync_every": self.sync_every,
+            "outer": self.outer.state_dict(),
+        }
 
-    def _await_view_after(self, view: View, what: str) -> None:
-        """Wait for the leader's next view after ``view``; raise if none comes."""
-        membership = self.site.membership
-        assert membership is not None
-        with self._blocking("waiting"):
-            if membership.wait_for_newer(view.epoch, self.member_timeout_s) is None:
-                raise MembershipError(
-                    f"site {self.site.name}: {what} and no new membership view came within "
-                    f"{self.member_timeout_s:g} s"
-                )
-
-    def _unreachable(self, sites: Sequence[str]) -> list[str]:
-        """Which of ``sites`` do not answer a handshake within ``PROBE_TIMEOUT_S``."""
-
-        async def answers(name: str) -> bool:
-            try:
-                await asyncio.wait_for(self.site.client_for(name).hello(), PROBE_TIMEOUT_S)
-            except (PeerError, TimeoutError):
-                return False
-            return True
-
-        async def probe() -> list[bool]:
-            return await asyncio.gather(*(answers(name) for name in sites))
-
-        return [name for name, ok in zip(sites, self.site.loop.run(probe()), strict=True) if not ok]
-
-    def _take_in_site(self, name: str, description: Any) -> str | None:
-        """Make this rank ready to exchange with a site added to the job after it
-        started (see :mod:`isthmus.inter.newcomers`); say why it cannot be."""
-        site = self.site
-        layout = site.layout
-        new = newcomers.parse(name, description, tp=layout.tp, pp=layout.pp)
-        if isinstance(new, str):
-            return new
-        lanes = new.lane_addresses(site.lanes, site.step.my_lanes, layout.coordinates(site.rank))
-        if isinstance(lanes, str):
-            return lanes
-        site.loop.run(site.endpoint.add_site(name, lanes))
-        return None
-
-    def _site_any(self, flag: bool) -> bool:
-        """Whether ``flag`` is set on any rank of the site (a collective when it has
-        several)."""
-        if self.site.site.ranks == 1:
-            return flag
-        value = torch.tensor([int(flag)], dtype=torch.int64)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.site.wait_group)
-        return bool(value.item())
-
-    def _say_waiting(self, why: str) -> None:
-        log.warning("site %s: %s", self.site.name, why)
-
-    def _catch_up(self, view: View) -> None:
-        """Pull the global state after ``view.start_round`` rounds from the view's donor."""
-        site = self.site
-        assert view.donor is not None
-        donor_layout = site.job.site(view.donor).layout
-        if donor_layout != site.layout:
-            raise MembershipError(
-                f"site {site.name}: the state is pulled rank by rank from a site of the same "
-                f"layout, but the donor {view.donor} has {donor_layout} and this site "
-                f"{site.layout}; give the sites the same layout (ranks, tp, pp)"
-            )
-        client = site.client_for(view.donor)
-        with self._blocking("waiting"):
-            # Parameters and momentum, float32, plus room for the counters and framing.
-            expected = sum(g.numel() for g in self.outer.global_params) * 4 * 2
-            fetched = site.loop.run(
-                fetch_state(
-                    client,
-                    view.start_round,
-                    deadline_s=self.member_timeout_s,
-                    max_bytes=expected + (1 << 20) + expected // 10,
-                )
-            )
-        state = fetched.state
-        shapes = [tuple(g.shape) for g in self.outer.global_params]
-        theirs = [tuple(g.shape) for g in state.get("outer", {}).get("global", [])]
-        if theirs != shapes:
-            raise MembershipError(
-                f"site {site.name}: the state from {view.donor} has parameter shapes that "
-                "differ from this site's model; every site must run the same model"
-            )
-        with self._state_lock:
-            self.outer.load_state_dict(state["outer"])
-            self.outer.reset_model()
-            self.rounds = int(state["rounds"])
-            self.outer_steps = int(state["outer_steps"])
-            self.inner_steps = int(state["inner_steps"])
-            self._steps_at_round = self.inner_steps
-            self.sync_every = int(state["sync_every"])
-            self.round_steps = 0
-            self._tokens = 0
-            self._served = None
-        self.caught_up.append(
-            CatchUp(
-                view=view.epoch,
-                donor=view.donor,
-                rounds=self.rounds,
-                bytes=fetched.bytes,
-                seconds=fetched.seconds,
-                resumed=fetched.resumed,
-            )
+    def _load_global_state(self, state: dict[str, Any], donor: str) -> None:
+        shapes_match(
+            self.site.name,
+            donor,
+            iter(self.outer.global_params),
+            state.get("outer", {}).get("global"),
         )
-        log.info(
-            "site %s: pulled the state after %d rounds from %s (%d bytes in %.2f s)",
-            site.name,
-            self.rounds,
-            view.donor,
-            fetched.bytes,
-            fetched.seconds,
-        )
+        self.outer.load_state_dict(state["outer"])
+        self.outer.reset_model()
+        self.rounds = int(state["rounds"])
+        self.outer_steps = int(state["outer_steps"])
+        self.inner_steps = int(state["inner_steps"])
+        self._steps_at_round = self.inner_steps
+        self.sync_every = int(state["sync_every"])
+        self.round_steps = 0
+        self._tokens = 0
 
-    def state_after(self, rounds: int) -> tuple[str, bytes]:
-        """The global state after ``rounds`` rounds, serialised (what a catching-up
-        peer pulls; see :mod:`isthmus.inter.state_transfer`). Called from the peer
-        service's thread: the state only changes under the lock, and the round after
-        this one cannot finish before the peer that asks for it has caught up."""
-        with self._state_lock:
-            if self.rounds < rounds:
-                raise StateUnavailable(
-                    wire_pb2.STATE_NOT_READY,
-                    f"site {self.site.name} has completed {self.rounds} rounds, not {rounds} yet",
-                )
-            if self.rounds > rounds:
-                raise StateUnavailable(
-                    wire_pb2.STATE_GONE,
-                    f"site {self.site.name} is past round {rounds} ({self.rounds} completed)",
-                )
-            if self._served is None or self._served[0] != rounds:
-                digest, blob = pack_state(
-                    {
-                        "rounds": self.rounds,
-                        "outer_steps": self.outer_steps,
-                        "inner_steps": self._steps_at_round,
-                        "sync_every": self.sync_every,
-                        "outer": self.outer.state_dict(),
-                    }
-                )
-                self._served = (rounds, digest, blob)
-            return self._served[1], self._served[2]
+    def _state_bytes(self) -> int:
+        # Parameters and momentum, float32.
+        return sum(g.numel() for g in self.outer.global_params) * 4 * 2
 
     def rejoin(self) -> int:
         """For a site that (re)starts while the others train: wait to be admitted,
@@ -914,11 +785,6 @@ class DiLoCo(_LocalSteps):
             return  # the round that said so was the last one
         if self._tokens or self.round_seconds is not None:
             self.sync(last=True)
-
-
-def _abandoned(membership: Membership, rounds: int) -> bool:
-    """Whether the round after ``rounds`` must be run again under a newer view."""
-    return membership.newer_view(rounds) is not None
 
 
 def _nonfinite(tensors: Sequence[torch.Tensor]) -> int:

@@ -1,0 +1,410 @@
+"""Rounds under membership views: what lets a strategy lose, regain and add sites.
+
+A *round* is one exchange across sites and what is applied after it (an outer
+step, an optimizer step); sites count the rounds they completed, the same
+numbers everywhere. With a membership (``site.membership``, which ``isthmus
+run`` and ``isthmus site`` set up over the control plane), every round runs
+among the members of the view that holds for it (see
+:mod:`isthmus.inter.membership`):
+
+* a round that fails (a member lost, a deadline passed) is run again among the
+  members of the next view, from the values this site had before it;
+* a site named in a view's ``catch_up`` (a rejoin, a new site, a survivor that
+  fell a round behind) first pulls the global state after ``start_round``
+  rounds from the view's donor over gRPC
+  (:mod:`isthmus.inter.state_transfer`), then takes part in that round with
+  nothing of its own;
+* every rank of a site agrees on the view, on each round's outcome and on every
+  catch-up, so the ranks never part ways.
+
+:class:`MemberRounds` is that machinery, shared by the strategies; each says
+what its global state is (:meth:`MemberRounds._global_state`) and how to take
+it in (:meth:`MemberRounds._load_global_state`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from isthmus.inter import newcomers
+from isthmus.inter.allreduce import RoundError
+from isthmus.inter.hierarchical import RoundAborted
+from isthmus.inter.join import SiteRuntime
+from isthmus.inter.membership import Membership, MembershipError, View
+from isthmus.inter.peer import PeerError
+from isthmus.inter.state_transfer import StateGone, StateUnavailable, fetch_state, pack_state
+from isthmus.proto import wire_pb2
+
+log = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 3.0
+"""How long a cut-off site waits for a member's handshake before it says it cannot
+reach it."""
+
+ROUND_FAILURES = (RoundAborted, RoundError, PeerError, TimeoutError)
+"""What a round that cannot finish under its view raises."""
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """A pull of the global state from a peer, to enter a membership view."""
+
+    view: int
+    donor: str
+    rounds: int
+    """Rounds the pulled state is after."""
+    bytes: int
+    seconds: float
+    resumed: int
+    """Times the transfer went on from the last good byte (a broken stream, a bad part)."""
+
+
+Attempt = Callable[[View, bool], None]
+"""Runs the round under a view: ``(view, caught_up)``; ``caught_up``: this site pulled
+the global state for this round, so it has nothing of its own to send. Raises one of
+:data:`ROUND_FAILURES` if the round cannot finish under that view."""
+
+
+class MemberRounds:
+    """The membership side of a strategy (a mixin before :class:`Strategy`).
+
+    Subclasses call :meth:`_init_member_rounds` and implement
+    :meth:`_global_state`, :meth:`_load_global_state` and :meth:`_state_bytes`.
+    ``self.rounds`` counts completed rounds; change it (and anything
+    :meth:`_global_state` reads) only under ``self._state_lock``, since the peer
+    service serves the state from its own thread."""
+
+    site: SiteRuntime
+    inner_steps: int
+    _blocking: Callable[[str], AbstractContextManager[None]]
+
+    def _init_member_rounds(self, rejoin_timeout_s: float) -> None:
+        self.rounds = 0
+        """Rounds completed: what membership views count."""
+        self.caught_up: list[CatchUp] = []
+        """Each time this site pulled the global state from a peer (a rejoin, a round
+        it fell behind), newest last: for records."""
+        self.member_timeout_s = rejoin_timeout_s
+        """How long a site waits for a usable membership view (quorum, readmission)
+        before it gives up with :class:`MembershipError`."""
+        self.leave_requested = False
+        """Set (on any rank) to leave the run: at the next round this site asks the
+        leader to let it go, and stops when the view without it begins."""
+        self._leaving = False
+        self._entered_epoch = 0
+        self._state_lock = threading.Lock()
+        self._served: tuple[int, str, bytes] | None = None
+        self._newcomer_dp: dict[str, int] = {}
+        """Sites taken in that the job file does not name -> their data-parallel ranks."""
+        site = self.site
+        if site.membership is not None:
+            site.endpoint.server.servicer.state_provider = self.state_after
+            site.membership.probe = self._unreachable
+            site.membership.take_in = self._take_in_site
+
+    # -- what each strategy says about its state -----------------------------------
+    def _global_state(self) -> dict[str, Any]:
+        """(State lock held.) What a catching-up site needs to go on from this one
+        after ``self.rounds`` rounds; may raise :class:`StateUnavailable`
+        (STATE_NOT_READY) while it is not yet consistent."""
+        raise NotImplementedError
+
+    def _load_global_state(self, state: dict[str, Any], donor: str) -> None:
+        """(State lock held.) Take in what :meth:`_global_state` gave on ``donor``;
+        raise :class:`MembershipError` if it cannot be this site's."""
+        raise NotImplementedError
+
+    def _state_bytes(self) -> int:
+        """About how many bytes :meth:`_global_state` serialises to (a transfer larger
+        than this, with room for framing, is refused)."""
+        raise NotImplementedError
+
+    # -- a round under the view that holds for it ----------------------------------
+    @property
+    def membership(self) -> Membership | None:
+        return self.site.membership
+
+    def _as_member(self, attempt: Attempt, *, engine_rounds: int = 1) -> bool:
+        """Run the round after ``self.rounds`` under the view that holds for it: run it
+        again under the next view when it fails or is abandoned, after pulling the
+        global state first where the view says so. ``engine_rounds``: how many
+        engine rounds one attempt uses (the next view's numbers start above them).
+        Returns whether this site caught up for this round. The caller counts the
+        round and then calls :meth:`_report_round_done`."""
+        site = self.site
+        membership = self.membership
+        assert membership is not None
+        if self._site_any(self.leave_requested) and not self._leaving:
+            self._leaving = True
+            membership.report(phase="leaving")
+            log.warning("site %s: leaving the run at the next round, as asked", site.name)
+        caught_any = False
+        while True:
+            view, caught_up = self._enter_view()
+            # Once caught up, this site's own values predate the pulled state: it sends
+            # nothing of its own in any attempt of this round.
+            caught_any = caught_any or caught_up
+            membership.report(rounds=self.rounds, engine_round=site.engine_round + engine_rounds)
+            rounds = self.rounds
+            try:
+                attempt(view, caught_any)
+            except ROUND_FAILURES as exc:
+                if isinstance(exc, RoundAborted) and membership.newer_view(rounds) is not None:
+                    continue  # a newer view holds for this round: run it under that one
+                # Failed here, or on another rank of this site (while the other sites
+                # may have completed the round): ask the leader for a new view. The
+                # site that did not deliver may itself be waiting on another, so
+                # name only the members that do not answer a handshake now.
+                others = [m for m in view.members if m != site.name]
+                unreachable = self._unreachable(others)
+                log.warning(
+                    "site %s: round %d under view %d failed (%s); cannot reach %s; asking "
+                    "for a new view",
+                    site.name,
+                    rounds,
+                    view.epoch,
+                    exc,
+                    unreachable or "no one",
+                )
+                membership.report(phase="stuck", unreachable=unreachable)
+                self._await_view_after(view, f"round {rounds} failed ({exc})")
+                continue
+            return caught_any
+
+    def _abandoned(self) -> Callable[[], bool]:
+        """For :meth:`PendingAverage.wait`: whether the round under way (after
+        ``self.rounds``, as now) must be run again under a newer view."""
+        membership = self.membership
+        assert membership is not None
+        rounds = self.rounds
+        return lambda: membership.newer_view(rounds) is not None
+
+    def _report_round_done(self) -> None:
+        """Tell the others this site completed its rounds so far (after counting)."""
+        membership = self.membership
+        assert membership is not None
+        membership.report(
+            phase="leaving" if self._leaving else "training",
+            rounds=self.rounds,
+            engine_round=self.site.engine_round + 1,
+            unreachable=(),
+        )
+
+    def _member_weights(self, view: View, tokens_per_step: int) -> dict[str, float]:
+        """Per-site weights, fixed by the layout, for a round under ``view``: tokens per
+        step times the site's data-parallel ranks (a site added after the start as it
+        describes itself), and 0 for a site that catches up at this round (it has
+        nothing of its own to send). Every member derives the same from the view."""
+        dp = {s.name: s.layout.dp for s in self.site.job.sites} | self._newcomer_dp
+        first = self.rounds == view.start_round
+        weights = {
+            m: 0.0 if first and m in view.catch_up else float(tokens_per_step * dp.get(m, 1))
+            for m in view.members
+        }
+        if not any(weights.values()):  # only catching-up sites: zeros, any weights
+            weights = dict.fromkeys(view.members, 1.0)
+        return weights
+
+    # -- entering views --------------------------------------------------------------
+    def _agreed_view(self) -> View:
+        """The view the next round runs under, the same on every rank of the site
+        (each rank follows the views itself; one may have seen a new one first)."""
+        membership = self.membership
+        assert membership is not None
+        while True:
+            with self._blocking("waiting"):
+                view = membership.view_for(
+                    self.rounds, timeout_s=self.member_timeout_s, on_wait=self._say_waiting
+                )
+            if self.site.site.ranks == 1:
+                return view
+            epochs = torch.tensor([-view.epoch, view.epoch], dtype=torch.int64)
+            dist.all_reduce(epochs, op=dist.ReduceOp.MAX, group=self.site.wait_group)
+            lowest, highest = -int(epochs[0]), int(epochs[1])
+            if lowest == highest:
+                return view
+            if view.epoch < highest:
+                membership.wait_for_newer(view.epoch, self.member_timeout_s)
+
+    def _enter_view(self) -> tuple[View, bool]:
+        """The view this round runs under, entered: a new one moves the engine to its
+        round numbers, and first pulls the global state where it says to."""
+        site = self.site
+        membership = self.membership
+        assert membership is not None
+        caught_up = False
+        while True:
+            view = self._agreed_view()
+            if view.epoch == self._entered_epoch:
+                return view, caught_up
+            problem = ""
+            try:
+                if site.name in view.catch_up:
+                    # The members send this view's rounds as soon as they get there:
+                    # take them from now on, while the state comes.
+                    if view.engine_round > site.engine_round:
+                        site.skip_to_round(view.engine_round)
+                    self._catch_up(view)
+                    caught_up = True
+                elif self.rounds > view.start_round:
+                    problem = f"this site completed {self.rounds} rounds"
+            except StateGone as exc:
+                problem = str(exc)
+            if self._site_any(bool(problem)):
+                # The view was decided on stale reports: say how far this site (or its
+                # donor) got, and let the leader decide again.
+                log.warning(
+                    "site %s: cannot enter view %d at round %d: %s; asking for a new one",
+                    site.name,
+                    view.epoch,
+                    view.start_round,
+                    problem or "another rank of this site could not",
+                )
+                membership.report(conflict=view.epoch, rounds=self.rounds)
+                self._await_view_after(view, f"view {view.epoch} could not be entered")
+                continue
+            if view.engine_round > site.engine_round:
+                site.skip_to_round(view.engine_round)
+            self._entered_epoch = view.epoch
+            membership.report(conflict=None)
+            return view, caught_up
+
+    def _await_view_after(self, view: View, what: str) -> None:
+        """Wait for the leader's next view after ``view``; raise if none comes."""
+        membership = self.membership
+        assert membership is not None
+        with self._blocking("waiting"):
+            if membership.wait_for_newer(view.epoch, self.member_timeout_s) is None:
+                raise MembershipError(
+                    f"site {self.site.name}: {what} and no new membership view came within "
+                    f"{self.member_timeout_s:g} s"
+                )
+
+    def _unreachable(self, sites: Sequence[str]) -> list[str]:
+        """Which of ``sites`` do not answer a handshake within ``PROBE_TIMEOUT_S``."""
+
+        async def answers(name: str) -> bool:
+            try:
+                await asyncio.wait_for(self.site.client_for(name).hello(), PROBE_TIMEOUT_S)
+            except (PeerError, TimeoutError):
+                return False
+            return True
+
+        async def probe() -> list[bool]:
+            return await asyncio.gather(*(answers(name) for name in sites))
+
+        return [name for name, ok in zip(sites, self.site.loop.run(probe()), strict=True) if not ok]
+
+    def _take_in_site(self, name: str, description: Any) -> str | None:
+        """Make this rank ready to exchange with a site added to the job after it
+        started (see :mod:`isthmus.inter.newcomers`); say why it cannot be."""
+        site = self.site
+        layout = site.layout
+        new = newcomers.parse(name, description, tp=layout.tp, pp=layout.pp)
+        if isinstance(new, str):
+            return new
+        lanes = new.lane_addresses(site.lanes, site.step.my_lanes, layout.coordinates(site.rank))
+        if isinstance(lanes, str):
+            return lanes
+        site.loop.run(site.endpoint.add_site(name, lanes))
+        self._newcomer_dp[name] = new.layout.dp
+        return None
+
+    def _site_any(self, flag: bool) -> bool:
+        """Whether ``flag`` is set on any rank of the site (a collective when it has
+        several)."""
+        if self.site.site.ranks == 1:
+            return flag
+        value = torch.tensor([int(flag)], dtype=torch.int64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.site.wait_group)
+        return bool(value.item())
+
+    def _say_waiting(self, why: str) -> None:
+        log.warning("site %s: %s", self.site.name, why)
+
+    # -- the global state, pulled and served ---------------------------------------
+    def _catch_up(self, view: View) -> None:
+        """Pull the global state after ``view.start_round`` rounds from the view's donor."""
+        site = self.site
+        assert view.donor is not None
+        donor_layout = site.job.site(view.donor).layout
+        if donor_layout != site.layout:
+            raise MembershipError(
+                f"site {site.name}: the state is pulled rank by rank from a site of the same "
+                f"layout, but the donor {view.donor} has {donor_layout} and this site "
+                f"{site.layout}; give the sites the same layout (ranks, tp, pp)"
+            )
+        client = site.client_for(view.donor)
+        with self._blocking("waiting"):
+            expected = self._state_bytes()
+            fetched = site.loop.run(
+                fetch_state(
+                    client,
+                    view.start_round,
+                    deadline_s=self.member_timeout_s,
+                    max_bytes=expected + (1 << 20) + expected // 10,
+                )
+            )
+        with self._state_lock:
+            self._load_global_state(fetched.state, view.donor)
+            self._served = None
+        self.caught_up.append(
+            CatchUp(
+                view=view.epoch,
+                donor=view.donor,
+                rounds=self.rounds,
+                bytes=fetched.bytes,
+                seconds=fetched.seconds,
+                resumed=fetched.resumed,
+            )
+        )
+        log.info(
+            "site %s: pulled the state after %d rounds from %s (%d bytes in %.2f s)",
+            site.name,
+            self.rounds,
+            view.donor,
+            fetched.bytes,
+            fetched.seconds,
+        )
+
+    def state_after(self, rounds: int) -> tuple[str, bytes]:
+        """The global state after ``rounds`` rounds, serialised (what a catching-up
+        peer pulls; see :mod:`isthmus.inter.state_transfer`). Called from the peer
+        service's thread: the state only changes under the lock, and the round after
+        this one cannot finish before the peer that asks for it has caught up."""
+        with self._state_lock:
+            if self.rounds < rounds:
+                raise StateUnavailable(
+                    wire_pb2.STATE_NOT_READY,
+                    f"site {self.site.name} has completed {self.rounds} rounds, not {rounds} yet",
+                )
+            if self.rounds > rounds:
+                raise StateUnavailable(
+                    wire_pb2.STATE_GONE,
+                    f"site {self.site.name} is past round {rounds} ({self.rounds} completed)",
+                )
+            if self._served is None or self._served[0] != rounds:
+                digest, blob = pack_state({"rounds": self.rounds, **self._global_state()})
+                self._served = (rounds, digest, blob)
+            return self._served[1], self._served[2]
+
+
+def shapes_match(site: str, donor: str, mine: Iterator[torch.Tensor], theirs: Any) -> None:
+    """Raise :class:`MembershipError` unless the donor's tensors ``theirs`` have the
+    shapes of this site's ``mine``."""
+    ours = [tuple(t.shape) for t in mine]
+    got = [tuple(t.shape) for t in theirs] if isinstance(theirs, list | tuple) else None
+    if got != ours:
+        raise MembershipError(
+            f"site {site}: the state from {donor} has parameter shapes that differ from "
+            "this site's model; every site must run the same model"
+        )
