@@ -23,13 +23,15 @@ sites:
 SITE_C
 wan:
   default: {rtt_ms: 20, bandwidth_mbit: 200}
-train: {strategy: diloco, steps: 150, sync_every: 5, warmup_steps: 2, min_sites: QUORUM}
+train: {strategy: STRATEGY, steps: 150, sync_every: 5, warmup_steps: 2, min_sites: QUORUM}
 """
 
 
-def job_text(*, sites: int, quorum: int) -> str:
-    return JOB.replace("SITE_C", "  - {name: c, ranks: 1}" if sites == 3 else "").replace(
-        "QUORUM", str(quorum)
+def job_text(*, sites: int, quorum: int, strategy: str = "diloco") -> str:
+    return (
+        JOB.replace("SITE_C", "  - {name: c, ranks: 1}" if sites == 3 else "")
+        .replace("QUORUM", str(quorum))
+        .replace("STRATEGY", strategy)
     )
 
 
@@ -58,8 +60,11 @@ def run_with_fault(tmp_path, text: str, victim: str, *flags: str, **fault):
 
 
 @pytest.mark.slow
-def test_a_killed_site_is_left_out_then_rejoins_and_every_site_ends_with_the_same_model(tmp_path):
-    text = job_text(sites=3, quorum=2)
+@pytest.mark.parametrize("strategy", ["diloco", "sync"])
+def test_a_killed_site_is_left_out_then_rejoins_and_every_site_ends_with_the_same_model(
+    tmp_path, strategy
+):
+    text = job_text(sites=3, quorum=2, strategy=strategy)
     out, summary, figures = run_with_fault(tmp_path, text, "c", "--restart-lost")
     assert summary["status"] == "finished"
     sites = summary["sites"]
