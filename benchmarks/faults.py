@@ -186,7 +186,7 @@ sites:
   - {{name: asia-east, ranks: 1}}
 wan:
   default: {{rtt_ms: 80, bandwidth_mbit: 200}}
-train: {{strategy: diloco, steps: {steps}, sync_every: {sync_every}}}
+train: {{strategy: {strategy}, steps: {steps}, sync_every: {sync_every}}}
 """
 
 
@@ -225,7 +225,9 @@ def kill_once(args: argparse.Namespace) -> dict[str, Any]:
     victim = "asia-east"
     with tempfile.TemporaryDirectory(prefix="isthmus-faults-") as tmp:
         job = Path(tmp) / "job.yaml"
-        job.write_text(KILL_JOB.format(steps=args.steps, sync_every=args.sync_every))
+        job.write_text(
+            KILL_JOB.format(steps=args.steps, sync_every=args.sync_every, strategy=args.strategy)
+        )
         out = Path(tmp) / "run"
         command = [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)]
         run = subprocess.Popen(
@@ -281,6 +283,12 @@ def main() -> int:
     k.add_argument("--after-rounds", type=int, default=5, help="rounds the victim completes first")
     k.add_argument("--steps", type=int, default=400)
     k.add_argument("--sync-every", type=int, default=20)
+    k.add_argument(
+        "--strategy",
+        choices=("diloco", "sync"),
+        default="diloco",
+        help="the strategies that survive a lost site (with sync, a round is a step)",
+    )
     k.add_argument("--repeats", type=int, default=3, help="runs; medians are printed")
     k.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
