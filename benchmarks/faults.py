@@ -232,6 +232,7 @@ def kill_once(args: argparse.Namespace) -> dict[str, Any]:
         command = [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)]
         run = subprocess.Popen(
             [*command, "--restart-lost"],
+            cwd=tmp,  # the run writes ./JOB.control.json for `isthmus config`
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,

@@ -131,11 +131,13 @@ class SiteControl:
             changes = shared[0]
         return changes
 
-    def close(self) -> None:
+    def close(self, done: bool) -> None:
+        """``done``: this site trained to its end (or left); a site that failed or
+        was stopped goes offline only, as one that died would, and may come back."""
         if self.observer is not None:
             self.observer.close()
         if self.plane is not None:
-            if self.plane.membership is not None:
+            if done and self.plane.membership is not None:
                 # Gone on purpose: the others must not wait for it, nor take it for lost.
                 self.plane.membership.report(phase="done")
             self.plane.close()

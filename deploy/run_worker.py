@@ -181,13 +181,14 @@ def train(
             site_wait_s=settings.site_wait_s,
         )
     except BaseException:
-        control.close()
+        control.close(done=False)
         raise
     site.membership = membership
     leader = site.rank == 0  # rank 0 reports for the whole site
     records = RecordWriter(run_dir / "sites" / site_name / "metrics.jsonl", site_name, leader)
+    done = False
     try:
-        return _train(
+        code = _train(
             job,
             settings,
             site,
@@ -200,8 +201,10 @@ def train(
             resume_round,
             rejoin,
         )
+        done = True
+        return code
     finally:
-        control.close()
+        control.close(done=done)
         records.close()
         site.close()
 

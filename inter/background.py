@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -32,9 +33,14 @@ class BackgroundLoop:
         """Run ``coro`` on the loop and wait for its result (its exception is raised here)."""
         return self.submit(coro).result(timeout)
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 5.0) -> None:
+        """Cancel what still runs on the loop (a site that stops mid-round has
+        streams in flight), give it ``grace_s`` to unwind, then stop the loop.
+        Tasks left pending when a loop closes end in noise at interpreter exit."""
         if not self.loop.is_running():
             return
+        with contextlib.suppress(Exception):
+            self.run(_cancel_other_tasks(grace_s), timeout=grace_s + 1)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
         self.loop.close()
@@ -44,3 +50,13 @@ class BackgroundLoop:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+async def _cancel_other_tasks(grace_s: float) -> None:
+    me = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=grace_s)
+    await asyncio.get_running_loop().shutdown_asyncgens()

@@ -561,7 +561,10 @@ class Membership:
                         self._changed.acquire()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise MembershipError(f"site {self.me}: {why}, for {timeout_s:g} s; giving up")
+                    raise MembershipError(
+                        f"site {self.me}: {why}; still so after {timeout_s:g} s "
+                        "(train.rejoin_timeout_s): giving up"
+                    )
                 self._changed.wait(min(remaining, 1.0))
 
     def _probe_members(self, view: View) -> None:

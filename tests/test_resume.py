@@ -82,7 +82,9 @@ sites:
 wan:
   default: {rtt_ms: 10, bandwidth_mbit: 500}
 train: {strategy: STRATEGY, steps: STEPS, sync_every: 4, warmup_steps: 2, codec: int8,
-        error_feedback: true, checkpoint_every: EVERY}
+        error_feedback: true, checkpoint_every: EVERY,
+        # Both sites needed: a lost site stops the run instead of leaving it out.
+        min_sites: 2, round_deadline_s: 8, collective_timeout_s: 4, rejoin_timeout_s: 10}
 """
 
 
@@ -103,7 +105,7 @@ def _wait_for_checkpoints(out: Path, sites: list[str], count: int, timeout: floa
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy, every, stop",
-    # A SIGKILLed site stops a sync run (a diloco run would go on without it).
+    # SIGKILL: with min_sites 2 the other site pauses, gives up, and the run stops.
     [("diloco", 1, "ctrl-c"), ("sync", 4, "ctrl-c"), ("sync", 4, "sigkill")],
 )
 def test_a_stopped_run_resumes_to_the_same_parameters_bit_for_bit(tmp_path, strategy, every, stop):

@@ -213,9 +213,15 @@ def test_ctrl_c_stops_every_process_and_leaves_whole_files(tmp_path, sig):
 
 
 @pytest.mark.slow
-def test_a_killed_site_stops_the_run_and_is_named(tmp_path):
-    # A sync run cannot go on without a site (a diloco run leaves it out: test_site_loss).
-    job = write_job(tmp_path, steps=100_000)
+def test_a_killed_site_stops_the_run_below_quorum_and_is_named(tmp_path):
+    # With both sites needed (min_sites: 2), a lost site pauses the other one until
+    # it gives up (rejoin_timeout_s); a run above quorum goes on: test_site_loss.
+    text = SMALL_JOB.replace(
+        "warmup_steps: 2}",
+        "warmup_steps: 2,\n        min_sites: 2, round_deadline_s: 8, collective_timeout_s: 4, "
+        "rejoin_timeout_s: 10}",
+    )
+    job = write_job(tmp_path, steps=100_000, text=text)
     out = tmp_path / "run"
     run = start_run(job, out, "--strategy", "sync")
     wait_for_steps(out, "a", 3)
@@ -230,7 +236,9 @@ def test_a_killed_site_stops_the_run_and_is_named(tmp_path):
     assert summary["status"] == "failed"
     assert summary["sites"]["b"]["status"] == "lost"
     assert "SIGKILL" in summary["sites"]["b"]["reason"]
-    assert summary["sites"]["a"]["status"] == "lost"
+    assert summary["sites"]["a"]["status"] == "failed"
+    assert "quorum needs (train.min_sites)" in summary["sites"]["a"]["reason"]
+    assert "train.rejoin_timeout_s" in summary["sites"]["a"]["reason"]
     assert summary["sites"]["a"]["inner_steps"] >= 3
 
 
