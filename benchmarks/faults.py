@@ -286,9 +286,9 @@ def main() -> int:
     k.add_argument("--sync-every", type=int, default=20)
     k.add_argument(
         "--strategy",
-        choices=("diloco", "sync"),
+        choices=("diloco", "sync", "async", "streaming"),
         default="diloco",
-        help="the strategies that survive a lost site (with sync, a round is a step)",
+        help="the strategy (with sync, a round is a step; with streaming, a fragment's exchange)",
     )
     k.add_argument("--repeats", type=int, default=3, help="runs; medians are printed")
     k.add_argument("--json", type=Path, help="also write the figures here")

@@ -47,7 +47,7 @@ def run_broker(job: Job, run_dir: Path, site: str) -> tuple[Broker, float] | Non
 
 def membership_for(job: Job, run_dir: Path, site: str, *, rejoining: bool) -> Membership | None:
     """The site's side of the membership protocol, where the run can lose and regain
-    sites: the diloco strategy, and a control plane to carry it."""
+    sites: two sites or more, and a control plane to carry it."""
     if not survives_site_loss(job) or run_broker(job, run_dir, site) is None:
         return None
     names = [s.name for s in job.sites]

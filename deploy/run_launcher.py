@@ -231,8 +231,7 @@ class Launcher:
         self.survives_loss = survives_site_loss(job)
         if restart_lost and not self.survives_loss:
             raise RunError(
-                "--restart-lost: only a run that survives the loss of a site can take a site "
-                f"back: train.strategy one of {', '.join(SURVIVING_STRATEGIES)}, at least 2 sites"
+                "--restart-lost: only a run of at least 2 sites can lose a site and take it back"
             )
         self.restart_lost = restart_lost
         self.resume_round = resume_round
@@ -507,15 +506,12 @@ class Launcher:
         self._poll_links()
 
 
-SURVIVING_STRATEGIES = ("sync", "diloco")
-"""The strategies whose rounds run under membership views
-(:mod:`isthmus.inter.member_rounds`)."""
-
-
 def survives_site_loss(job: Job) -> bool:
     """Whether the run goes on when a site is lost: the membership protocol runs
-    (:func:`isthmus.deploy.run_control.membership_for`)."""
-    return job.train.strategy in SURVIVING_STRATEGIES and len(job.sites) >= 2
+    (:func:`isthmus.deploy.run_control.membership_for`). Every strategy's rounds
+    run under membership views (:mod:`isthmus.inter.member_rounds`); it takes two
+    sites."""
+    return len(job.sites) >= 2
 
 
 def _launch(

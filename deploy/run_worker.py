@@ -14,7 +14,7 @@ final model, ``RUN_DIR/model.safetensors``. Files appear whole or not at all.
 With ``train.checkpoint_every``, every rank checkpoints after every that many
 rounds into ``RUN_DIR/checkpoints/SITE/round-N/``; ``--resume-round N`` (which
 ``isthmus run --resume`` passes) goes on from there, bit for bit.
-With a run that survives the loss of a site (sync or diloco), SIGUSR1 (to any of
+With a run that survives the loss of a site (two sites or more), SIGUSR1 (to any of
 its ranks) makes the site leave at the next round: the others go on without
 it, and it writes ``result.json`` with ``status: "left"``.
 Rank 0 is also the site's control-plane client (:mod:`isthmus.deploy.run_control`):
@@ -115,13 +115,16 @@ def build_strategy(
             rejoin_timeout_s=settings.rejoin_timeout_s,
         )
     if settings.strategy == "async":
-        return AsyncDiLoCo(site, model, optimizer, **outer, **common)
+        return AsyncDiLoCo(
+            site, model, optimizer, **outer, **common, rejoin_timeout_s=settings.rejoin_timeout_s
+        )
     return StreamingDiLoCo(
         site,
         model,
         optimizer,
         **outer,
         **common,
+        rejoin_timeout_s=settings.rejoin_timeout_s,
         fragments=settings.fragments,
         overlap_steps=settings.overlap_steps,
         alpha=settings.alpha,
@@ -158,8 +161,8 @@ def train(
     membership = membership_for(job, run_dir, site_name, rejoining=rejoin)
     if rejoin and membership is None:
         raise SiteError(
-            "--rejoin needs a run that can lose and regain sites: strategy sync or diloco "
-            "and a control plane"
+            "--rejoin needs a run that can lose and regain sites: at least 2 sites and a "
+            "control plane"
         )
     # The broker first: a site that cannot reach it stops at once, before its peers
     # wait on it (the address in its status is the one the others dial: on a real

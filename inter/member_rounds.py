@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from isthmus.inter import newcomers
 from isthmus.inter.allreduce import RoundError
-from isthmus.inter.hierarchical import RoundAborted
+from isthmus.inter.hierarchical import PendingAverage, RoundAborted, StepReport
 from isthmus.inter.join import SiteRuntime
 from isthmus.inter.membership import Membership, MembershipError, View
 from isthmus.inter.peer import PeerError
@@ -66,6 +66,25 @@ class CatchUp:
     seconds: float
     resumed: int
     """Times the transfer went on from the last good byte (a broken stream, a bad part)."""
+
+
+@dataclass
+class EarlyExchange:
+    """A round's exchange started before the round is completed (async,
+    streaming), and the view it started under."""
+
+    pending: PendingAverage | None
+    epoch: int
+
+    def take(self, view: View, caught_up: bool) -> PendingAverage | None:
+        """The exchange, if the round is completed under the view it started under
+        with this site's own values; else it is given up (once) and None returned."""
+        pending, self.pending = self.pending, None
+        if pending is not None and view.epoch == self.epoch and not caught_up:
+            return pending
+        if pending is not None:
+            pending.discard()
+        return None
 
 
 Attempt = Callable[[View, bool], None]
@@ -143,10 +162,7 @@ class MemberRounds:
         site = self.site
         membership = self.membership
         assert membership is not None
-        if self._site_any(self.leave_requested) and not self._leaving:
-            self._leaving = True
-            membership.report(phase="leaving")
-            log.warning("site %s: leaving the run at the next round, as asked", site.name)
+        self._leave_if_asked()
         caught_any = False
         while True:
             view, caught_up = self._enter_view()
@@ -179,6 +195,54 @@ class MemberRounds:
                 self._await_view_after(view, f"round {rounds} failed ({exc})")
                 continue
             return caught_any
+
+    def _leave_if_asked(self) -> None:
+        membership = self.membership
+        assert membership is not None
+        if self._site_any(self.leave_requested) and not self._leaving:
+            self._leaving = True
+            membership.report(phase="leaving")
+            log.warning("site %s: leaving the run at the next round, as asked", self.site.name)
+
+    def _open_round(self, *, engine_rounds: int = 1) -> tuple[View, bool]:
+        """For a round whose exchange starts before it is completed (async,
+        streaming): enter the view the round after ``self.rounds`` runs under,
+        pulling the global state first where it says so (then this site's model
+        is the pulled global one). Returns ``(view, caught_up)``; start the exchange
+        under ``view`` and complete it with :meth:`_complete_as_member`."""
+        membership = self.membership
+        assert membership is not None
+        self._leave_if_asked()
+        view, caught_up = self._enter_view()
+        membership.report(rounds=self.rounds, engine_round=self.site.engine_round + engine_rounds)
+        return view, caught_up
+
+    def _complete_as_member(
+        self,
+        early: EarlyExchange,
+        restart: Callable[[View, bool], PendingAverage],
+        apply: Callable[[StepReport, bool], None],
+    ) -> bool:
+        """Complete the round whose exchange ``early`` started under the view
+        :meth:`_open_round` gave: wait for it, unless a newer view holds for the
+        round or it fails; then run it again with ``restart(view, caught_up)``
+        under the next view (see :meth:`_as_member`). ``apply(report, caught_up)``
+        applies the average and counts the round. Returns whether this site caught
+        up (pulled the state) while completing it."""
+
+        def attempt(view: View, caught_up: bool) -> None:
+            pending = early.take(view, caught_up) or restart(view, caught_up)
+            try:
+                with self._blocking("syncing"):
+                    report = pending.wait(abort=self._abandoned())
+            except BaseException:
+                pending.discard()
+                raise
+            apply(report, caught_up)
+
+        caught_up = self._as_member(attempt)
+        self._report_round_done()
+        return caught_up
 
     def _abandoned(self) -> Callable[[], bool]:
         """For :meth:`PendingAverage.wait`: whether the round under way (after

@@ -102,12 +102,12 @@ class TrainSettings:
     for other sites or for the membership are bounded by the two settings below.)"""
 
     rejoin_timeout_s: float = 600.0
-    """``isthmus run`` with ``sync`` or ``diloco``: how long a site waits to be let into the run
+    """``isthmus run``: how long a site waits to be let into the run
     (restarted, cut off, below quorum) before it gives up. Longer than
     ``round_deadline_s``: the others may need that long to notice the site was gone."""
 
     min_sites: int = 0
-    """``isthmus run`` with ``sync`` or ``diloco``: the quorum. When sites are lost, the others
+    """``isthmus run``: the quorum. When sites are lost, the others
     train on while at least this many sites remain, and pause (saying so) below
     it until enough are back. 0: half the job's sites, rounded up."""
 

@@ -38,7 +38,7 @@ from isthmus.inter.commit import Seal, seal_round
 from isthmus.inter.fragments import assign_fragments, count_blocks, sync_offsets
 from isthmus.inter.hierarchical import PendingAverage, StepReport
 from isthmus.inter.join import SiteRuntime
-from isthmus.inter.member_rounds import MemberRounds, shapes_match
+from isthmus.inter.member_rounds import EarlyExchange, MemberRounds, shapes_match
 from isthmus.inter.membership import View
 from isthmus.inter.outer import OuterOptimizer
 from isthmus.inter.settings import SettingError
@@ -797,7 +797,7 @@ def _static_weights(site: SiteRuntime, tokens_per_step: int) -> dict[str, float]
     return {s.name: float(tokens_per_step * s.layout.dp) for s in site.job.sites}
 
 
-class StreamingDiLoCo(_LocalSteps):
+class StreamingDiLoCo(MemberRounds, _LocalSteps):
     """Streaming DiLoCo (Douillard et al., 2025): DiLoCo in ``fragments`` parts that
     sync at staggered steps, each exchange overlapping ``overlap_steps`` inner steps,
     the result merged into the local parameters with mixing factor ``alpha``
@@ -806,6 +806,13 @@ class StreamingDiLoCo(_LocalSteps):
     Lower-precision codecs (e.g. ``int4``) suit it: values are decoded and
     accumulated in float32. All sites take the same number of inner steps between
     exchanges, so the weights come from the layout (tokens per step times ranks).
+
+    With a membership (``site.membership``), each fragment's exchange is a round
+    (see :mod:`isthmus.inter.member_rounds`): it starts under the view that holds
+    for it and, if that view is replaced or a member is lost while it is in
+    flight, it is run again when it is due, from the pseudo-gradient this site
+    sent. The schedule fixes at which step round ``r`` starts, so a site that
+    catches up needs only the outer state and the round count.
     """
 
     def __init__(
@@ -824,6 +831,7 @@ class StreamingDiLoCo(_LocalSteps):
         error_feedback: bool = False,
         tokens_per_step: int = 1,
         outer_device: str = "cpu",
+        rejoin_timeout_s: float = 600.0,
     ) -> None:
         _positive_int("sync_every", sync_every)  # checked here: the checks below use it
         self.fragments = _positive_int("fragments", fragments)
@@ -866,9 +874,11 @@ class StreamingDiLoCo(_LocalSteps):
         self.members = [[i for i, f in enumerate(assignment) if f == p] for p in range(fragments)]
         self.offsets = sync_offsets(sync_every, fragments)
         self.weights = _static_weights(site, tokens_per_step)
-        self._in_flight: list[tuple[int, int, list[torch.Tensor], PendingAverage]] = []
+        self._in_flight: list[_FragmentExchange] = []
+        """At most one: an exchange ends before the next one starts."""
         self._started_at = [0] * fragments
         """The inner step at which each fragment's last exchange started."""
+        self._init_member_rounds(rejoin_timeout_s)
 
     def state_dict(self) -> dict[str, Any]:
         raise NotImplementedError(
@@ -876,40 +886,114 @@ class StreamingDiLoCo(_LocalSteps):
             "so there is no point between rounds to save; use Sync or DiLoCo"
         )
 
+    def round_start(self, rounds: int) -> tuple[int, int]:
+        """``(fragment, inner step)`` at which round ``rounds`` (counted from 0) starts:
+        fragments take turns in order, each at its offset in every period."""
+        period, fragment = divmod(rounds, self.fragments)
+        return fragment, period * self.sync_every + self.offsets[fragment]
+
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.inner_steps += 1
-        for due, fragment, deltas, pending in list(self._in_flight):
-            if due <= self.inner_steps:
-                self._complete(fragment, deltas, pending)
+        for flight in list(self._in_flight):
+            if flight.due <= self.inner_steps and self._complete(flight):
+                return  # caught up: this site now stands where that round started
         position = (self.inner_steps - 1) % self.sync_every + 1
         for fragment, offset in enumerate(self.offsets):
-            if offset == position:
-                self._start(fragment)
+            if offset == position and self._start(fragment):
+                return
 
-    def _start(self, fragment: int) -> None:
+    def _start(self, fragment: int) -> bool:
+        """Start the fragment's exchange (and complete it at once without overlap).
+        Returns whether this site caught up (its step changed)."""
+        view = None
+        if self.membership is not None:
+            view, _ = self._open_round()
+            # A site that caught up to the round goes on with its fragment and step.
+            fragment = self.rounds % self.fragments
         self._started_at[fragment] = self.inner_steps
         with self._blocking("syncing"):  # host work on the training thread
             deltas = self.outer.pseudo_gradients(self.members[fragment])
-            pending = self._exchange(deltas, self.weights, vector=f"fragment{fragment}")
+            pending = self._start_exchange(deltas, f"fragment{fragment}", view)
+        flight = _FragmentExchange(
+            self.inner_steps + self.overlap_steps,
+            fragment,
+            deltas,
+            EarlyExchange(pending, view.epoch if view is not None else 0),
+        )
         if self.overlap_steps == 0:
-            self._complete(fragment, deltas, pending)
-        else:
-            self._in_flight.append(
-                (self.inner_steps + self.overlap_steps, fragment, deltas, pending)
-            )
+            return self._complete(flight)
+        self._in_flight.append(flight)
+        return False
 
-    def _complete(self, fragment: int, deltas: list[torch.Tensor], pending: PendingAverage) -> None:
-        with self._blocking("syncing"):
-            self._account(pending.wait())
-            self.outer.step(deltas, self.members[fragment], mix=self.alpha)
-        self._in_flight = [entry for entry in self._in_flight if entry[3] is not pending]
-        self.outer_steps += 1
+    def _start_exchange(
+        self, deltas: list[torch.Tensor], vector: str, view: View | None
+    ) -> PendingAverage:
+        if view is None:
+            return self._exchange(deltas, self.weights, vector=vector)
+        weights = self._member_weights(view, self.tokens_per_step)
+        return self._exchange(deltas, weights, vector=vector, participants=view.members)
+
+    def _complete(self, flight: _FragmentExchange) -> bool:
+        """Wait for the fragment's exchange and merge it; returns whether this site
+        caught up meanwhile (then it stands at the step the round started)."""
+        self._in_flight = [f for f in self._in_flight if f is not flight]
+        members = self.members[flight.fragment]
+
+        def apply(report: StepReport, caught_up: bool) -> None:
+            self._account(report)
+            with self._state_lock:
+                self.outer.step(flight.sent, members, mix=self.alpha)
+                self.outer_steps += 1
+                self.rounds += 1
+
+        if self.membership is None:
+            assert flight.early.pending is not None
+            with self._blocking("syncing"):
+                apply(flight.early.pending.wait(), False)
+            return False
+
+        def restart(view: View, caught_up: bool) -> PendingAverage:
+            if caught_up:  # the model is the pulled global one: nothing of its own
+                flight.sent = self.outer.pseudo_gradients(members)
+            return self._start_exchange(flight.sent, f"fragment{flight.fragment}", view)
+
+        return self._complete_as_member(flight.early, restart, apply)
+
+    def _global_state(self) -> dict[str, Any]:
+        return {"outer_steps": self.outer_steps, "outer": self.outer.state_dict()}
+
+    def _load_global_state(self, state: dict[str, Any], donor: str) -> None:
+        shapes_match(
+            self.site.name,
+            donor,
+            iter(self.outer.global_params),
+            state.get("outer", {}).get("global"),
+        )
+        self.outer.load_state_dict(state["outer"])
+        self.outer.reset_model()
+        self.rounds = int(state["rounds"])
+        self.outer_steps = int(state["outer_steps"])
+        _, self.inner_steps = self.round_start(self.rounds)
+        for earlier in range(max(0, self.rounds - self.fragments + 1), self.rounds + 1):
+            fragment, step = self.round_start(earlier)
+            self._started_at[fragment] = step
+        self.round_steps = 0
+
+    def _state_bytes(self) -> int:
+        return sum(g.numel() for g in self.outer.global_params) * 4 * 2
+
+    def rejoin(self) -> int:
+        """For a site that (re)starts while the others train: wait to be admitted, pull
+        the global state, and start the round it was admitted at (with nothing of its
+        own to send). Returns the inner step to train on from, the same as the others'."""
+        self._start(0)
+        return self.inner_steps
 
     def finish(self) -> None:
         """Complete what is in flight, then one exchange of every parameter (no
         mixing), so every site ends with the same, global, parameters."""
-        for _, fragment, deltas, pending in list(self._in_flight):
-            self._complete(fragment, deltas, pending)
+        for flight in list(self._in_flight):
+            self._complete(flight)
         # A fragment exchanged at the last step with no mixing already holds the
         # global parameters exactly: leave it (an outer step on its zero
         # pseudo-gradient would still move it, by momentum). Every other one is
@@ -924,11 +1008,25 @@ class StreamingDiLoCo(_LocalSteps):
             return
         with self._blocking("syncing"):
             deltas = self.outer.pseudo_gradients(everything)
-            self._account(self._exchange(deltas, self.weights, vector="final").wait())
-            self.outer.step(deltas, everything)
+        if self.membership is None:
+            with self._blocking("syncing"):
+                self._account(self._exchange(deltas, self.weights, vector="final").wait())
+                self.outer.step(deltas, everything)
+            return
+        _final_round_as_member(self, deltas, everything)
 
 
-class AsyncDiLoCo(_LocalSteps):
+@dataclass
+class _FragmentExchange:
+    due: int
+    """The inner step at which it is completed."""
+    fragment: int
+    sent: list[torch.Tensor]
+    """This site's pseudo-gradient of the fragment (the average, once completed)."""
+    early: EarlyExchange
+
+
+class AsyncDiLoCo(MemberRounds, _LocalSteps):
     """DiLoCo whose exchange hides behind the next round's compute.
 
     At the end of round k the pseudo-gradient leaves in the background and the
@@ -937,6 +1035,14 @@ class AsyncDiLoCo(_LocalSteps):
     Nesterov), and the local progress made meanwhile is kept on top of them
     (``local = global + (local - local at the send)``), so no compute is lost.
     The global parameters stay bitwise identical on every site.
+
+    With a membership (``site.membership``), each exchange is a round (see
+    :mod:`isthmus.inter.member_rounds`) that starts under the view holding for
+    it; if that view is replaced or a member is lost while it is in flight, it
+    is run again when it is due, from the pseudo-gradient this site sent. A site
+    that catches up pulls the outer state and the step at which the others sent
+    the round, takes part in it at once with nothing of its own, and trains on
+    from that step.
     """
 
     def __init__(
@@ -952,8 +1058,9 @@ class AsyncDiLoCo(_LocalSteps):
         error_feedback: bool = False,
         tokens_per_step: int = 1,
         outer_device: str = "cpu",
+        rejoin_timeout_s: float = 600.0,
     ) -> None:
-        self._pending: tuple[PendingAverage, list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._flight: _AsyncExchange | None = None
         super().__init__(
             site,
             model,
@@ -967,6 +1074,9 @@ class AsyncDiLoCo(_LocalSteps):
             error_feedback=error_feedback,
         )
         self.weights = _static_weights(site, tokens_per_step)
+        self._sent_at = 0
+        """The inner step at which the exchange in flight was sent."""
+        self._init_member_rounds(rejoin_timeout_s)
 
     def state_dict(self) -> dict[str, Any]:
         raise NotImplementedError(
@@ -977,28 +1087,111 @@ class AsyncDiLoCo(_LocalSteps):
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.inner_steps += 1
         if self._round_due():
-            self._complete()
-            with self._blocking("syncing"):  # host work on the training thread
-                deltas = self.outer.pseudo_gradients()
-                anchor = [p.detach().clone() for p in self.params]
-                self._pending = (
-                    self._exchange(deltas, self.weights, vector="model"),
-                    deltas,
-                    anchor,
-                )
+            if self._complete():
+                return  # caught up: this site now stands where the others sent the round
+            self._send()
+
+    def _send(self) -> None:
+        """Send this round's pseudo-gradient in the background (under the view that
+        holds for it, entered first)."""
+        view = None
+        if self.membership is not None:
+            view, _ = self._open_round()  # a site that caught up has the global model
+        with self._blocking("syncing"):  # host work on the training thread
+            deltas = self.outer.pseudo_gradients()
+            anchor = [p.detach().clone() for p in self.params]
+            pending = self._send_exchange(deltas, "model", view)
+        with self._state_lock:
+            self._flight = _AsyncExchange(
+                deltas, anchor, EarlyExchange(pending, view.epoch if view is not None else 0)
+            )
+            self._sent_at = self.inner_steps
+
+    def _send_exchange(
+        self, deltas: list[torch.Tensor], vector: str, view: View | None
+    ) -> PendingAverage:
+        if view is None:
+            return self._exchange(deltas, self.weights, vector=vector)
+        weights = self._member_weights(view, self.tokens_per_step)
+        return self._exchange(deltas, weights, vector=vector, participants=view.members)
 
     @torch.no_grad()
-    def _complete(self) -> None:
-        if self._pending is None:
-            return
-        pending, deltas, anchor = self._pending
-        self._pending = None
-        with self._blocking("syncing"):
-            self._account(pending.wait())
-            self.outer.step(deltas, reset=False)
-            for p, g, a in zip(self.params, self.outer.global_params, anchor, strict=True):
-                p.add_(g.to(p.device, p.dtype) - a)  # local = global + progress since the send
-        self.outer_steps += 1
+    def _complete(self) -> bool:
+        """Apply the exchange in flight, if any; returns whether this site caught up
+        meanwhile (then it stands at the step the others sent the round at)."""
+        flight = self._flight
+        if flight is None:
+            return False
+
+        def apply(report: StepReport, caught_up: bool) -> None:
+            self._account(report)
+            with self._state_lock:
+                self._flight = None
+                if caught_up:  # the model is the pulled global one
+                    self.outer.step(flight.sent)
+                else:
+                    self.outer.step(flight.sent, reset=False)
+                    for p, g, a in zip(
+                        self.params, self.outer.global_params, flight.anchor, strict=True
+                    ):
+                        p.add_(g.to(p.device, p.dtype) - a)  # local = global + progress since
+                self.outer_steps += 1
+                self.rounds += 1
+
+        if self.membership is None:
+            assert flight.early.pending is not None
+            with self._blocking("syncing"):
+                apply(flight.early.pending.wait(), False)
+            return False
+
+        def restart(view: View, caught_up: bool) -> PendingAverage:
+            if caught_up:  # the others' round, with nothing of this site's
+                flight.sent = self.outer.pseudo_gradients()
+            return self._send_exchange(flight.sent, "model", view)
+
+        return self._complete_as_member(flight.early, restart, apply)
+
+    def _global_state(self) -> dict[str, Any]:
+        if self._flight is None:
+            # Between applying a round and sending the next (a site that caught up
+            # sends it a round's steps later): not the state of a round's start.
+            raise StateUnavailable(
+                wire_pb2.STATE_NOT_READY,
+                f"site {self.site.name} has not sent round {self.rounds} yet",
+            )
+        return {
+            "outer_steps": self.outer_steps,
+            "sent_at": self._sent_at,
+            "sync_every": self.sync_every,
+            "outer": self.outer.state_dict(),
+        }
+
+    def _load_global_state(self, state: dict[str, Any], donor: str) -> None:
+        shapes_match(
+            self.site.name,
+            donor,
+            iter(self.outer.global_params),
+            state.get("outer", {}).get("global"),
+        )
+        self.outer.load_state_dict(state["outer"])
+        self.outer.reset_model()
+        self.rounds = int(state["rounds"])
+        self.outer_steps = int(state["outer_steps"])
+        self.inner_steps = self._sent_at = int(state["sent_at"])
+        self.sync_every = int(state["sync_every"])
+        self.round_steps = 0
+
+    def _state_bytes(self) -> int:
+        return sum(g.numel() for g in self.outer.global_params) * 4 * 2
+
+    def rejoin(self) -> int:
+        """For a site that (re)starts while the others train: wait to be admitted, pull
+        the global state, and take part in the round it was admitted at (with nothing
+        of its own to send). Returns the inner step to train on from: where the others
+        sent that round."""
+        self._send()
+        self._complete()
+        return self.inner_steps
 
     def finish(self) -> None:
         """Apply what is in flight, then one synchronous round for the steps taken
@@ -1011,9 +1204,50 @@ class AsyncDiLoCo(_LocalSteps):
             return
         with self._blocking("syncing"):
             deltas = self.outer.pseudo_gradients()
-            self._account(self._exchange(deltas, self.weights, vector="final").wait())
-            self.outer.step(deltas)
-        self.outer_steps += 1
+        if self.membership is None:
+            with self._blocking("syncing"):
+                self._account(self._exchange(deltas, self.weights, vector="final").wait())
+                self.outer.step(deltas)
+            self.outer_steps += 1
+            return
+        _final_round_as_member(self, deltas, None)
+
+
+@dataclass
+class _AsyncExchange:
+    sent: list[torch.Tensor]
+    """This site's pseudo-gradient (the average, once completed)."""
+    anchor: list[torch.Tensor]
+    """The local parameters when it was sent."""
+    early: EarlyExchange
+
+
+def _final_round_as_member(
+    strategy: AsyncDiLoCo | StreamingDiLoCo,
+    deltas: list[torch.Tensor],
+    indices: Sequence[int] | None,
+) -> None:
+    """The closing exchange of ``indices`` (all parameters by default) as a round
+    under the membership, every model reset to the global parameters after it."""
+
+    def attempt(view: View, caught_up: bool) -> None:
+        sent = strategy.outer.pseudo_gradients(indices) if caught_up else deltas
+        weights = strategy._member_weights(view, strategy.tokens_per_step)
+        pending = strategy._exchange(sent, weights, vector="final", participants=view.members)
+        try:
+            with strategy._blocking("syncing"):
+                report = pending.wait(abort=strategy._abandoned())
+        except BaseException:
+            pending.discard()
+            raise
+        strategy._account(report)
+        with strategy._state_lock:
+            strategy.outer.step(sent, indices)
+            strategy.outer_steps += 1
+            strategy.rounds += 1
+
+    strategy._as_member(attempt)
+    strategy._report_round_done()
 
 
 def _check_outer(outer_lr: Any, outer_momentum: Any) -> None:

@@ -60,7 +60,13 @@ def run_with_fault(tmp_path, text: str, victim: str, *flags: str, **fault):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["diloco", "sync"])
+@pytest.mark.parametrize(
+    "strategy",
+    # Streaming with each fragment's exchange in flight for a step: a lost site
+    # makes the others give up the exchange under way and run it again.
+    ["diloco", "sync", "async", "streaming, fragments: 2, overlap_steps: 1"],
+    ids=["diloco", "sync", "async", "streaming"],
+)
 def test_a_killed_site_is_left_out_then_rejoins_and_every_site_ends_with_the_same_model(
     tmp_path, strategy
 ):
