@@ -238,10 +238,12 @@ class CrossSiteAllReduce:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         return await self.server.start(host, port)
 
-    def feedback_state(self) -> dict[str, torch.Tensor]:
+    def feedback_state(self, *, copy: bool = True) -> dict[str, torch.Tensor]:
         """The error-feedback residuals, per vector: part of a checkpoint taken
-        between rounds (with a lossy codec, resuming without them would differ)."""
-        return {name: r.clone() for name, r in self._residuals.items()}
+        between rounds (with a lossy codec, resuming without them would differ).
+        ``copy=False``: the residual tensors themselves, a snapshot all the same,
+        since a round replaces a vector's residual and never changes it in place."""
+        return {name: r.clone() if copy else r for name, r in self._residuals.items()}
 
     def load_feedback_state(self, residuals: Mapping[str, torch.Tensor]) -> None:
         self._residuals = {name: r.clone() for name, r in residuals.items()}

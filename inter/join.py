@@ -104,12 +104,16 @@ class SiteRuntime:
         engine = self.endpoint.engines[min(self.endpoint.engines)]
         return engine.clients[site]
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, copy: bool = True) -> dict[str, Any]:
         """What a checkpoint taken between rounds carries of the membership: the
-        round counter and the engines' error-feedback residuals (per lane)."""
+        round counter and the engines' error-feedback residuals (per lane).
+        ``copy=False``: a cheap snapshot, taken before an exchange that a
+        checkpoint may catch in flight (see ``CrossSiteAllReduce.feedback_state``)."""
         return {
             "round": self._round,
-            "feedback": {lane: e.feedback_state() for lane, e in self.endpoint.engines.items()},
+            "feedback": {
+                lane: e.feedback_state(copy=copy) for lane, e in self.endpoint.engines.items()
+            },
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -168,12 +168,6 @@ class TrainSettings:
                 f"must be an integer >= 0 (rounds; 0: no checkpoints), got "
                 f"{self.checkpoint_every!r}",
             )
-        if self.checkpoint_every and self.strategy not in ("sync", "diloco"):
-            raise SettingError(
-                "checkpoint_every",
-                f"checkpoints are taken between rounds, and strategy {self.strategy!r} has an "
-                "exchange in flight at every step; use sync or diloco, or checkpoint_every: 0",
-            )
 
         if not (_is_number(self.round_deadline_s) and self.round_deadline_s > 0):
             raise SettingError(

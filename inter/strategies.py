@@ -878,13 +878,36 @@ class StreamingDiLoCo(MemberRounds, _LocalSteps):
         """At most one: an exchange ends before the next one starts."""
         self._started_at = [0] * fragments
         """The inner step at which each fragment's last exchange started."""
+        self._resume: dict[str, Any] | None = None
+        """An exchange a checkpoint caught in flight, to start again (see
+        :meth:`load_state_dict`)."""
         self._init_member_rounds(rejoin_timeout_s)
 
     def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError(
-            "StreamingDiLoCo cannot be checkpointed yet: an exchange is in flight at every step, "
-            "so there is no point between rounds to save; use Sync or DiLoCo"
-        )
+        """Also what is in flight: the fragment's pseudo-gradient, and the site's
+        round counter and error feedback as they were when it started (a resumed
+        run starts it again from there)."""
+        state = {
+            **super().state_dict(),
+            "rounds": self.rounds,
+            "started_at": list(self._started_at),
+        }
+        for flight in self._in_flight:
+            state["site"] = flight.site_state
+            state["in_flight"] = {
+                "fragment": flight.fragment,
+                "due": flight.due,
+                "sent": flight.sent,
+            }
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from :meth:`state_dict`; an exchange it caught in flight starts again
+        at the next step, with the values and round number it had."""
+        super().load_state_dict(state)
+        self.rounds = int(state["rounds"])
+        self._started_at = [int(step) for step in state["started_at"]]
+        self._resume = state.get("in_flight")
 
     def round_start(self, rounds: int) -> tuple[int, int]:
         """``(fragment, inner step)`` at which round ``rounds`` (counted from 0) starts:
@@ -894,6 +917,9 @@ class StreamingDiLoCo(MemberRounds, _LocalSteps):
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.inner_steps += 1
+        if self._resume is not None:
+            resumed, self._resume = self._resume, None
+            self._start(int(resumed["fragment"]), resumed)
         for flight in list(self._in_flight):
             if flight.due <= self.inner_steps and self._complete(flight):
                 return  # caught up: this site now stands where that round started
@@ -902,23 +928,30 @@ class StreamingDiLoCo(MemberRounds, _LocalSteps):
             if offset == position and self._start(fragment):
                 return
 
-    def _start(self, fragment: int) -> bool:
-        """Start the fragment's exchange (and complete it at once without overlap).
-        Returns whether this site caught up (its step changed)."""
+    def _start(self, fragment: int, resumed: dict[str, Any] | None = None) -> bool:
+        """Start the fragment's exchange (and complete it at once without overlap),
+        or the one a checkpoint caught in flight (``resumed``). Returns whether this
+        site caught up (its step changed)."""
         view = None
         if self.membership is not None:
             view, _ = self._open_round()
             # A site that caught up to the round goes on with its fragment and step.
             fragment = self.rounds % self.fragments
-        self._started_at[fragment] = self.inner_steps
+        site_state = self.site.state_dict(copy=False)
         with self._blocking("syncing"):  # host work on the training thread
-            deltas = self.outer.pseudo_gradients(self.members[fragment])
+            if resumed is None:
+                self._started_at[fragment] = self.inner_steps
+                deltas = self.outer.pseudo_gradients(self.members[fragment])
+                due = self.inner_steps + self.overlap_steps
+            else:
+                deltas, due = list(resumed["sent"]), int(resumed["due"])
             pending = self._start_exchange(deltas, f"fragment{fragment}", view)
         flight = _FragmentExchange(
-            self.inner_steps + self.overlap_steps,
+            due,
             fragment,
             deltas,
             EarlyExchange(pending, view.epoch if view is not None else 0),
+            site_state,
         )
         if self.overlap_steps == 0:
             return self._complete(flight)
@@ -937,12 +970,11 @@ class StreamingDiLoCo(MemberRounds, _LocalSteps):
         """Wait for the fragment's exchange and merge it; returns whether this site
         caught up meanwhile (then it stands at the step the round started)."""
         self._in_flight = [f for f in self._in_flight if f is not flight]
-        members = self.members[flight.fragment]
 
         def apply(report: StepReport, caught_up: bool) -> None:
             self._account(report)
             with self._state_lock:
-                self.outer.step(flight.sent, members, mix=self.alpha)
+                self.outer.step(flight.sent, self.members[flight.fragment], mix=self.alpha)
                 self.outer_steps += 1
                 self.rounds += 1
 
@@ -953,8 +985,12 @@ class StreamingDiLoCo(MemberRounds, _LocalSteps):
             return False
 
         def restart(view: View, caught_up: bool) -> PendingAverage:
-            if caught_up:  # the model is the pulled global one: nothing of its own
-                flight.sent = self.outer.pseudo_gradients(members)
+            if caught_up:
+                # The pulled state may be a round or more past this flight's: the
+                # round to run is the next one of the schedule, with nothing of this
+                # site's (its model is the pulled global one).
+                flight.fragment = self.rounds % self.fragments
+                flight.sent = self.outer.pseudo_gradients(self.members[flight.fragment])
             return self._start_exchange(flight.sent, f"fragment{flight.fragment}", view)
 
         return self._complete_as_member(flight.early, restart, apply)
@@ -1024,6 +1060,9 @@ class _FragmentExchange:
     sent: list[torch.Tensor]
     """This site's pseudo-gradient of the fragment (the average, once completed)."""
     early: EarlyExchange
+    site_state: dict[str, Any]
+    """The site's round counter and error feedback before it started: a checkpoint
+    that catches it in flight goes back to them."""
 
 
 class AsyncDiLoCo(MemberRounds, _LocalSteps):
@@ -1076,36 +1115,62 @@ class AsyncDiLoCo(MemberRounds, _LocalSteps):
         self.weights = _static_weights(site, tokens_per_step)
         self._sent_at = 0
         """The inner step at which the exchange in flight was sent."""
+        self._resume: dict[str, Any] | None = None
+        """The exchange a checkpoint caught in flight, to send again (see
+        :meth:`load_state_dict`)."""
         self._init_member_rounds(rejoin_timeout_s)
 
     def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError(
-            "AsyncDiLoCo cannot be checkpointed yet: an exchange is in flight at every step, "
-            "so there is no point between rounds to save; use Sync or DiLoCo"
-        )
+        """Also the exchange in flight: the pseudo-gradient sent, the local
+        parameters at the send, and the site's round counter and error feedback as
+        they were before it (a resumed run sends it again from there)."""
+        state = {**super().state_dict(), "rounds": self.rounds, "sent_at": self._sent_at}
+        if self._flight is not None:
+            state["site"] = self._flight.site_state
+            state["in_flight"] = {"sent": self._flight.sent, "anchor": self._flight.anchor}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from :meth:`state_dict`; the exchange it caught in flight is sent again
+        at the next step, with the values and round number it had."""
+        super().load_state_dict(state)
+        self.rounds = int(state["rounds"])
+        self._sent_at = int(state["sent_at"])
+        self._resume = state.get("in_flight")
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.inner_steps += 1
+        if self._resume is not None:
+            resumed, self._resume = self._resume, None
+            self._send(resumed)
         if self._round_due():
             if self._complete():
                 return  # caught up: this site now stands where the others sent the round
             self._send()
 
-    def _send(self) -> None:
+    def _send(self, resumed: dict[str, Any] | None = None) -> None:
         """Send this round's pseudo-gradient in the background (under the view that
-        holds for it, entered first)."""
+        holds for it, entered first), or the one a checkpoint caught in flight."""
         view = None
         if self.membership is not None:
             view, _ = self._open_round()  # a site that caught up has the global model
+        site_state = self.site.state_dict(copy=False)
         with self._blocking("syncing"):  # host work on the training thread
-            deltas = self.outer.pseudo_gradients()
-            anchor = [p.detach().clone() for p in self.params]
+            if resumed is None:
+                deltas = self.outer.pseudo_gradients()
+                anchor = [p.detach().clone() for p in self.params]
+            else:
+                deltas, anchor = list(resumed["sent"]), list(resumed["anchor"])
             pending = self._send_exchange(deltas, "model", view)
         with self._state_lock:
             self._flight = _AsyncExchange(
-                deltas, anchor, EarlyExchange(pending, view.epoch if view is not None else 0)
+                deltas,
+                anchor,
+                EarlyExchange(pending, view.epoch if view is not None else 0),
+                site_state,
             )
-            self._sent_at = self.inner_steps
+            if resumed is None:
+                self._sent_at = self.inner_steps
 
     def _send_exchange(
         self, deltas: list[torch.Tensor], vector: str, view: View | None
@@ -1220,6 +1285,9 @@ class _AsyncExchange:
     anchor: list[torch.Tensor]
     """The local parameters when it was sent."""
     early: EarlyExchange
+    site_state: dict[str, Any]
+    """The site's round counter and error feedback before it was sent: a checkpoint
+    that catches it in flight goes back to them."""
 
 
 def _final_round_as_member(
