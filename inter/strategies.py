@@ -433,9 +433,10 @@ def _buckets(params: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[tor
     return [b for b in buckets if b]
 
 
-class _LocalSteps(Strategy):
+class _LocalSteps(MemberRounds, Strategy):
     """What the DiLoCo family shares: ``sync_every`` inner steps between exchanges,
-    the outer optimizer, and a hook after every inner step (``_after_step``)."""
+    the outer optimizer, a hook after every inner step (``_after_step``), and the
+    outer state as the global state of their membership rounds."""
 
     def __init__(
         self,
@@ -484,6 +485,25 @@ class _LocalSteps(Strategy):
     def global_parameters(self) -> Sequence[torch.Tensor]:
         return self.outer.global_params
 
+    def _load_outer_state(self, state: dict[str, Any], donor: str) -> None:
+        """Take in a donor's outer state and round counters; the model becomes the
+        global one (see :meth:`MemberRounds._load_global_state`)."""
+        shapes_match(
+            self.site.name,
+            donor,
+            iter(self.outer.global_params),
+            state.get("outer", {}).get("global"),
+        )
+        self.outer.load_state_dict(state["outer"])
+        self.outer.reset_model()
+        self.rounds = int(state["rounds"])
+        self.outer_steps = int(state["outer_steps"])
+        self.round_steps = 0
+
+    def _state_bytes(self) -> int:
+        # Parameters and momentum, float32.
+        return sum(g.numel() for g in self.outer.global_params) * 4 * 2
+
     def state_dict(self) -> dict[str, Any]:
         return {
             **super().state_dict(),
@@ -499,7 +519,7 @@ class _LocalSteps(Strategy):
         self.sync_every = int(state["sync_every"])
 
 
-class DiLoCo(MemberRounds, _LocalSteps):
+class DiLoCo(_LocalSteps):
     """Local SGD across sites (Douillard et al., 2023): ``sync_every`` inner steps,
     then an outer step on the averaged pseudo-gradient.
 
@@ -747,25 +767,11 @@ class DiLoCo(MemberRounds, _LocalSteps):
         }
 
     def _load_global_state(self, state: dict[str, Any], donor: str) -> None:
-        shapes_match(
-            self.site.name,
-            donor,
-            iter(self.outer.global_params),
-            state.get("outer", {}).get("global"),
-        )
-        self.outer.load_state_dict(state["outer"])
-        self.outer.reset_model()
-        self.rounds = int(state["rounds"])
-        self.outer_steps = int(state["outer_steps"])
+        self._load_outer_state(state, donor)
         self.inner_steps = int(state["inner_steps"])
         self._steps_at_round = self.inner_steps
         self.sync_every = int(state["sync_every"])
-        self.round_steps = 0
         self._tokens = 0
-
-    def _state_bytes(self) -> int:
-        # Parameters and momentum, float32.
-        return sum(g.numel() for g in self.outer.global_params) * 4 * 2
 
     def rejoin(self) -> int:
         """For a site that (re)starts while the others train: wait to be admitted,
@@ -797,7 +803,59 @@ def _static_weights(site: SiteRuntime, tokens_per_step: int) -> dict[str, float]
     return {s.name: float(tokens_per_step * s.layout.dp) for s in site.job.sites}
 
 
-class StreamingDiLoCo(MemberRounds, _LocalSteps):
+class _BackgroundExchanges(_LocalSteps):
+    """Async and Streaming DiLoCo: exchanges that run behind the training, with
+    weights fixed by the layout (all sites take the same steps between them)."""
+
+    weights: dict[str, float]
+
+    def _exchange_in_view(
+        self, deltas: list[torch.Tensor], vector: str, view: View | None
+    ) -> PendingAverage:
+        """Start averaging ``deltas``: among every site, or the members of ``view``."""
+        if view is None:
+            return self._exchange(deltas, self.weights, vector=vector)
+        weights = self._member_weights(view, self.tokens_per_step)
+        return self._exchange(deltas, weights, vector=vector, participants=view.members)
+
+    def _complete_round(
+        self,
+        early: EarlyExchange,
+        restart: Callable[[View, bool], PendingAverage],
+        apply: Callable[[StepReport, bool], None],
+    ) -> bool:
+        """Wait for the exchange ``early`` started and ``apply`` it; under a
+        membership, as :meth:`MemberRounds._complete_as_member` (``restart`` runs it
+        again). Returns whether this site caught up meanwhile."""
+        if self.membership is None:
+            assert early.pending is not None
+            with self._blocking("syncing"):
+                apply(early.pending.wait(), False)
+            return False
+        return self._complete_as_member(early, restart, apply)
+
+    def _final_round(self, deltas: list[torch.Tensor], indices: Sequence[int] | None) -> None:
+        """The closing exchange of ``indices`` (all parameters by default) as a round
+        under the membership, every model reset to the global parameters after it."""
+        sent = deltas
+
+        def restart(view: View, caught_up: bool) -> PendingAverage:
+            nonlocal sent
+            if caught_up:  # the model is the pulled global one: nothing of its own
+                sent = self.outer.pseudo_gradients(indices)
+            return self._exchange_in_view(sent, "final", view)
+
+        def apply(report: StepReport, caught_up: bool) -> None:
+            self._account(report)
+            with self._state_lock:
+                self.outer.step(sent, indices)
+                self.outer_steps += 1
+                self.rounds += 1
+
+        self._complete_as_member(EarlyExchange(None, epoch=-1), restart, apply)
+
+
+class StreamingDiLoCo(_BackgroundExchanges):
     """Streaming DiLoCo (Douillard et al., 2025): DiLoCo in ``fragments`` parts that
     sync at staggered steps, each exchange overlapping ``overlap_steps`` inner steps,
     the result merged into the local parameters with mixing factor ``alpha``
@@ -945,7 +1003,7 @@ class StreamingDiLoCo(MemberRounds, _LocalSteps):
                 due = self.inner_steps + self.overlap_steps
             else:
                 deltas, due = list(resumed["sent"]), int(resumed["due"])
-            pending = self._start_exchange(deltas, f"fragment{fragment}", view)
+            pending = self._exchange_in_view(deltas, f"fragment{fragment}", view)
         flight = _FragmentExchange(
             due,
             fragment,
@@ -957,14 +1015,6 @@ class StreamingDiLoCo(MemberRounds, _LocalSteps):
             return self._complete(flight)
         self._in_flight.append(flight)
         return False
-
-    def _start_exchange(
-        self, deltas: list[torch.Tensor], vector: str, view: View | None
-    ) -> PendingAverage:
-        if view is None:
-            return self._exchange(deltas, self.weights, vector=vector)
-        weights = self._member_weights(view, self.tokens_per_step)
-        return self._exchange(deltas, weights, vector=vector, participants=view.members)
 
     def _complete(self, flight: _FragmentExchange) -> bool:
         """Wait for the fragment's exchange and merge it; returns whether this site
@@ -978,12 +1028,6 @@ class StreamingDiLoCo(MemberRounds, _LocalSteps):
                 self.outer_steps += 1
                 self.rounds += 1
 
-        if self.membership is None:
-            assert flight.early.pending is not None
-            with self._blocking("syncing"):
-                apply(flight.early.pending.wait(), False)
-            return False
-
         def restart(view: View, caught_up: bool) -> PendingAverage:
             if caught_up:
                 # The pulled state may be a round or more past this flight's: the
@@ -991,32 +1035,19 @@ class StreamingDiLoCo(MemberRounds, _LocalSteps):
                 # site's (its model is the pulled global one).
                 flight.fragment = self.rounds % self.fragments
                 flight.sent = self.outer.pseudo_gradients(self.members[flight.fragment])
-            return self._start_exchange(flight.sent, f"fragment{flight.fragment}", view)
+            return self._exchange_in_view(flight.sent, f"fragment{flight.fragment}", view)
 
-        return self._complete_as_member(flight.early, restart, apply)
+        return self._complete_round(flight.early, restart, apply)
 
     def _global_state(self) -> dict[str, Any]:
         return {"outer_steps": self.outer_steps, "outer": self.outer.state_dict()}
 
     def _load_global_state(self, state: dict[str, Any], donor: str) -> None:
-        shapes_match(
-            self.site.name,
-            donor,
-            iter(self.outer.global_params),
-            state.get("outer", {}).get("global"),
-        )
-        self.outer.load_state_dict(state["outer"])
-        self.outer.reset_model()
-        self.rounds = int(state["rounds"])
-        self.outer_steps = int(state["outer_steps"])
+        self._load_outer_state(state, donor)
         _, self.inner_steps = self.round_start(self.rounds)
         for earlier in range(max(0, self.rounds - self.fragments + 1), self.rounds + 1):
             fragment, step = self.round_start(earlier)
             self._started_at[fragment] = step
-        self.round_steps = 0
-
-    def _state_bytes(self) -> int:
-        return sum(g.numel() for g in self.outer.global_params) * 4 * 2
 
     def rejoin(self) -> int:
         """For a site that (re)starts while the others train: wait to be admitted, pull
@@ -1049,7 +1080,7 @@ class StreamingDiLoCo(MemberRounds, _LocalSteps):
                 self._account(self._exchange(deltas, self.weights, vector="final").wait())
                 self.outer.step(deltas, everything)
             return
-        _final_round_as_member(self, deltas, everything)
+        self._final_round(deltas, everything)
 
 
 @dataclass
@@ -1065,7 +1096,7 @@ class _FragmentExchange:
     that catches it in flight goes back to them."""
 
 
-class AsyncDiLoCo(MemberRounds, _LocalSteps):
+class AsyncDiLoCo(_BackgroundExchanges):
     """DiLoCo whose exchange hides behind the next round's compute.
 
     At the end of round k the pseudo-gradient leaves in the background and the
@@ -1161,7 +1192,7 @@ class AsyncDiLoCo(MemberRounds, _LocalSteps):
                 anchor = [p.detach().clone() for p in self.params]
             else:
                 deltas, anchor = list(resumed["sent"]), list(resumed["anchor"])
-            pending = self._send_exchange(deltas, "model", view)
+            pending = self._exchange_in_view(deltas, "model", view)
         with self._state_lock:
             self._flight = _AsyncExchange(
                 deltas,
@@ -1171,14 +1202,6 @@ class AsyncDiLoCo(MemberRounds, _LocalSteps):
             )
             if resumed is None:
                 self._sent_at = self.inner_steps
-
-    def _send_exchange(
-        self, deltas: list[torch.Tensor], vector: str, view: View | None
-    ) -> PendingAverage:
-        if view is None:
-            return self._exchange(deltas, self.weights, vector=vector)
-        weights = self._member_weights(view, self.tokens_per_step)
-        return self._exchange(deltas, weights, vector=vector, participants=view.members)
 
     @torch.no_grad()
     def _complete(self) -> bool:
@@ -1203,18 +1226,12 @@ class AsyncDiLoCo(MemberRounds, _LocalSteps):
                 self.outer_steps += 1
                 self.rounds += 1
 
-        if self.membership is None:
-            assert flight.early.pending is not None
-            with self._blocking("syncing"):
-                apply(flight.early.pending.wait(), False)
-            return False
-
         def restart(view: View, caught_up: bool) -> PendingAverage:
             if caught_up:  # the others' round, with nothing of this site's
                 flight.sent = self.outer.pseudo_gradients()
-            return self._send_exchange(flight.sent, "model", view)
+            return self._exchange_in_view(flight.sent, "model", view)
 
-        return self._complete_as_member(flight.early, restart, apply)
+        return self._complete_round(flight.early, restart, apply)
 
     def _global_state(self) -> dict[str, Any]:
         if self._flight is None:
@@ -1232,22 +1249,9 @@ class AsyncDiLoCo(MemberRounds, _LocalSteps):
         }
 
     def _load_global_state(self, state: dict[str, Any], donor: str) -> None:
-        shapes_match(
-            self.site.name,
-            donor,
-            iter(self.outer.global_params),
-            state.get("outer", {}).get("global"),
-        )
-        self.outer.load_state_dict(state["outer"])
-        self.outer.reset_model()
-        self.rounds = int(state["rounds"])
-        self.outer_steps = int(state["outer_steps"])
+        self._load_outer_state(state, donor)
         self.inner_steps = self._sent_at = int(state["sent_at"])
         self.sync_every = int(state["sync_every"])
-        self.round_steps = 0
-
-    def _state_bytes(self) -> int:
-        return sum(g.numel() for g in self.outer.global_params) * 4 * 2
 
     def rejoin(self) -> int:
         """For a site that (re)starts while the others train: wait to be admitted, pull
@@ -1275,7 +1279,7 @@ class AsyncDiLoCo(MemberRounds, _LocalSteps):
                 self.outer.step(deltas)
             self.outer_steps += 1
             return
-        _final_round_as_member(self, deltas, None)
+        self._final_round(deltas, None)
 
 
 @dataclass
@@ -1288,34 +1292,6 @@ class _AsyncExchange:
     site_state: dict[str, Any]
     """The site's round counter and error feedback before it was sent: a checkpoint
     that catches it in flight goes back to them."""
-
-
-def _final_round_as_member(
-    strategy: AsyncDiLoCo | StreamingDiLoCo,
-    deltas: list[torch.Tensor],
-    indices: Sequence[int] | None,
-) -> None:
-    """The closing exchange of ``indices`` (all parameters by default) as a round
-    under the membership, every model reset to the global parameters after it."""
-
-    def attempt(view: View, caught_up: bool) -> None:
-        sent = strategy.outer.pseudo_gradients(indices) if caught_up else deltas
-        weights = strategy._member_weights(view, strategy.tokens_per_step)
-        pending = strategy._exchange(sent, weights, vector="final", participants=view.members)
-        try:
-            with strategy._blocking("syncing"):
-                report = pending.wait(abort=strategy._abandoned())
-        except BaseException:
-            pending.discard()
-            raise
-        strategy._account(report)
-        with strategy._state_lock:
-            strategy.outer.step(sent, indices)
-            strategy.outer_steps += 1
-            strategy.rounds += 1
-
-    strategy._as_member(attempt)
-    strategy._report_round_done()
 
 
 def _check_outer(outer_lr: Any, outer_momentum: Any) -> None:
