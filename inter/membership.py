@@ -518,8 +518,12 @@ class Membership:
         with self._changed:
             while True:
                 latest = self.latest
+                left_out = self.me not in latest.members and self._mine.phase != "leaving"
+                # A view that leaves this site out holds for it at once, whatever
+                # round it starts at: a site behind it would otherwise wait under
+                # an older view that names it, which the others have moved past.
                 if latest.epoch > self.applied.epoch and (
-                    latest.start_round <= rounds or self.me in latest.catch_up
+                    latest.start_round <= rounds or self.me in latest.catch_up or left_out
                 ):
                     self.applied = latest
                     self.history.append(latest)

@@ -280,6 +280,29 @@ def test_below_quorum_a_site_waits_and_says_why():
     assert "1 of the 2 sites" in said[0]
 
 
+def test_a_site_left_out_by_a_view_that_starts_past_its_round_waits_to_be_let_back_in():
+    # c was let in at round 12 but could not catch up in time; the others left it
+    # out again from round 12 and went on. c, still at round 10 under the view
+    # that let it in, must take the new one and ask to come back, not keep
+    # entering the old one.
+    c = Membership(SITES, "c", min_sites=2, joining=True)
+    admitted = View(
+        epoch=3, members=tuple(SITES), start_round=12, engine_round=40, catch_up=("c",), donor="a"
+    )
+    c.on_view(admitted.to_message())
+    assert c.view_for(10, timeout_s=1, on_wait=lambda why: None) == admitted
+    left_out = View(epoch=4, members=("a", "b"), start_round=12, engine_round=60)
+    c.on_view(left_out.to_message())
+    said: list[str] = []
+    with pytest.raises(MembershipError, match="rejoin_timeout_s"):
+        c.view_for(10, timeout_s=0.3, on_wait=said.append)
+    assert c.applied == left_out
+    assert "waiting for the leader to let this site in (view 4 holds)" in said[0]
+    assert Report.from_status(
+        {"state": "online", "membership": c.report_message()}, SITES
+    ).phase == ("joining")
+
+
 def test_a_joining_site_waits_to_be_let_in_and_gives_up_when_the_others_stop():
     c = Membership(SITES, "c", min_sites=2, joining=True)
     assert Report.from_status(
