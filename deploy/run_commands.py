@@ -56,7 +56,7 @@ def register(commands: Any) -> None:
         "--restart-lost",
         action="store_true",
         help="start a site whose processes die again (as its operator would), so it "
-        "rejoins the run (sync, diloco)",
+        "rejoins the run (2 sites or more)",
     )
     run.add_argument(
         "--compare",

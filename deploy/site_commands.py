@@ -76,7 +76,7 @@ def register(commands: Any) -> None:
         "--rejoin",
         action="store_true",
         help="the other sites are training: wait to be admitted, pull the global state "
-        "from one of them, and train on (sync, diloco)",
+        "from one of them, and train on (2 sites or more)",
     )
     sub.add_argument(
         "--print-ports",
