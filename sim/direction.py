@@ -62,10 +62,10 @@ class DirectionModel:
         self.delayed = params.delay_ms > 0 or params.jitter_ms > 0
         rates = [b.rate for b in self.buckets if b.rate is not None]
         self.slowest_rate = min(rates) if rates else None
-        # What a retransmission timeout costs: Linux's RTO is srtt + 4 * rttvar,
-        # at least min_rto.
+        # What a retransmission timeout costs: Linux's RTO is srtt + rttvar, and
+        # rttvar (about 4 x the RTT's deviation) is at least min_rto (tcp_rtt_estimator).
         rtt_s = 2 * params.delay_ms / 1e3
-        self.rto_s = max(params.min_rto_ms / 1e3, rtt_s + 4 * params.jitter_ms / 1e3)
+        self.rto_s = rtt_s + max(params.min_rto_ms / 1e3, 4 * params.jitter_ms / 1e3)
 
     def reserve(self, nbytes: int, now: float) -> float:
         """Departure time of ``nbytes`` offered at ``now`` (the slowest limiter decides)."""

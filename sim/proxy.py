@@ -263,8 +263,9 @@ class Pipe:
         repairs it one round trip later and the congestion window halves (once
         per round trip, as with SACK). With fewer, the sender waits for a
         retransmission timeout and starts again from one segment. The stream is
-        held until the repair arrives: TCP delivers in order. Calibrated against real TCP (cubic) by
-        `isthmus bench wan --hosts`.
+        held until the repair arrives: TCP delivers in order. Compared with real
+        TCP (cubic) by `isthmus bench wan --hosts`; Linux repaired every loss
+        there by SACK recovery, with no timeout (nstat: TCPTimeouts 0 at 1% loss).
         """
         d = self.direction
         mss = d.params.mss_bytes
@@ -318,10 +319,18 @@ class Pipe:
         self._unacked -= nbytes
         if self._cwnd < self.direction.params.window_bytes:
             # Slow start below ssthresh (doubling per round trip), then one
-            # segment per round trip (Reno's congestion avoidance).
+            # segment per round trip (Reno's congestion avoidance). Slow start
+            # stops at ssthresh and the rest of the ACK counts as avoidance, as in
+            # Linux's tcp_slow_start: after a timeout the ACKs of a whole window
+            # sent before it would otherwise restore the old window at once.
             mss = self.direction.params.mss_bytes
-            grow = nbytes if self._cwnd < self._ssthresh else mss * nbytes / self._cwnd
-            self._cwnd = min(self._cwnd + grow, float(self.direction.params.window_bytes))
+            if self._cwnd < self._ssthresh:
+                slow = min(float(nbytes), self._ssthresh - self._cwnd)
+                self._cwnd += slow
+                nbytes -= int(slow)
+            if nbytes > 0 and self._cwnd >= self._ssthresh:
+                self._cwnd += mss * nbytes / self._cwnd
+            self._cwnd = min(self._cwnd, float(self.direction.params.window_bytes))
         if self._pending and self._pump_timer is None:
             self.pump()
         else:
