@@ -278,6 +278,12 @@ def decide(
         start = max(rounds[m] for m in staying)
         behind = [m for m in staying if rounds[m] < start]
     else:
+        if any(m in current.catch_up and rounds[m] < current.start_round for m in staying):
+            # A member is still pulling the state the current view gave it. A view
+            # decided now would not name it (it is not stuck, only behind), so it
+            # would stay under the view before, whose round the others have left,
+            # until its deadline. Let it catch up first; its report decides again.
+            return None
         # Only joiners and leavers: the members finish the round under way (the
         # leavers with them), the joiners come in at the next.
         start = max([rounds[m] for m in staying] + [report(m).rounds for m in leaving]) + 1
@@ -503,6 +509,8 @@ class Membership:
             return None
         if latest.start_round <= rounds:
             return latest
+        if self.me in latest.catch_up:
+            return latest  # it pulls the state after a later round: this one is moot
         if self.me not in latest.members and self._mine.phase != "leaving":
             return latest  # left out: the others will not finish this round with it
         return None

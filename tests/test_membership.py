@@ -78,6 +78,33 @@ def test_a_joining_site_comes_in_at_the_next_round_and_pulls_the_state_first():
     assert (view.catch_up, view.donor) == (("c",), "a")
 
 
+def test_a_joiner_waits_while_a_member_still_catches_up_from_the_last_view():
+    # Async: b completed round 3 while a's exchange of it failed, so the view from
+    # round 4 has a catch up from b. A joiner's view decided before a got there
+    # would not name a, which would stay in round 3 until its deadline.
+    current = View(
+        epoch=2, members=("a", "b"), start_round=4, engine_round=30, catch_up=("a",), donor="b"
+    )
+    reports = {"a": training(3, 30), "b": training(4, 30), "c": Report(phase="joining")}
+    assert decide(SITES, reports, current) is None
+    reports["a"] = training(4, 30)  # caught up
+    view = decide(SITES, reports, current)
+    assert view is not None
+    assert (view.members, view.start_round, view.catch_up) == (("a", "b", "c"), 5, ("c",))
+
+
+def test_a_view_that_makes_this_site_catch_up_abandons_the_round_under_way():
+    a = Membership(SITES, "a", min_sites=2)
+    a.on_view(View(epoch=1, members=("a", "b"), start_round=3, engine_round=20).to_message())
+    assert a.view_for(3, timeout_s=1, on_wait=lambda why: None).epoch == 1
+    behind = View(
+        epoch=2, members=("a", "b"), start_round=4, engine_round=30, catch_up=("a",), donor="b"
+    )
+    a.on_view(behind.to_message())
+    assert a.newer_view(3) == behind  # round 3 is moot: a pulls the state after 4
+    assert a.view_for(3, timeout_s=1, on_wait=lambda why: None) == behind
+
+
 def test_a_member_restarted_before_anyone_noticed_makes_the_round_under_way_run_again():
     # b died in round 7 and is back, joining, before the leader left it out: the
     # round under way waits on b's old self, so it is run again, with b caught up.

@@ -16,6 +16,8 @@ def test_both_ends_agree_on_message_size_and_keepalive():
         server["grpc.http2.min_recv_ping_interval_without_data_ms"]
         <= client["grpc.keepalive_time_ms"]
     )
+    # ... and never close a connection for pings (BDP probes between rounds).
+    assert server["grpc.http2.max_ping_strikes"] == 0
     assert server["grpc.so_reuseport"] == 0
 
 
