@@ -33,6 +33,7 @@ import yaml
 
 from isthmus.deploy.addressing import load_state
 from isthmus.deploy.jobfile import Job, free_port_blocks, load_job, load_yaml, parse_job
+from isthmus.deploy.orphan import parent_environment
 from isthmus.deploy.run_records import RecordTail, write_json_atomic
 from isthmus.inter.settings import SettingError
 from isthmus.intra.checkpoint import checkpoint_number, complete_checkpoints
@@ -350,6 +351,7 @@ class Launcher:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env={**os.environ, **parent_environment()},
         )
         deadline = time.monotonic() + EMULATOR_START_S
         while not state_path.exists():
@@ -518,9 +520,10 @@ def _launch(
     command: list[str], ranks: int, env: dict[str, str], logs: list[IO[bytes]]
 ) -> list[subprocess.Popen]:
     """One process per rank with torchrun's environment, each logging to its own
-    file and in its own session (a terminal's Ctrl-C reaches the launcher only)."""
+    file and in its own session (a terminal's Ctrl-C reaches the launcher only); each
+    stops when the launcher is gone (:mod:`isthmus.deploy.orphan`)."""
     master_port = free_port()
-    base = {**os.environ, **env}
+    base = {**os.environ, **env, **parent_environment()}
     return [
         subprocess.Popen(
             command,

@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from isthmus.deploy.addressing import load_state, resolve
 from isthmus.deploy.jobfile import Job, load_job
+from isthmus.deploy.orphan import end_with_parent
 from isthmus.deploy.run_control import SiteControl, apply_settings, membership_for
 from isthmus.deploy.run_records import RecordWriter, parameter_digest, write_json_atomic
 from isthmus.deploy.site_errors import run_site_main
@@ -610,6 +611,7 @@ def train_until_stopped(
     """:func:`train`, ending cleanly on SIGTERM (143); SIGUSR1 makes the site leave."""
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGUSR1, _on_sigusr1)
+    end_with_parent()
     try:
         return train(run_dir, site, resume_round, rejoin)
     except _Stop:

@@ -18,6 +18,7 @@ from isthmus.deploy.addressing import AddressError, default_state_path, load_sta
 from isthmus.deploy.cli import UsageError, add_command
 from isthmus.deploy.job_commands import describe_link
 from isthmus.deploy.jobfile import Job, load_job, load_yaml, parse_address
+from isthmus.deploy.orphan import end_with_parent
 from isthmus.sim.control import ControlClient, ControlError, ControlServer
 from isthmus.sim.emulator import BackgroundEmulator, Emulator
 from isthmus.sim.link import LinkConfigError, LinkParams
@@ -257,6 +258,7 @@ def _up(args: argparse.Namespace) -> int:
     _refuse_a_second_emulator(state_path)
     if args.stats_every < 0:
         raise UsageError(f"--stats-every: must be >= 0 seconds, got {args.stats_every}")
+    end_with_parent()  # started by `isthmus run`: stop when it is gone
     if args.hosts:
         from isthmus.deploy.wan_hosts import serve_hosts
 

@@ -51,6 +51,7 @@ def isthmus(*args: str, cwd: Path, timeout: float = 300) -> subprocess.Completed
 def start_run(job: Path, out: Path, *flags: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out), *flags],
+        cwd=job.parent,  # what the run leaves beside it stays in the test's folder
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -210,6 +211,38 @@ def test_ctrl_c_stops_every_process_and_leaves_whole_files(tmp_path, sig):
     assert (out / "report.md").exists()
     # The emulator stopped too: its log ends with its final statistics.
     assert "link a<->b" in (out / "logs" / "wan.log").read_text()
+
+
+def processes_of(out: Path) -> list[int]:
+    """Every live process whose command line names the run directory."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit():
+                continue
+            if str(out) in (proc / "cmdline").read_text(errors="replace") and alive(int(proc.name)):
+                found.append(int(proc.name))
+        except OSError:
+            continue  # gone meanwhile
+    return found
+
+
+@pytest.mark.slow
+def test_a_killed_launcher_leaves_no_site_or_emulator_behind(tmp_path):
+    # The sites and the emulator run in sessions of their own (Ctrl-C reaches the
+    # launcher only), so nothing else would stop them once it is SIGKILLed.
+    job = write_job(tmp_path, steps=100_000)
+    out = tmp_path / "run"
+    run = start_run(job, out)
+    wait_for_steps(out, "b", 3)
+    children = [pid for pid in processes_of(out) if pid != run.pid]
+    assert len(children) >= 4  # a, b's two ranks, the emulator
+    run.kill()
+    run.communicate(timeout=60)
+    deadline = time.monotonic() + 60
+    while (left := processes_of(out)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"left running after the launcher was killed: {left}"
 
 
 @pytest.mark.slow
