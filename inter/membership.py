@@ -503,7 +503,8 @@ class Membership:
     def newer_view(self, rounds: int) -> View | None:
         """The newest view if the round this site is running (after ``rounds``
         completed) must be abandoned for it: it starts at or before this round, or
-        makes this site catch up or leaves it out."""
+        makes this site catch up or leaves it out. :meth:`view_for` applies a view
+        by the same rule."""
         latest = self.latest
         if latest.epoch <= self.applied.epoch:
             return None
@@ -526,13 +527,11 @@ class Membership:
         with self._changed:
             while True:
                 latest = self.latest
-                left_out = self.me not in latest.members and self._mine.phase != "leaving"
-                # A view that leaves this site out holds for it at once, whatever
-                # round it starts at: a site behind it would otherwise wait under
-                # an older view that names it, which the others have moved past.
-                if latest.epoch > self.applied.epoch and (
-                    latest.start_round <= rounds or self.me in latest.catch_up or left_out
-                ):
+                # The rule that abandons a round is the rule that applies a view: a
+                # view that leaves this site out or makes it catch up holds for it at
+                # once, whatever round it starts at (a site behind it would otherwise
+                # wait under an older view that names it, which the others have left).
+                if self.newer_view(rounds) is not None:
                     self.applied = latest
                     self.history.append(latest)
                     if self._mine.phase == "stuck":

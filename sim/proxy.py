@@ -328,7 +328,7 @@ class Pipe:
                 slow = min(float(nbytes), self._ssthresh - self._cwnd)
                 self._cwnd += slow
                 nbytes -= int(slow)
-            if nbytes > 0 and self._cwnd >= self._ssthresh:
+            if nbytes > 0:  # slow start reached ssthresh: avoidance for the rest
                 self._cwnd += mss * nbytes / self._cwnd
             self._cwnd = min(self._cwnd, float(self.direction.params.window_bytes))
         if self._pending and self._pump_timer is None:
