@@ -67,7 +67,8 @@ class DirectionParams:
     """Fraction of TCP segments lost. TCP repairs a loss by retransmission, so no byte is
     lost: the stream stalls until the repair arrives (one round trip by fast retransmit,
     a retransmission timeout when too little is in flight) and the connection's
-    congestion window halves, so bulk throughput follows real TCP (Mathis)."""
+    congestion window is cut as CUBIC cuts it (:mod:`isthmus.sim.congestion`), so
+    bulk throughput follows real TCP."""
 
     loss_burst_segments: float = 1.0
     """Mean number of consecutive segments lost in one burst. 1 gives independent

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from isthmus.sim import precise_timers
+from isthmus.sim.congestion import CubicWindow
 from isthmus.sim.direction import DirectionModel, LinkModel
 from isthmus.sim.link import DirectionParams
 
@@ -48,8 +49,8 @@ PENDING_LIMIT_BYTES = 256 * 1024
 # seconds of the rate, so the receiver sees a smooth stream, not bursts.
 BATCH_SECONDS = 0.002
 MIN_BATCH_BYTES = 16 * 1024
-# Linux's initial congestion window (RFC 6928).
-INITIAL_CWND_SEGMENTS = 10
+# Linux's shortest delayed-ACK timeout (TCP_DELACK_MIN).
+DELAYED_ACK_S = 0.040
 
 
 @dataclass
@@ -154,10 +155,12 @@ class Pipe:
         self._stall_until = 0.0
         self._last_deliver = 0.0
         self._stream_offset = 0
+        # The receiver's side: bytes it got, and up to where it has ACKed them.
+        self._received = 0
+        self._acked_point = 0
+        self._delayed_ack: asyncio.TimerHandle | None = None
         # TCP's congestion window, applied on lossy links (see _lose).
-        self._cwnd = float(INITIAL_CWND_SEGMENTS * direction.params.mss_bytes)
-        self._ssthresh = math.inf
-        self._recovery_until = 0.0
+        self._congestion = CubicWindow(rtt_s=self._rtt_s())
         self._pump_timer: asyncio.TimerHandle | None = None
         self._deliver_timer: precise_timers.TimerHandle | None = None
         self._dst_paused = False
@@ -206,9 +209,12 @@ class Pipe:
             if backlog > queue_s:
                 self._arm_pump(now + backlog - queue_s)
                 break
-            room = self._window() - self._line_bytes - self._unacked
-            if room <= 0:
-                break  # the window is full: _ack pumps again when it opens
+            in_flight = self._line_bytes + self._unacked
+            room = self._window() - in_flight
+            if room < d.params.mss_bytes and (in_flight or room <= 0):
+                # The window is full: _ack pumps again when it opens. TCP sends
+                # whole segments within its window, never one past it.
+                break
             limit = room if d.batch_bytes is None else min(d.batch_bytes, room)
             piece = self._take_pending(max(int(limit), d.params.mss_bytes))
             self._transmit(piece, now)
@@ -260,28 +266,25 @@ class Pipe:
         """React to a lost segment as TCP does; return when the retransmission arrives.
 
         With enough segments in flight for three duplicate ACKs, fast retransmit
-        repairs it one round trip later and the congestion window halves (once
-        per round trip, as with SACK). With fewer, the sender waits for a
-        retransmission timeout and starts again from one segment. The stream is
-        held until the repair arrives: TCP delivers in order. Compared with real
-        TCP (cubic) by `isthmus bench wan --hosts`; Linux repaired every loss
-        there by SACK recovery, with no timeout (nstat: TCPTimeouts 0 at 1% loss).
+        repairs it one round trip later, and the congestion window is cut as
+        CUBIC cuts it (:mod:`isthmus.sim.congestion`). With fewer, the sender
+        waits for a retransmission timeout and starts again from one segment.
+        The stream is held until the repair arrives: TCP delivers in order.
         """
         d = self.direction
-        mss = d.params.mss_bytes
-        rtt_s = (d.params.delay_ms + self.reverse.params.delay_ms) / 1e3
-        if self._cwnd < 4 * mss:
+        congestion = self._congestion
+        congestion.rtt_s = self._rtt_s()
+        if congestion.cwnd < 4:
             # A timeout: Linux restarts from a one-segment window in slow start
             # (tcp_enter_loss), which at high loss rates keeps windows small.
             self._stall_until = depart + d.rto_s
-            self._ssthresh = max(self._cwnd / 2, 2.0 * mss)
-            self._cwnd = float(mss)
+            congestion.on_timeout(depart)
             return self._stall_until + d.params.delay_ms / 1e3
-        if depart >= self._recovery_until:
-            self._ssthresh = max(self._cwnd / 2, 2.0 * mss)
-            self._cwnd = self._ssthresh
-            self._recovery_until = depart + rtt_s
-        return depart + rtt_s + d.params.delay_ms / 1e3
+        congestion.on_loss(depart)
+        return depart + congestion.rtt_s + d.params.delay_ms / 1e3
+
+    def _rtt_s(self) -> float:
+        return (self.direction.params.delay_ms + self.reverse.params.delay_ms) / 1e3
 
     def _arm_pump(self, when: float) -> None:
         self._pump_timer = self.loop.call_at(when, self.pump)
@@ -306,31 +309,49 @@ class Pipe:
             self._line_bytes -= len(data)
             self._unacked += len(data)
             self.dst.write(data)
-            # The window credit returns when the receiver's ACK has crossed back.
-            ack_delay = self.reverse.params.delay_ms / 1e3
-            if ack_delay > 0:
-                self.loop.call_later(ack_delay, self._ack, len(data))
-            else:
-                self._ack(len(data))
+            self._received += len(data)
+            self._receiver_acks()
         self._arm_deliver()
         self._maybe_finish()
 
+    def _receiver_acks(self, *, all_received: bool = False) -> None:
+        """Send the receiver's ACKs for what it got; the window credit returns when
+        an ACK has crossed back.
+
+        On a lossy link, where the congestion window matters, the receiver delays
+        its ACKs as Linux does (RFC 1122): one per two full segments at once, the
+        rest when its delayed-ACK timer fires, at least 40 ms later. A flight with
+        an odd segment at its end thus waits for the timer, which is what makes
+        Linux's smoothed RTT a few ms longer than the path's.
+        """
+        params = self.direction.params
+        point = self._received
+        if params.loss and not all_received:
+            point -= self._received % (2 * params.mss_bytes)
+        if point > self._acked_point:
+            nbytes, self._acked_point = point - self._acked_point, point
+            if self._delayed_ack is not None:
+                self._delayed_ack.cancel()
+                self._delayed_ack = None
+            ack_delay = self.reverse.params.delay_ms / 1e3
+            if ack_delay > 0:
+                self.loop.call_later(ack_delay, self._ack, nbytes)
+            else:
+                self._ack(nbytes)
+        if self._received > self._acked_point and self._delayed_ack is None:
+            self._delayed_ack = self.loop.call_later(DELAYED_ACK_S, self._delayed_ack_fires)
+
+    def _delayed_ack_fires(self) -> None:
+        self._delayed_ack = None
+        if not self._done:
+            self._receiver_acks(all_received=True)
+
     def _ack(self, nbytes: int) -> None:
         self._unacked -= nbytes
-        if self._cwnd < self.direction.params.window_bytes:
-            # Slow start below ssthresh (doubling per round trip), then one
-            # segment per round trip (Reno's congestion avoidance). Slow start
-            # stops at ssthresh and the rest of the ACK counts as avoidance, as in
-            # Linux's tcp_slow_start: after a timeout the ACKs of a whole window
-            # sent before it would otherwise restore the old window at once.
-            mss = self.direction.params.mss_bytes
-            if self._cwnd < self._ssthresh:
-                slow = min(float(nbytes), self._ssthresh - self._cwnd)
-                self._cwnd += slow
-                nbytes -= int(slow)
-            if nbytes > 0:  # slow start reached ssthresh: avoidance for the rest
-                self._cwnd += mss * nbytes / self._cwnd
-            self._cwnd = min(self._cwnd, float(self.direction.params.window_bytes))
+        params = self.direction.params
+        if params.loss:
+            self._congestion.limit = params.window_bytes / params.mss_bytes
+            self._congestion.on_ack(nbytes / params.mss_bytes, self.loop.time())
         if self._pending and self._pump_timer is None:
             self.pump()
         else:
@@ -341,7 +362,11 @@ class Pipe:
         a lossy link also the congestion window (a lossless link never makes TCP
         back off)."""
         params = self.direction.params
-        return params.window_bytes if params.loss == 0 else min(params.window_bytes, self._cwnd)
+        if params.loss == 0:
+            return params.window_bytes
+        # Linux counts its congestion window in whole segments.
+        congestion = math.floor(self._congestion.segments(self.loop.time())) * params.mss_bytes
+        return min(params.window_bytes, congestion)
 
     def attach_destination(self, transport: asyncio.Transport) -> None:
         self.dst = transport
@@ -401,7 +426,7 @@ class Pipe:
     def close(self) -> None:
         """Stop for good: timers cancelled, undelivered bytes dropped."""
         self._done = True
-        for timer in (self._pump_timer, self._deliver_timer):
+        for timer in (self._pump_timer, self._deliver_timer, self._delayed_ack):
             if timer is not None:
                 timer.cancel()
         self._pending.clear()

@@ -355,10 +355,13 @@ def test_eof_before_the_upstream_is_connected_still_reaches_it(hasher, two_sites
 
 
 def test_bulk_throughput_under_loss_follows_tcp(probe, two_sites):
-    # Reno/cubic-like TCP under random loss moves about MSS/RTT * 1.22/sqrt(p)
-    # (Mathis); the proxy's congestion response is calibrated to it.
+    # CUBIC at short round trips saws between 0.7 W and W at +0.53 segment per
+    # RTT, with a round trip to detect each loss and one of recovery: at 1% loss
+    # (a loss per 100 segments) W is about 12.8 segments over cycles of about
+    # 9.2 round trips, some 6.3 Mbit/s at 20 ms. Linux measured within 10% of
+    # that sawtooth (isthmus bench wan --hosts); Reno's old proxy ran 1.45x fast.
     params = LinkParams.symmetric(rtt_ms=20, loss=0.01)
     with two_sites(probe.address, params, seed=3) as wan:
-        result = measure_throughput(wan.dial_address("a", "b"), seconds=3)
-    mathis = 1448 * 8 / 0.020 * 1.2247 / 0.1 / 1e6
-    assert mathis / 2.5 <= result.mbit_per_s_after(1.0) <= mathis * 2.5
+        result = measure_throughput(wan.dial_address("a", "b"), seconds=4)
+    sawtooth = 100 * 1448 * 8 / (9.2 * 0.020) / 1e6
+    assert sawtooth / 1.5 <= result.mbit_per_s_after(1.0) <= sawtooth * 1.5
