@@ -3,15 +3,14 @@
     python benchmarks/perf_model_validation.py [--out DIR] [--write-docs]
 
 1. Calibration (not part of the validation): the compute time of a step
-   right before each run, on its job file (``isthmus.deploy.calibrate.
-   run_step_seconds``, as ``isthmus sim --calibrate``: a short lockstep run
-   with the emulator, launcher and broker running as in the runs; this
-   machine's speed drifts too much over minutes for one calibration at the
-   start), and the host work of one
-   exchange, (a + b (S - 1)) x processes per core for S sites (a: DiLoCo's
-   outer step; b: per peer), from DiLoCo runs of 2 and of 4 sites on a 1 ms,
-   1 Gbit/s link (their measured syncing time per round minus the model's
-   wire time).
+   right before and right after each run (their mean), on its job file
+   (``isthmus.deploy.calibrate.run_step_seconds``, as ``isthmus sim
+   --calibrate``: a short lockstep run with the emulator, launcher and broker
+   running as in the runs; this machine's speed drifts too much over minutes
+   for one calibration at the start), and the host work of one exchange,
+   (a + b (S - 1)) x processes per core for S sites (a: DiLoCo's outer step;
+   b: per peer), from DiLoCo runs of 2 and of 4 sites on a 1 ms, 1 Gbit/s
+   link (their measured syncing time per round minus the model's wire time).
 2. Validation: emulated runs (``isthmus run``) of 2-4 sites, sync, DiLoCo and
    Streaming DiLoCo, two bandwidths; each run's measured time per inner step
    and compute utilisation (evaluation time left out, as the model has none)
@@ -178,18 +177,24 @@ def main() -> int:
     rows = []
     for index, case in enumerate(CASES):
         # This machine's speed drifts (the same 2-site step measured 83 and 130 ms
-        # twenty minutes apart): calibrate each case's step right before it, on its
-        # own job file, as `isthmus sim --calibrate` would.
+        # twenty minutes apart, and 74 and 92 ms in two cases minutes apart):
+        # calibrate each case's step right before and right after it, on its own
+        # job file, as `isthmus sim --calibrate` would, and use the mean, so a
+        # drift during the run is bracketed instead of carried in whole.
         folder = root / f"case-{index}"
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "calibrate.yaml").write_text(job_text(case))
-        step_s = run_step_seconds(folder / "calibrate.yaml")
+        before_s = run_step_seconds(folder / "calibrate.yaml")
         measured = run(case, folder)
+        after_s = run_step_seconds(folder / "calibrate.yaml")
+        step_s = (before_s + after_s) / 2
         predicted = predict_run(scenario(case, step_s, overhead, peer))
         row = {
             "case": case.name,
             "steps": case.steps,
             "calibrated_step_ms": step_s * 1e3,
+            "calibrated_before_ms": before_s * 1e3,
+            "calibrated_after_ms": after_s * 1e3,
             "measured_step_ms": measured["step_s"] * 1e3,
             "predicted_step_ms": predicted.step_s * 1e3,
             "step_error": predicted.step_s / measured["step_s"] - 1,
@@ -199,7 +204,8 @@ def main() -> int:
         }
         rows.append(row)
         print(
-            f"{case.name:48s} step {row['measured_step_ms']:7.1f} ms measured, "
+            f"{case.name:48s} calibrated {before_s * 1e3:.1f} ms before, "
+            f"{after_s * 1e3:.1f} ms after; step {row['measured_step_ms']:7.1f} ms measured, "
             f"{row['predicted_step_ms']:7.1f} predicted ({row['step_error']:+.1%}); "
             f"utilisation {row['measured_utilization']:.1%} vs "
             f"{row['predicted_utilization']:.1%} ({row['utilization_error']:+.1%})",
@@ -226,7 +232,8 @@ def write_docs(result: dict) -> None:
     lines = [
         MARKERS[0],
         "",
-        "Calibration: each run's compute per step just before it (column 'calibrated'); "
+        "Calibration: each run's compute per step, the mean of a calibration just before "
+        "and one just after it (column 'calibrated', both in brackets); "
         f"host work per exchange: outer step {cal['outer_step_ms']:.0f} ms + "
         f"{cal['peer_overhead_ms']:.0f} ms per peer site, times processes per core.",
         "",
@@ -236,7 +243,8 @@ def write_docs(result: dict) -> None:
     ]
     for r in result["rows"]:
         lines.append(
-            f"| {r['case']} | {r['steps']} | {r['calibrated_step_ms']:.1f} ms | "
+            f"| {r['case']} | {r['steps']} | {r['calibrated_step_ms']:.1f} ms "
+            f"({r['calibrated_before_ms']:.0f}, {r['calibrated_after_ms']:.0f}) | "
             f"{r['measured_step_ms']:.1f} ms | "
             f"{r['predicted_step_ms']:.1f} ms | {r['step_error']:+.1%} | "
             f"{r['measured_utilization']:.1%} | {r['predicted_utilization']:.1%} | "
