@@ -32,6 +32,8 @@ def build_summary(state: RunState, *, ended: float | None = None) -> dict[str, A
         result = _read_result(state.run_dir / "sites" / name / "result.json")
         if site.status in ("finished", "left") and result is not None:
             entry = {key: result.get(key) for key in SITE_FIELDS}
+            if "late_contributions_applied" in result:  # async only
+                entry["late_contributions_applied"] = result["late_contributions_applied"]
             sent_to[name] = result.get("wan_bytes_sent_to", {})
         else:  # what its records said last
             entry = {

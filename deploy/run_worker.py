@@ -117,7 +117,14 @@ def build_strategy(
         )
     if settings.strategy == "async":
         return AsyncDiLoCo(
-            site, model, optimizer, **outer, **common, rejoin_timeout_s=settings.rejoin_timeout_s
+            site,
+            model,
+            optimizer,
+            **outer,
+            **common,
+            rejoin_timeout_s=settings.rejoin_timeout_s,
+            late_contributions=settings.late_contributions,
+            staleness_weight=settings.staleness_weight,
         )
     return StreamingDiLoCo(
         site,
@@ -436,6 +443,8 @@ def _train(
         "wan_bytes_sent_to": totals["wan_bytes_sent_to"],
         "param_sha256": parameter_digest(final),
     }
+    if isinstance(strategy, AsyncDiLoCo):
+        result["late_contributions_applied"] = strategy.late_contributions_applied
     write_json_atomic(run_dir / "sites" / site.name / "result.json", result)
     records.write("state", state=result["status"])
     return 0

@@ -63,6 +63,17 @@ class TrainSettings:
     """With a lossy codec, carry what it lost of each site's values into the next
     exchange of the same values (keeps ``int4`` and ``int8`` unbiased over rounds)."""
 
+    late_contributions: str = "drop"
+    """``async``: what becomes of a site's pseudo-gradient when the site missed its
+    round (``round_deadline_s`` passed, the others went on without it, and it caught
+    up from them): ``drop`` it, or ``stale``: the site adds it, times
+    ``staleness_weight``, to its next contribution, so its compute still counts, a
+    round late and damped."""
+
+    staleness_weight: float = 0.5
+    """``async`` with ``late_contributions: stale``: the weight of a late
+    pseudo-gradient in the site's next contribution, in (0, 1]."""
+
     fragments: int = 2
     """``streaming``: parts of the model that sync at staggered steps."""
 
@@ -143,6 +154,14 @@ class TrainSettings:
         if not isinstance(self.error_feedback, bool):
             raise SettingError(
                 "error_feedback", f"must be true or false, got {self.error_feedback!r}"
+            )
+        check_late_contributions(self.late_contributions, self.staleness_weight)
+        if self.late_contributions != "drop" and self.strategy != "async":
+            raise SettingError(
+                "late_contributions",
+                f"late contributions are an async setting; strategy {self.strategy!r} "
+                "applies every round's average in that round (remove late_contributions "
+                "or use strategy: async)",
             )
         _positive_int("fragments", self.fragments)
         if not (isinstance(self.overlap_steps, int) and self.overlap_steps >= 0):
@@ -228,3 +247,18 @@ def _is_number(value: Any) -> bool:
 def _positive_int(name: str, value: Any) -> None:
     if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         raise SettingError(name, f"must be an integer >= 1, got {value!r}")
+
+
+LATE_CONTRIBUTIONS = ("drop", "stale")
+
+
+def check_late_contributions(late: Any, weight: Any) -> None:
+    """Validate ``late_contributions`` and ``staleness_weight`` (job files and the API)."""
+    if late not in LATE_CONTRIBUTIONS:
+        raise SettingError(
+            "late_contributions",
+            f"unknown policy {late!r}; use drop (a late site's pseudo-gradient is dropped) "
+            "or stale (it is added, damped, to the site's next contribution)",
+        )
+    if not (_is_number(weight) and 0 < weight <= 1):
+        raise SettingError("staleness_weight", f"must be a number in (0, 1], got {weight!r}")

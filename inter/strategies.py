@@ -41,7 +41,7 @@ from isthmus.inter.join import SiteRuntime
 from isthmus.inter.member_rounds import EarlyExchange, MemberRounds, shapes_match
 from isthmus.inter.membership import View
 from isthmus.inter.outer import OuterOptimizer
-from isthmus.inter.settings import SettingError
+from isthmus.inter.settings import SettingError, check_late_contributions
 from isthmus.inter.state_transfer import StateUnavailable
 from isthmus.proto import wire_pb2
 
@@ -1113,6 +1113,14 @@ class AsyncDiLoCo(_BackgroundExchanges):
     that catches up pulls the outer state and the step at which the others sent
     the round, takes part in it at once with nothing of its own, and trains on
     from that step.
+
+    A site that missed a round (``round_deadline_s`` passed and the others went
+    on without it) had sent a pseudo-gradient that no one applied. With
+    ``late_contributions="drop"`` it is lost; with ``"stale"`` the site adds it,
+    times ``staleness_weight``, to its next contribution, so its compute still
+    counts, one round late and damped. Either way the global parameters stay the
+    same everywhere: a contribution is only ever this site's own vector in an
+    average that every member computes alike.
     """
 
     def __init__(
@@ -1129,7 +1137,16 @@ class AsyncDiLoCo(_BackgroundExchanges):
         tokens_per_step: int = 1,
         outer_device: str = "cpu",
         rejoin_timeout_s: float = 600.0,
+        late_contributions: str = "drop",
+        staleness_weight: float = 0.5,
     ) -> None:
+        check_late_contributions(late_contributions, staleness_weight)
+        self.late_contributions = late_contributions
+        self.staleness_weight = float(staleness_weight)
+        self.late_contributions_applied = 0
+        """Late pseudo-gradients this site added to a later contribution."""
+        self._late: list[torch.Tensor] | None = None
+        """This site's pseudo-gradient of a round it missed, until its next send."""
         self._flight: _AsyncExchange | None = None
         super().__init__(
             site,
@@ -1154,8 +1171,11 @@ class AsyncDiLoCo(_BackgroundExchanges):
     def state_dict(self) -> dict[str, Any]:
         """Also the exchange in flight: the pseudo-gradient sent, the local
         parameters at the send, and the site's round counter and error feedback as
-        they were before it (a resumed run sends it again from there)."""
+        they were before it (a resumed run sends it again from there); and a missed
+        round's pseudo-gradient still to be carried (``late_contributions="stale"``)."""
         state = {**super().state_dict(), "rounds": self.rounds, "sent_at": self._sent_at}
+        if self._late is not None:
+            state["late"] = self._late
         if self._flight is not None:
             state["site"] = self._flight.site_state
             state["in_flight"] = {"sent": self._flight.sent, "anchor": self._flight.anchor}
@@ -1168,6 +1188,7 @@ class AsyncDiLoCo(_BackgroundExchanges):
         self.rounds = int(state["rounds"])
         self._sent_at = int(state["sent_at"])
         self._resume = state.get("in_flight")
+        self._late = state.get("late")
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.inner_steps += 1
@@ -1190,6 +1211,18 @@ class AsyncDiLoCo(_BackgroundExchanges):
             if resumed is None:
                 deltas = self.outer.pseudo_gradients()
                 anchor = [p.detach().clone() for p in self.params]
+                if self._late is not None:
+                    for d, late in zip(deltas, self._late, strict=True):
+                        d.add_(late.to(d.device, d.dtype), alpha=self.staleness_weight)
+                    self._late = None
+                    self.late_contributions_applied += 1
+                    log.info(
+                        "site %s: round %d carries this site's missed round's "
+                        "pseudo-gradient at weight %g",
+                        self.site.name,
+                        self.rounds,
+                        self.staleness_weight,
+                    )
             else:
                 deltas, anchor = list(resumed["sent"]), list(resumed["anchor"])
             pending = self._exchange_in_view(deltas, "model", view)
@@ -1227,8 +1260,18 @@ class AsyncDiLoCo(_BackgroundExchanges):
                 self.rounds += 1
 
         def restart(view: View, caught_up: bool) -> PendingAverage:
-            if caught_up:  # the others' round, with nothing of this site's
+            if caught_up and flight.own:  # the others' round, with nothing of this site's
+                if self.late_contributions == "stale":
+                    self._late = flight.sent
+                    log.warning(
+                        "site %s: missed round %d; its pseudo-gradient goes into its next "
+                        "contribution at weight %g (late_contributions: stale)",
+                        self.site.name,
+                        self.rounds,
+                        self.staleness_weight,
+                    )
                 flight.sent = self.outer.pseudo_gradients()
+                flight.own = False
             return self._exchange_in_view(flight.sent, "model", view)
 
         return self._complete_round(flight.early, restart, apply)
@@ -1292,6 +1335,9 @@ class _AsyncExchange:
     site_state: dict[str, Any]
     """The site's round counter and error feedback before it was sent: a checkpoint
     that catches it in flight goes back to them."""
+    own: bool = True
+    """Whether ``sent`` is still this site's own pseudo-gradient (not the zeros of a
+    site that caught up and takes part with nothing of its own)."""
 
 
 def _check_outer(outer_lr: Any, outer_momentum: Any) -> None:

@@ -189,6 +189,18 @@ def test_egress_overrides_one_direction():
             "train.error_feedback: must be true or false",
         ),
         (
+            "name: x\nsites: [{name: a}]\ntrain: {strategy: async, late_contributions: keep}\n",
+            "train.late_contributions: unknown policy 'keep'; use drop",
+        ),
+        (
+            "name: x\nsites: [{name: a}]\ntrain: {late_contributions: stale}\n",
+            "train.late_contributions: late contributions are an async setting",
+        ),
+        (
+            "name: x\nsites: [{name: a}]\ntrain: {strategy: async, staleness_weight: 0}\n",
+            "train.staleness_weight: must be a number in (0, 1], got 0",
+        ),
+        (
             "name: x\nsites: [{name: a}]\ntrain: {round_deadline_s: 30}\n",
             "train.collective_timeout_s: 60 s must be shorter than round_deadline_s (30 s)",
         ),
