@@ -1264,10 +1264,11 @@ class AsyncDiLoCo(_BackgroundExchanges):
                 if self.late_contributions == "stale":
                     self._late = flight.sent
                     log.warning(
-                        "site %s: missed round %d; its pseudo-gradient goes into its next "
-                        "contribution at weight %g (late_contributions: stale)",
+                        "site %s: missed round %d; its pseudo-gradient (norm %.6g) goes into "
+                        "its next contribution at weight %g (late_contributions: stale)",
                         self.site.name,
                         self.rounds,
+                        math.sqrt(sum(float(t.double().square().sum()) for t in flight.sent)),
                         self.staleness_weight,
                     )
                 flight.sent = self.outer.pseudo_gradients()
