@@ -8,12 +8,18 @@ same job with synchronisation switched off (``--strategy none``: the same
 processes, the same concurrency). Target (strategies issue): ``async`` or
 ``streaming`` >= 0.97, reported next to ``sync`` and ``diloco``.
 
-    python benchmarks/strategy_throughput.py [--steps 200] [--sync-every 50]
+    python benchmarks/strategy_throughput.py [--steps 200] [--sync-every 50] [--repeats 3]
+        [--json FILE]
+
+Each round runs the baseline and every strategy back to back; a strategy's
+ratio is against its own round's baseline, and the median over rounds is
+reported with every round's ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import statistics
 import sys
@@ -48,7 +54,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--sync-every", type=int, default=50)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="rounds of runs; each strategy is divided by the no-sync run of its own round",
+    )
+    parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     configs = {
         "none": ["--strategy", "none"],
         "sync": ["--strategy", "sync"],
@@ -56,13 +71,41 @@ def main() -> int:
         "streaming": ["--strategy", "streaming", "--fragments", "2", "--overlap-steps", "5"],
         "async": ["--strategy", "async"],
     }
-    rates = {}
-    for name, flags in configs.items():
-        rates[name] = run(flags, args.steps, args.sync_every)
-        print(f"{name}: {rates[name]:.0f} tokens/s", file=sys.stderr, flush=True)
-    print(f"tokens/s on three continents, {args.steps} steps, H={args.sync_every}, vs no sync:")
-    for name, rate in rates.items():
-        print(f"  {name:10} {rate:8.0f} tokens/s  {rate / rates['none']:.3f}")
+    # This machine's speed drifts over minutes: each round runs the baseline and
+    # every strategy back to back, and a strategy's ratio is taken against its
+    # own round's baseline; the median over rounds is reported.
+    rates: dict[str, list[float]] = {name: [] for name in configs}
+    ratios: dict[str, list[float]] = {name: [] for name in configs if name != "none"}
+    for repeat in range(args.repeats):
+        for name, flags in configs.items():
+            rates[name].append(run(flags, args.steps, args.sync_every))
+            print(
+                f"round {repeat + 1}/{args.repeats}: {name}: {rates[name][-1]:.0f} tokens/s",
+                file=sys.stderr,
+                flush=True,
+            )
+        for name in ratios:
+            ratios[name].append(rates[name][-1] / rates["none"][-1])
+    print(
+        f"tokens/s on three continents, {args.steps} steps, H={args.sync_every}, vs no sync "
+        f"in the same round (median of {args.repeats} rounds; every round's ratio):"
+    )
+    print(f"  {'none':10} {statistics.median(rates['none']):8.0f} tokens/s")
+    for name, values in ratios.items():
+        listed = ", ".join(f"{v:.3f}" for v in values)
+        print(
+            f"  {name:10} {statistics.median(rates[name]):8.0f} tokens/s  "
+            f"{statistics.median(values):.3f}  ({listed})"
+        )
+    if args.json:
+        figures = {
+            "steps": args.steps,
+            "sync_every": args.sync_every,
+            "tokens_per_s": rates,
+            "ratio_to_no_sync": ratios,
+            "median_ratio": {name: statistics.median(v) for name, v in ratios.items()},
+        }
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
     return 0
 
 
