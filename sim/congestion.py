@@ -64,10 +64,10 @@ class CubicWindow:
         self._friendly = 0.0
         # The pending reduction: when the sender learns of the loss.
         self._reduce_at: float | None = None
-        # Segments sent before this time belong to the recovery under way.
+        # Segments sent before this time belong to the recovery under way; it is
+        # also when that recovery was detected, from which the window does not
+        # grow until the retransmission is acknowledged (``_frozen_until``).
         self._recovery_sent_before = -math.inf
-        # No growth from detection until the retransmission is acknowledged.
-        self._frozen_from = math.inf
         self._frozen_until = -math.inf
 
     def segments(self, now: float) -> float:
@@ -79,7 +79,7 @@ class CubicWindow:
     def on_ack(self, acked_segments: float, now: float) -> None:
         """``acked_segments`` (may be fractional) were acknowledged at ``now``."""
         self._settle(now)
-        if self._frozen_from <= now < self._frozen_until or acked_segments <= 0:
+        if self._recovery_sent_before <= now < self._frozen_until or acked_segments <= 0:
             return
         if self.cwnd < self.ssthresh:
             slow = min(acked_segments, self.ssthresh - self.cwnd)
@@ -103,7 +103,6 @@ class CubicWindow:
         detected = sent_at + self.rtt_s
         self._reduce_at = detected
         self._recovery_sent_before = detected
-        self._frozen_from = detected
         self._frozen_until = detected + self.rtt_s
         return True
 
@@ -113,7 +112,7 @@ class CubicWindow:
         self._cut()
         self.cwnd = 1.0
         self._recovery_sent_before = now
-        self._frozen_from = math.inf
+        self._frozen_until = -math.inf
 
     # -- internals --------------------------------------------------------------
     def _settle(self, now: float) -> None:
