@@ -41,7 +41,14 @@ from isthmus.inter.hierarchical import PendingAverage, RoundAborted, StepReport
 from isthmus.inter.join import SiteRuntime
 from isthmus.inter.membership import Membership, MembershipError, View
 from isthmus.inter.peer import PeerError
-from isthmus.inter.state_transfer import StateGone, StateUnavailable, fetch_state, pack_state
+from isthmus.inter.state_transfer import (
+    Fetched,
+    StateGone,
+    StateUnavailable,
+    fetch_state,
+    pack_state,
+)
+from isthmus.intra.layout import Layout
 from isthmus.proto import wire_pb2
 
 log = logging.getLogger(__name__)
@@ -49,6 +56,8 @@ log = logging.getLogger(__name__)
 PROBE_TIMEOUT_S = 3.0
 """How long a cut-off site waits for a member's handshake before it says it cannot
 reach it."""
+DONE_CHECK_S = 1.0
+"""How often a site pulling the state checks whether the others are all done."""
 
 ROUND_FAILURES = (RoundAborted, RoundError, PeerError, TimeoutError)
 """What a round that cannot finish under its view raises."""
@@ -401,23 +410,15 @@ class MemberRounds:
         site = self.site
         assert view.donor is not None
         donor_layout = site.job.site(view.donor).layout
-        if donor_layout != site.layout:
+        if not state_transferable(donor_layout, site.layout):
             raise MembershipError(
-                f"site {site.name}: the state is pulled rank by rank from a site of the same "
-                f"layout, but the donor {view.donor} has {donor_layout} and this site "
-                f"{site.layout}; give the sites the same layout (ranks, tp, pp)"
+                f"site {site.name}: the state is pulled rank by rank, from the donor's rank "
+                f"that holds the same share of the model; the donor {view.donor} has "
+                f"{donor_layout} and this site {site.layout}, which shard it differently. "
+                f"Give the sites the same layout, or leave dp_shard at 1 on both"
             )
-        client = site.client_for(view.donor)
         with self._blocking("waiting"):
-            expected = self._state_bytes()
-            fetched = site.loop.run(
-                fetch_state(
-                    client,
-                    view.start_round,
-                    deadline_s=self.member_timeout_s,
-                    max_bytes=expected + (1 << 20) + expected // 10,
-                )
-            )
+            fetched = site.loop.run(self._fetch_while_others_train(view))
         with self._state_lock:
             self._load_global_state(fetched.state, view.donor)
             self._served = None
@@ -440,6 +441,34 @@ class MemberRounds:
             fetched.seconds,
         )
 
+    async def _fetch_while_others_train(self, view: View) -> Fetched:
+        """The donor's state after ``view.start_round`` rounds; raises
+        :class:`MembershipError` once every other site is done training, as no donor
+        will get there then (a site let back in just as the others finish)."""
+        membership = self.membership
+        assert membership is not None and view.donor is not None
+        expected = self._state_bytes()
+        fetch = asyncio.ensure_future(
+            fetch_state(
+                self.site.client_for(view.donor),
+                view.start_round,
+                deadline_s=self.member_timeout_s,
+                max_bytes=expected + (1 << 20) + expected // 10,
+            )
+        )
+        try:
+            while not (await asyncio.wait({fetch}, timeout=DONE_CHECK_S))[0]:
+                if membership.others_done():
+                    raise MembershipError(
+                        f"site {self.site.name}: every other site finished training before "
+                        f"this site could pull the state after {view.start_round} rounds "
+                        f"from {view.donor} (view {view.epoch} let it back in too late); "
+                        f"it ends with the model it had after {self.rounds} rounds"
+                    )
+            return fetch.result()
+        finally:
+            fetch.cancel()
+
     def state_after(self, rounds: int) -> tuple[str, bytes]:
         """The global state after ``rounds`` rounds, serialised (what a catching-up
         peer pulls; see :mod:`isthmus.inter.state_transfer`). Called from the peer
@@ -460,6 +489,18 @@ class MemberRounds:
                 digest, blob = pack_state({"rounds": self.rounds, **self._global_state()})
                 self._served = (rounds, digest, blob)
             return self._served[1], self._served[2]
+
+
+def state_transferable(donor: Layout, mine: Layout) -> bool:
+    """Whether each rank of a site of layout ``mine`` finds its share of the global
+    state on the donor rank it shares its first lane with. That rank has the same
+    pipeline and tensor coordinates (equal across the job); its data-parallel index
+    may differ, which matters only where the data-parallel ranks shard the state.
+    So: the same layout, or replicas on both sides (a 2-rank site may feed a
+    1-rank one)."""
+    return donor == mine or (
+        (donor.pp, donor.tp) == (mine.pp, mine.tp) and donor.dp_shard == mine.dp_shard == 1
+    )
 
 
 def shapes_match(site: str, donor: str, mine: Iterator[torch.Tensor], theirs: Any) -> None:

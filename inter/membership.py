@@ -602,6 +602,12 @@ class Membership:
         finally:
             self._changed.acquire()
 
+    def others_done(self) -> bool:
+        """Whether every other site of the job is done training (so nothing this site
+        waits for from them will come)."""
+        with self._changed:
+            return self._members_gone(self.latest)
+
     def _members_gone(self, view: View) -> bool:
         """Whether every other site of the job is done training (a site that died may
         come back; one that is done will not)."""

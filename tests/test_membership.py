@@ -444,3 +444,14 @@ def test_a_transfer_goes_on_from_the_last_good_byte_after_a_bad_part(monkeypatch
     assert fetched.resumed == 1
     assert offsets == [0, 3 * 16 * 1024]  # asked again from the last good byte
     assert fetched.bytes == len(blob)
+
+
+def test_a_site_let_back_in_as_the_others_finish_learns_that_they_are_all_done():
+    """What a site pulling the state checks: once every other site says it is done
+    training, no donor will reach the round it waits for."""
+    c = Membership(SITES, "c", min_sites=1)
+    c.on_status("a", {"state": "online", "membership": training(40).to_message()})
+    c.on_status("b", {"state": "online", "membership": Report(phase="done").to_message()})
+    assert not c.others_done()
+    c.on_status("a", {"state": "online", "membership": Report(phase="done").to_message()})
+    assert c.others_done()

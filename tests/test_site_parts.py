@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from isthmus.inter.member_rounds import state_transferable
 from isthmus.intra.data import Dataset, ShardSpec, load_corpus, stdlib_corpus
 from isthmus.intra.layout import Layout, LayoutError, check_sites, stage_layers
 from isthmus.intra.model import GPT, SIZES, GPTConfig, config_for, lm_loss
@@ -39,6 +40,16 @@ def test_coordinates_and_ranks_round_trip():
         assert layout.rank_of(pp=c["pp"], dp=dp, tp=c["tp"]) == rank
         assert rank in layout.dp_peers(rank)
     assert layout.coordinates(1)["tp"] == 1  # tp is innermost: neighbours
+
+
+def test_state_is_pulled_across_layouts_only_where_replicas_hold_it_whole():
+    one, two = Layout.for_ranks(1), Layout.for_ranks(2)
+    assert state_transferable(two, one) and state_transferable(one, two)
+    sharded = Layout.for_ranks(2, {"dp_shard": 2})
+    assert state_transferable(sharded, sharded)
+    assert not state_transferable(sharded, one)  # a's rank holds half of what b needs
+    assert not state_transferable(Layout.for_ranks(4, {"dp_shard": 2}), sharded)
+    assert not state_transferable(Layout.for_ranks(2, {"tp": 2}), one)
 
 
 def test_model_and_sites_checks():
