@@ -50,6 +50,7 @@ from isthmus.inter.settings import TrainSettings
 from isthmus.inter.strategies import AsyncDiLoCo, DiLoCo, Strategy, StreamingDiLoCo, Sync
 from isthmus.intra.checkpoint import checkpoint_path, load_checkpoint, load_extra, save_checkpoint
 from isthmus.intra.data import Dataset, ShardSpec, load_corpus
+from isthmus.intra.gradients import clip_grad_norm
 from isthmus.intra.model import GPT, config_for, lm_loss
 from isthmus.intra.parallelize import GPT_PLAN, ModelPlan, SiteModel
 from isthmus.intra.plugins import DataContext, load_callable, load_model
@@ -92,6 +93,7 @@ def build_strategy(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     tokens_per_step: int,
+    stage_group: dist.ProcessGroup | None = None,
 ) -> Strategy:
     common: dict[str, Any] = {
         "codec": settings.codec,
@@ -99,7 +101,15 @@ def build_strategy(
         "tokens_per_step": tokens_per_step,
     }
     if settings.strategy == "sync":
-        return Sync(site, model, optimizer, **common, rejoin_timeout_s=settings.rejoin_timeout_s)
+        return Sync(
+            site,
+            model,
+            optimizer,
+            **common,
+            rejoin_timeout_s=settings.rejoin_timeout_s,
+            max_grad_norm=settings.grad_clip or None,
+            stage_group=stage_group,
+        )
     outer: dict[str, Any] = {
         "sync_every": settings.sync_every,
         "outer_lr": settings.outer_lr,
@@ -249,7 +259,8 @@ def _train(
     batches = _batches(job, settings, site, dataset, start_step)
     first = next(batches)
     tokens_per_step = first[1].numel()
-    strategy = build_strategy(settings, site, part.model, optimizer, tokens_per_step)
+    stage_group = part.stage_group
+    strategy = build_strategy(settings, site, part.model, optimizer, tokens_per_step, stage_group)
     if resumed:
         strategy.load_state_dict(resumed["strategy"])
         torch.set_rng_state(resumed["rng"])
@@ -309,6 +320,8 @@ def _train(
                     grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                     dist.all_reduce(grad, group=replicas)
                     grad.div_(site.layout.dp)
+        if settings.grad_clip and settings.strategy != "sync":  # sync clips the average
+            clip_grad_norm(part.parameters(), settings.grad_clip, stage_group)
         try:
             optimizer.step()  # the strategy's rounds run inside this call
         except LeftTheRun as exc:

@@ -36,6 +36,7 @@ from isthmus.deploy.site_errors import run_site_main
 from isthmus.inter.join import start_site
 from isthmus.intra.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from isthmus.intra.data import Dataset, ShardSpec, stdlib_corpus
+from isthmus.intra.gradients import clip_grad_norm
 from isthmus.intra.model import GPT, config_for, lm_loss
 from isthmus.intra.parallelize import GPT_PLAN, ModelPlan, SiteModel
 from isthmus.intra.plugins import DataContext, load_callable, load_model
@@ -96,8 +97,11 @@ def _dataset(corpus_bytes: int | None, seq_len: int) -> Dataset:
     return Dataset(stdlib_corpus(corpus_bytes), seq_len)
 
 
-def reference_training(job: Job, recipe: Recipe, *, steps: int, lr: float) -> nn.Module:
-    """One process, one model, every rank's batch of each step in one mean loss."""
+def reference_training(
+    job: Job, recipe: Recipe, *, steps: int, lr: float, grad_clip: float = 0.0
+) -> nn.Module:
+    """One process, one model, every rank's batch of each step in one mean loss;
+    ``grad_clip``: torch's own clipping of that one gradient."""
     model, _, loss_fn = recipe.model()
     streams = [
         recipe.batches(job, i, r) for i, site in enumerate(job.sites) for r in range(site.layout.dp)
@@ -109,6 +113,8 @@ def reference_training(job: Job, recipe: Recipe, *, steps: int, lr: float) -> nn
         y = torch.cat([p[1] for p in pairs])
         optimizer.zero_grad()
         loss_fn(model(x), y).backward()
+        if grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         optimizer.step()
     return model
 
@@ -149,7 +155,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         start = load_checkpoint(latest, part.model, optimizer)["step"]
         for _ in range(start):  # batches are a fixed sequence: skip those trained on
             next(stream)
-    reports, losses = [], []
+    reports, losses, norms = [], [], []
     try:
         for step in range(start, args.steps):
             x, y = next(stream)
@@ -172,6 +178,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
                     in_site_reduce=not part.sharded,
                 )
             )
+            if args.grad_clip:
+                norms.append(clip_grad_norm(params, args.grad_clip, part.stage_group))
             optimizer.step()
             if checkpoints is not None and (step + 1) % args.checkpoint_every == 0:
                 save_checkpoint(checkpoints, step + 1, part.model, optimizer)
@@ -194,6 +202,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "in_site_s": statistics.median(r.in_site_s for r in reports) if reports else 0.0,
         "wan_s": statistics.median(r.wan_s for r in reports) if reports else 0.0,
         "losses": losses,
+        "grad_norms": norms,
     }
 
 
@@ -223,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         "--non-iid", action="store_true", help="built-in data: each site its own part of it"
     )
     parser.add_argument("--microbatches", type=int, default=2, help="per step, with pp > 1")
+    parser.add_argument(
+        "--grad-clip", type=float, default=0.0, help="clip the averaged gradient's norm; 0: never"
+    )
     parser.add_argument("--checkpoint-dir", help="checkpoint each site under DIR/SITE; resume")
     parser.add_argument("--checkpoint-every", type=int, default=1, metavar="STEPS")
     args = parser.parse_args(argv)

@@ -90,6 +90,11 @@ class TrainSettings:
     """``isthmus run``: inner steps of linear learning-rate warm-up; cosine decay to 10%
     of ``inner_lr`` after it."""
 
+    grad_clip: float = 1.0
+    """``isthmus run``: before every inner step, scale the gradient down to this norm
+    (the whole model's, every stage and shard) where it is larger; 0: never. With
+    ``sync`` it is the averaged gradient that is clipped, after the exchange."""
+
     batch_size: int = 8
     """``isthmus run``: sequences per step, per data-parallel rank."""
 
@@ -172,6 +177,11 @@ class TrainSettings:
             raise SettingError("alpha", f"must be in [0, 1], got {self.alpha!r}")
         if not (_is_number(self.inner_lr) and self.inner_lr > 0):
             raise SettingError("inner_lr", f"must be a number > 0, got {self.inner_lr!r}")
+        if not (_is_number(self.grad_clip) and self.grad_clip >= 0):
+            raise SettingError(
+                "grad_clip",
+                f"must be a gradient norm >= 0 (0: no clipping), got {self.grad_clip!r}",
+            )
         if not (isinstance(self.warmup_steps, int) and self.warmup_steps >= 0):
             raise SettingError(
                 "warmup_steps", f"must be an integer >= 0, got {self.warmup_steps!r}"

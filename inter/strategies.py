@@ -43,6 +43,7 @@ from isthmus.inter.membership import View
 from isthmus.inter.outer import OuterOptimizer
 from isthmus.inter.settings import SettingError, check_late_contributions
 from isthmus.inter.state_transfer import StateUnavailable
+from isthmus.intra.gradients import clip_grad_norm
 from isthmus.proto import wire_pb2
 
 log = logging.getLogger(__name__)
@@ -221,6 +222,12 @@ class Sync(MemberRounds, Strategy):
     backward pass per optimizer step; with gradient accumulation, use
     ``overlap=False``. The averages are the same, bit for bit, either way.
 
+    ``max_grad_norm``: clip the averaged gradient to this norm before the step,
+    as a single model trained on every site's data would (a caller cannot: the
+    average arrives inside ``optimizer.step()``). Pipeline-parallel sites pass
+    ``stage_group``, the ranks holding the other stages, so the norm is the
+    whole model's.
+
     With a membership (``site.membership``), every optimizer step is a round
     (see :mod:`isthmus.inter.member_rounds`): a site lost mid-step makes the
     others run the step's exchange again without it, from the gradients they
@@ -242,9 +249,20 @@ class Sync(MemberRounds, Strategy):
         bucket_mb: float = 25.0,
         overlap: bool = True,
         rejoin_timeout_s: float = 600.0,
+        max_grad_norm: float | None = None,
+        stage_group: dist.ProcessGroup | None = None,
     ) -> None:
         if not (isinstance(bucket_mb, int | float) and bucket_mb > 0):
             raise SettingError("bucket_mb", f"must be a number > 0, got {bucket_mb!r}")
+        if max_grad_norm is not None and not (
+            isinstance(max_grad_norm, int | float) and max_grad_norm > 0
+        ):
+            raise SettingError(
+                "max_grad_norm",
+                f"must be a gradient norm > 0 (None: no clipping), got {max_grad_norm!r}",
+            )
+        self.max_grad_norm = max_grad_norm
+        self._stage_group = stage_group
         super().__init__(
             site,
             model,
@@ -326,8 +344,15 @@ class Sync(MemberRounds, Strategy):
                 self._account(pending.wait())
         self._pending.clear()
         self._ready = [0] * len(self.buckets)
+        self._clip()
         self.inner_steps += 1
         self.outer_steps += 1
+
+    def _clip(self) -> None:
+        """Clip the averaged gradient (the same on every site, so clipped alike):
+        what clipping before the step means for a model trained as one."""
+        if self.max_grad_norm is not None:
+            clip_grad_norm(self.params, self.max_grad_norm, self._stage_group)
 
     # -- membership: every step a round ----------------------------------------------
     def _step_as_member(self) -> None:
@@ -364,6 +389,7 @@ class Sync(MemberRounds, Strategy):
                 self._account(report)
 
         self._as_member(attempt, engine_rounds=len(self.buckets))
+        self._clip()
 
     def _after_member_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         with self._state_lock:

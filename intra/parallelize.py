@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -191,6 +192,15 @@ class SiteModel:
                 pipeline, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True
             )
         self._loss_fn = loss_fn
+
+    @property
+    def stage_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding this rank's counterparts in the other pipeline stages
+        (None without a pipeline): what sums a whole-model gradient norm."""
+        if self.layout.pp == 1:
+            return None
+        assert self.mesh is not None
+        return self.mesh["pp"].get_group()
 
     @property
     def first_stage(self) -> bool:

@@ -21,6 +21,7 @@ from isthmus.intra.launch import launch_ranks
 
 STEPS, BATCH, LR, SEED, CORPUS = 4, 4, 0.05, 3, 300_000
 RECIPE = Recipe(seed=SEED, size="tiny", corpus_bytes=CORPUS, batch=BATCH)
+CLIP = 0.5
 
 
 def test_lanes_deal_every_rank_an_equal_share():
@@ -104,9 +105,13 @@ CASES["tp+fsdp2"] = ({"a": 2, "b": 4}, {"a": "{tp: 2}", "b": "{dp_shard: 2, tp: 
     [c if c == "replicas" else pytest.param(c, marks=pytest.mark.slow) for c in CASES],
 )
 def test_sites_of_any_shape_match_a_single_process(tmp_path, case):
+    """With the averaged gradient clipped to a norm it exceeds: the norm must be the
+    whole model's, summed over pipeline stages and DTensor shards."""
     sites, parallel = CASES[case]
-    run = _run_sites(tmp_path, sites, parallel)
-    reference = reference_training(run["job"], RECIPE, steps=STEPS, lr=LR).state_dict()
+    run = _run_sites(tmp_path, sites, parallel, extra=("--grad-clip", str(CLIP)))
+    reference = reference_training(
+        run["job"], RECIPE, steps=STEPS, lr=LR, grad_clip=CLIP
+    ).state_dict()
     trained = {site: load_site_parameters(tmp_path, site) for site in sites}
     for site, got in trained.items():
         assert set(got) == set(reference), site
@@ -114,8 +119,13 @@ def test_sites_of_any_shape_match_a_single_process(tmp_path, case):
             torch.testing.assert_close(got[name], value, rtol=1e-5, atol=2e-6, msg=name)
     # Identical on both sites, bit for bit.
     assert all(torch.equal(trained["a"][k], trained["b"][k]) for k in reference)
-    # Within each site, every rank carries the same share of the WAN traffic.
     reports = run["reports"]
+    # Every rank of every site saw the whole model's norm (FSDP shards sum its
+    # squares in another order: equal to ~1e-16), above the limit: it clipped.
+    norms = [r["grad_norms"] for r in reports.values()]
+    assert all(n == pytest.approx(norms[0], rel=1e-12) for n in norms), norms
+    assert min(norms[0]) > CLIP
+    # Within each site, every rank carries the same share of the WAN traffic.
     for site in sites:
         shares = [r["wan_values"] for key, r in reports.items() if key.startswith(f"{site}-")]
         assert min(shares) > 0 and max(shares) <= 1.25 * min(shares), (site, shares)

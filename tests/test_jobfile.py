@@ -201,6 +201,10 @@ def test_egress_overrides_one_direction():
             "train.staleness_weight: must be a number in (0, 1], got 0",
         ),
         (
+            "name: x\nsites: [{name: a}]\ntrain: {grad_clip: -1}\n",
+            "train.grad_clip: must be a gradient norm >= 0 (0: no clipping), got -1",
+        ),
+        (
             "name: x\nsites: [{name: a}]\ntrain: {round_deadline_s: 30}\n",
             "train.collective_timeout_s: 60 s must be shorter than round_deadline_s (30 s)",
         ),

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from isthmus.inter.member_rounds import state_transferable
 from isthmus.intra.data import Dataset, ShardSpec, load_corpus, stdlib_corpus
+from isthmus.intra.gradients import clip_grad_norm
 from isthmus.intra.layout import Layout, LayoutError, check_sites, stage_layers
 from isthmus.intra.model import GPT, SIZES, GPTConfig, config_for, lm_loss
 
@@ -50,6 +53,29 @@ def test_state_is_pulled_across_layouts_only_where_replicas_hold_it_whole():
     assert not state_transferable(sharded, one)  # a's rank holds half of what b needs
     assert not state_transferable(Layout.for_ranks(4, {"dp_shard": 2}), sharded)
     assert not state_transferable(Layout.for_ranks(2, {"tp": 2}), one)
+
+
+def test_clipping_matches_torch_and_leaves_small_or_broken_gradients_alone():
+    torch.manual_seed(0)
+    ours, theirs = GPT(config_for("tiny")), GPT(config_for("tiny"))
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randint(0, 256, (2, 64))
+    for model in (ours, theirs):
+        lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
+    norm = clip_grad_norm(ours.parameters(), 0.5)
+    expected = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.5)
+    assert norm == pytest.approx(float(expected), rel=1e-6) and norm > 0.5
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+    before = [p.grad.clone() for p in ours.parameters()]
+    assert clip_grad_norm(ours.parameters(), 10.0) == pytest.approx(0.5, rel=1e-5)
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, ours.parameters(), strict=True))
+    first = next(ours.parameters())
+    first.grad[0] = float("nan")  # refused later, by the strategy, with the site's name
+    broken = [p.grad.clone() for p in ours.parameters()]
+    assert math.isnan(clip_grad_norm(ours.parameters(), 0.1))
+    for a, p in zip(broken, ours.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, a, rtol=0, atol=0, equal_nan=True)
 
 
 def test_model_and_sites_checks():

@@ -62,7 +62,8 @@ def _run(tmp_path, sites: list[str], extra: tuple[str, ...] = ()) -> dict[str, d
     job = loopback_job(tmp_path / "job.yaml", "strategies", sites)
     args = ["--steps", str(STEPS), "--sync-every", str(H), "--batch", str(BATCH)]
     args += ["--corpus-bytes", str(CORPUS), "--seed", str(SEED), "--lr", str(INNER_LR)]
-    args += ["--inner", "sgd", *extra]
+    # No clipping: the reference is the paper's algorithm as written.
+    args += ["--inner", "sgd", "--grad-clip", "0", *extra]
     return run_sites(job, sites, args, tmp_path, timeout_s=240)
 
 
@@ -105,6 +106,17 @@ def test_bad_settings_are_refused_at_construction(kwargs, field):
     with pytest.raises(SettingError) as info:
         DiLoCo(None, model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)  # type: ignore[arg-type]
     assert info.value.field == field
+
+
+@pytest.mark.parametrize("norm", [0, -1.0, float("nan"), "1"])
+def test_a_bad_gradient_norm_limit_is_refused(norm):
+    from isthmus.inter.settings import SettingError
+    from isthmus.inter.strategies import Sync
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(SettingError) as info:
+        Sync(None, model, torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=norm)  # type: ignore[arg-type]
+    assert info.value.field == "max_grad_norm"
 
 
 @pytest.mark.slow

@@ -151,6 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inner", choices=("adamw", "sgd"), default="adamw")
     parser.add_argument("--lr", type=float, default=3e-3, help="inner learning rate")
     parser.add_argument(
+        "--grad-clip",
+        type=float,
+        default=1.0,
+        help="clip the gradient to this norm before every inner step (sync: the average); 0: never",
+    )
+    parser.add_argument(
         "--warmup-steps", type=int, default=0, help="linear warm-up, then cosine decay to 10%%"
     )
     parser.add_argument("--batch", type=int, default=8)
@@ -192,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         strategy = isthmus.AsyncDiLoCo(site, model, inner, **outer, **common)
     else:
         overlap = {"bucket_mb": args.bucket_mb, "overlap": not args.no_overlap}
-        strategy = isthmus.Sync(site, model, inner, **overlap, **common)
+        clip = {"max_grad_norm": args.grad_clip or None}
+        strategy = isthmus.Sync(site, model, inner, **overlap, **clip, **common)
     with site, strategy:
         started = time.perf_counter()
         for step in range(args.steps):
@@ -203,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                 strategy.sync_every = sync_every_at(args.sync_every_schedule, step)
             x, y = next(batches)
             lm_loss(model(x), y).backward()
+            if args.grad_clip and args.strategy != "sync":  # Sync clips the average
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             inner.step()  # every sync_every steps the round runs here
             inner.zero_grad()
         train_s = time.perf_counter() - started
