@@ -1,0 +1,191 @@
+"""Quick single-process trials of the convergence protocol: settings explored before a full run.
+
+``benchmarks/strategies.py`` runs the protocol for real (4 site processes,
+gRPC, every byte counted by the engine) and is what the README's table
+quotes. A trial here runs the same recipe in one process in about 3-5 min:
+4 workers of the tiny GPT, each on its own shard, batch 16 x 64, AdamW 3e-3
+with 30 warm-up steps and cosine decay, gradients clipped, 600 steps. It
+averages parameters (DiLoCo with plain averaging or an outer Nesterov step)
+or gradients (sync) in memory, through a blockwise quantiser that stands for
+the codecs, and counts the bytes the direct all-reduce would send. Its
+figures are for choosing what to run in full, not for quoting as Isthmus's.
+
+    python benchmarks/convergence_trials.py --mode sync
+    python benchmarks/convergence_trials.py --sync-every 2
+    python benchmarks/convergence_trials.py --sync-every 7 --levels 1 --error-feedback
+    python benchmarks/convergence_trials.py --sync-every 4 --sign --error-feedback
+    python benchmarks/convergence_trials.py --mode sync --top-k 0.0025
+
+Prints one JSON line: the settings, held-out loss, WAN MB and exchanges.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from isthmus.deploy.examples.diloco_train import evaluate, parse_schedule, sync_every_at
+from isthmus.intra.data import Dataset, ShardSpec, stdlib_corpus
+from isthmus.intra.model import GPT, config_for, lm_loss
+from isthmus.intra.schedule import warmup_cosine
+
+WORKERS = 4
+BATCH = 16
+WARMUP_STEPS = 30
+SCALE_BYTES = 4
+"""One float32 scale per block of quantised values."""
+
+
+def quantise(values: torch.Tensor, levels: int, block: int, sign: bool) -> torch.Tensor:
+    """``values`` as the receiver decodes them: rounded to ``levels`` steps either side
+    of zero per block (absmax scale; 7: int4, 1: ternary), or with ``sign`` to
+    sign x the block's mean magnitude (1 bit). ``levels`` 0: exact."""
+    if not sign and levels == 0:
+        return values.clone()
+    pad = (-values.numel()) % block
+    blocks = torch.cat([values, values.new_zeros(pad)]).view(-1, block)
+    if sign:
+        decoded = torch.sign(blocks) * blocks.abs().mean(1, keepdim=True)
+    else:
+        scale = blocks.abs().amax(1, keepdim=True).clamp_min(1e-30) / levels
+        decoded = torch.round(blocks / scale).clamp(-levels, levels) * scale
+    return decoded.view(-1)[: values.numel()]
+
+
+def encoded_bytes(count: int, args: argparse.Namespace) -> float:
+    if args.sign:
+        bits = 1
+    elif args.levels == 0:
+        return 4.0 * count
+    else:
+        bits = (2 * args.levels + 1).bit_length()
+    return count * bits / 8 + count / args.block * SCALE_BYTES
+
+
+def flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@torch.no_grad()
+def load_flat(model: torch.nn.Module, values: torch.Tensor) -> None:
+    offset = 0
+    for p in model.parameters():
+        p.copy_(values[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mode", choices=("diloco", "sync"), default="diloco")
+    parser.add_argument("--sync-every", default="50", help="H, or a schedule: 5:100,10:200,50")
+    parser.add_argument("--outer-lr", type=float, default=1.0)
+    parser.add_argument("--outer-momentum", type=float, default=0.0, help="Nesterov")
+    parser.add_argument("--levels", type=int, default=0, help="0: float32, 7: int4, 1: ternary")
+    parser.add_argument("--sign", action="store_true", help="1 bit: sign x block mean")
+    parser.add_argument("--block", type=int, default=256)
+    parser.add_argument("--error-feedback", action="store_true")
+    parser.add_argument("--top-k", type=float, default=0.0, help="sync: keep this fraction")
+    parser.add_argument("--inner-lr-scale", type=float, default=1.0, help="diloco's inner lr")
+    parser.add_argument("--grad-clip", type=float, default=1.0, help="0: none")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    torch.manual_seed(args.seed)
+    models = [GPT(config_for("tiny")) for _ in range(WORKERS)]
+    for model in models[1:]:
+        model.load_state_dict(models[0].state_dict())
+    data = Dataset(stdlib_corpus(None), models[0].config.seq_len)
+    streams = [
+        data.batches(ShardSpec(w, (1,) * WORKERS, 0, seed=args.seed), BATCH) for w in range(WORKERS)
+    ]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=args.lr) for m in models]
+    size = flat(models[0]).numel()
+    global_params = flat(models[0]).clone()
+    momentum = torch.zeros(size)
+    residuals = [torch.zeros(size) for _ in range(WORKERS)]
+    schedule = parse_schedule(args.sync_every)
+    # The direct all-reduce: every site sends (S-1)/S of the vector in each phase.
+    share = (WORKERS - 1) / WORKERS * WORKERS
+    wan_bytes, exchanges, since = 0.0, 0, 0
+    started = time.monotonic()
+    for step in range(args.steps):
+        lr = warmup_cosine(args.lr, step, WARMUP_STEPS, args.steps)
+        if args.mode == "diloco":
+            lr *= args.inner_lr_scale
+        for model, optimizer, stream in zip(models, optimizers, streams, strict=True):
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            x, y = next(stream)
+            lm_loss(model(x), y).backward()
+        if args.mode == "sync":
+            grads = [torch.cat([p.grad.reshape(-1) for p in m.parameters()]) for m in models]
+            if args.top_k:
+                keep = max(1, int(args.top_k * size))
+                for w in range(WORKERS):
+                    accumulated = grads[w] + residuals[w]
+                    index = accumulated.abs().topk(keep).indices
+                    grads[w] = torch.zeros_like(accumulated)
+                    grads[w][index] = accumulated[index]
+                    residuals[w] = accumulated - grads[w]
+                average = sum(grads) / WORKERS
+                # Values as float16 and int32 indices: 6 bytes each; the
+                # all-gather carries the union of the sites' indices.
+                wan_bytes += share * 6 * (keep + int((average != 0).sum()))
+            else:
+                average = sum(grads) / WORKERS
+                wan_bytes += share * 2 * 4 * size
+            for model in models:
+                offset = 0
+                for p in model.parameters():
+                    p.grad.copy_(average[offset : offset + p.numel()].view_as(p))
+                    offset += p.numel()
+        for model, optimizer in zip(models, optimizers, strict=True):
+            if args.grad_clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad()
+        if args.mode == "sync":
+            continue
+        since += 1
+        if since < sync_every_at(schedule, step) and step != args.steps - 1:
+            continue
+        since = 0
+        deltas = []
+        for w, model in enumerate(models):
+            delta = global_params - flat(model)
+            if args.error_feedback:
+                delta += residuals[w]
+            sent = quantise(delta, args.levels, args.block, args.sign)
+            if args.error_feedback:
+                residuals[w] = delta - sent
+            deltas.append(sent)
+        average = quantise(sum(deltas) / WORKERS, args.levels, args.block, args.sign)
+        wan_bytes += share * 2 * encoded_bytes(size, args)
+        exchanges += 1
+        update = average
+        if args.outer_momentum:
+            momentum = args.outer_momentum * momentum + average
+            update = average + args.outer_momentum * momentum
+        global_params -= args.outer_lr * update
+        for model in models:
+            load_flat(model, global_params)
+    result = {
+        "settings": vars(args),
+        "eval_loss": evaluate(models[0], data, 32),
+        "wan_mb": wan_bytes / 1e6,
+        "exchanges": exchanges,
+        "seconds": round(time.monotonic() - started),
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
