@@ -10,11 +10,17 @@ or gradients (sync) in memory, through a blockwise quantiser that stands for
 the codecs, and counts the bytes the direct all-reduce would send. Its
 figures are for choosing what to run in full, not for quoting as Isthmus's.
 
+The README's trials (seed 0), one command each (T: ``--sync-every 7 --levels 1
+--error-feedback``, ternary at H=7):
+
     python benchmarks/convergence_trials.py --mode sync
     python benchmarks/convergence_trials.py --sync-every 2
-    python benchmarks/convergence_trials.py --sync-every 7 --levels 1 --error-feedback
+    python benchmarks/convergence_trials.py T
     python benchmarks/convergence_trials.py --sync-every 4 --sign --error-feedback
+    python benchmarks/convergence_trials.py T --outer-lr 1.6     (and 2.2)
+    python benchmarks/convergence_trials.py T --inner-lr-scale 2   (and 0.6)
     python benchmarks/convergence_trials.py --mode sync --top-k 0.0025
+    python benchmarks/convergence_trials.py --sync-every 50 --outer-lr 0.7 --outer-momentum 0.9
 
 Prints one JSON line: the settings, held-out loss, WAN MB and exchanges.
 """
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Iterable
 
 import torch
 
@@ -70,11 +77,12 @@ def flat(model: torch.nn.Module) -> torch.Tensor:
 
 
 @torch.no_grad()
-def load_flat(model: torch.nn.Module, values: torch.Tensor) -> None:
+def load_flat(tensors: Iterable[torch.Tensor], values: torch.Tensor) -> None:
+    """Copy the flat ``values`` into ``tensors`` (parameters, or their gradients)."""
     offset = 0
-    for p in model.parameters():
-        p.copy_(values[offset : offset + p.numel()].view_as(p))
-        offset += p.numel()
+    for t in tensors:
+        t.copy_(values[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 def main() -> int:
@@ -142,10 +150,7 @@ def main() -> int:
                 average = sum(grads) / WORKERS
                 wan_bytes += share * 2 * 4 * size
             for model in models:
-                offset = 0
-                for p in model.parameters():
-                    p.grad.copy_(average[offset : offset + p.numel()].view_as(p))
-                    offset += p.numel()
+                load_flat((p.grad for p in model.parameters()), average)
         for model, optimizer in zip(models, optimizers, strict=True):
             if args.grad_clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -175,7 +180,7 @@ def main() -> int:
             update = average + args.outer_momentum * momentum
         global_params -= args.outer_lr * update
         for model in models:
-            load_flat(model, global_params)
+            load_flat(model.parameters(), global_params)
     result = {
         "settings": vars(args),
         "eval_loss": evaluate(models[0], data, 32),
