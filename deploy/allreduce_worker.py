@@ -63,7 +63,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     try:
         await engine.connect()
         weights = {s: 1.0 for s in names}
-        seconds, sent, digests = [], [], []
+        seconds, sent, digests, phases = [], [], [], []
         out = tensor
         for round in range(args.repeats + 1):  # round 0 warms up connections and windows
             start = time.perf_counter()
@@ -74,6 +74,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 seconds.append(time.perf_counter() - start)
                 assert engine.last is not None
                 sent.append(engine.last.bytes_sent)
+                phases.append(engine.last.phases)
             if args.round_digests:  # off for timing: hashing 64 MiB takes ~0.1 s of CPU
                 digests.append(_digest(out))
     finally:
@@ -84,6 +85,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "algorithm": engine.last_algorithm,
         "seconds": seconds,
         "bytes_sent": sent,
+        "phases": phases,
         "max_abs_error": error,
         "digest": _digest(out),
         "round_digests": digests,

@@ -178,6 +178,25 @@ def run_allreduce_bench(
     theoretical = sites * 2 * (sites - 1) / sites * nbytes  # direct, codec none
     wire_bytes = sum(d["bytes"] for link in wire["links"] for k, d in link.items() if "->" in k)
     extra: dict[str, Any] = {"backend": "hosts" if hosts else "proxy"}
+    if hosts:  # real TCP: what the bottleneck queues dropped, and TCP sent again
+        extra["queue_drop_segments"] = sum(
+            d.get("queue_drops", 0) for link in wire["links"] for k, d in link.items() if "->" in k
+        )
+        extra["wire_segments"] = sum(
+            d.get("segments", 0) for link in wire["links"] for k, d in link.items() if "->" in k
+        )
+    # Where a round's time goes: the slowest site's milestone, median over rounds.
+    names = [name for name in results[0]["phases"][0]] if results[0].get("phases") else []
+    if names and all(len(r["phases"]) == repeats for r in results):
+        extra["phases_median_seconds"] = {
+            name: round(
+                statistics.median(
+                    max(r["phases"][i].get(name, 0.0) for r in results) for i in range(repeats)
+                ),
+                4,
+            )
+            for name in names
+        }
     if gloo is not None:
         extra["gloo_median_seconds"] = gloo["median_s"]
         extra["gloo_efficiency"] = round(best / gloo["median_s"], 3)
@@ -220,6 +239,14 @@ def format_allreduce_report(r: dict[str, Any]) -> str:
             f"  data-plane bytes per round {r['data_plane_bytes_per_round']:,} "
             f"({r['data_plane_over_theoretical']:.4f} of the algorithm's volume); "
             f"emulator wire bytes in all {r['emulator_wire_bytes']:,}",
+            *(
+                [
+                    "  round milestones (slowest site, median): "
+                    + ", ".join(f"{k} {v:.3f} s" for k, v in r["phases_median_seconds"].items())
+                ]
+                if "phases_median_seconds" in r
+                else []
+            ),
             f"  max |error| vs float64 {r['max_abs_error']:.3g}; identical on all sites: "
             f"{r['identical_on_all_sites']}; backend {r['backend']}",
             *(

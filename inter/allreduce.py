@@ -28,7 +28,7 @@ import logging
 import math
 import random
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,10 +52,13 @@ from isthmus.sim.cost import LinkLookup, choose
 log = logging.getLogger(__name__)
 
 MAX_ROUNDS_AHEAD = 16
-LENIENT_HELLO_S = 5.0
-"""How long a lenient connect waits for each peer's handshake."""
 """How many rounds past its own a rank holds chunks for. Peers are at most a round
 or two ahead (every round needs every participant); more is a peer out of step."""
+LENIENT_HELLO_S = 5.0
+"""How long a lenient connect waits for each peer's handshake."""
+FLUSH_ON_CLOSE_S = 20.0
+"""How long :meth:`CrossSiteAllReduce.close` waits for the acknowledgements of chunks
+sent by rounds that are over here (a peer may still need them to finish its round)."""
 
 
 class RoundError(RuntimeError):
@@ -73,6 +76,11 @@ class RoundStats:
     bytes_sent: int
     bytes_received: int
     seconds: float
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds from the round's start to each milestone this site passed, in order
+    (the direct algorithm): ``contributions``, every other site's share of this
+    site's slice in place; ``results``, every other slice's result in place, the
+    average ready and the round over here."""
 
 
 def all_finite(values: torch.Tensor) -> bool:
@@ -228,6 +236,11 @@ class CrossSiteAllReduce:
         self._residuals: dict[str, torch.Tensor] = {}
         """Error feedback: per vector (the caller's key), what the codec lost of this
         site's last contribution, added to the next one."""
+        self._deliveries: dict[asyncio.Future[None], str] = {}
+        """Sends of rounds that are over here, still waiting for acknowledgements: what
+        each is (round and site), for the log."""
+        self.failed_deliveries = 0
+        """Sends that failed after their round was over here (each logged)."""
         self.resent_chunks = 0
         """Chunks sent again: refused as corrupted, or unanswered when a stream broke."""
         self.broken_streams = 0
@@ -291,11 +304,59 @@ class CrossSiteAllReduce:
         )
 
     async def close(self) -> None:
+        await self.flush(FLUSH_ON_CLOSE_S)
         for client in self.clients.values():
             await client.close()
         if self._owns_server:
             await self.server.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _outlive(self, round: int, sends: Sequence[tuple[str, asyncio.Future[None]]]) -> None:
+        """Let ``sends`` of ``round`` finish after the round returns.
+
+        A round is over for this site once its result is in place: waiting for
+        the acknowledgements of its last chunks too would add a one-way latency
+        to every round. The chunks are kept and resent (:mod:`isthmus.inter.outbox`)
+        until acknowledged all the same. A send that fails now fails its peer's
+        round, which names this site; here it is logged and counted."""
+        for site, task in sends:
+            if task.done():
+                self._delivered(round, task)
+            else:
+                self._deliveries[task] = f"round {round} to site {site!r}"
+                task.add_done_callback(functools.partial(self._delivered, round))
+
+    def _delivered(self, round: int, task: asyncio.Future[None]) -> None:
+        self._deliveries.pop(task, None)
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None:
+            self.failed_deliveries += 1
+            log.warning(
+                "round %d, over here, could not deliver all its chunks: %s; "
+                "that site's round fails by its deadline",
+                round,
+                error,
+            )
+
+    async def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until the chunks of rounds that are over here are acknowledged (or
+        their delivery failed, which is logged); after ``timeout_s``, stop waiting
+        and cancel the rest, naming them."""
+        if not self._deliveries:
+            return
+        pending = dict(self._deliveries)
+        _, late = await asyncio.wait(pending, timeout=timeout_s)
+        if late:
+            log.warning(
+                "sends of rounds that are over here not acknowledged within %g s, given up: %s",
+                timeout_s,
+                ", ".join(sorted(pending[task] for task in late)),
+            )
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
 
     def receive(self, chunk: ReceivedChunk) -> None:
         """Take a verified chunk of this engine's lane from the server; raise
@@ -552,7 +613,7 @@ class CrossSiteAllReduce:
                 segment = (i - t) % n
                 lo, hi = seg(segment)
                 out[lo:hi] = await self._wait_for(round, n + segment, pred, ag_in[t], deadline)
-            await asyncio.gather(*tasks)
+            await tasks[1]  # this site's own segment, reduced and decoded into ``out``
             for t in range(n - 1):
                 self._incoming.pop((round, (i - t - 1) % n, pred), None)
         except BaseException:
@@ -561,6 +622,7 @@ class CrossSiteAllReduce:
             for t in range(n - 1):
                 self._incoming.pop((round, (i - t - 1) % n, pred), None)
             raise
+        self._outlive(round, [(succ, tasks[0]), (succ, tasks[2])])
         # Every step brought one segment from the predecessor, in each phase.
         received = 4 * sum(
             seg(k)[1] - seg(k)[0] for t in range(n - 1) for k in ((i - t - 1) % n, (i - t) % n)
@@ -787,6 +849,7 @@ class CrossSiteAllReduce:
                     _own_chunk(result, self.codec).decode_into(out[a:b])
             for queue in queues.values():
                 queue.put_nowait(None)
+            phases = {"contributions": loop.time() - started}
             for _, s in others:
                 self._incoming.pop((round, mine, s), None)
                 received += (b - a) * 4
@@ -794,16 +857,18 @@ class CrossSiteAllReduce:
                 lo, hi = bounds[j]
                 out[lo:hi] = await self._wait_for(round, n + j, s, results[s], deadline)
                 received += (hi - lo) * 4
-            await asyncio.gather(*phase1, *phase2)
+            phases["results"] = loop.time() - started
         except BaseException:
             for task in (*phase1, *phase2):
                 task.cancel()
             for _, s in others:
                 self._incoming.pop((round, mine, s), None)
             raise
+        self._outlive(round, [(s, t) for (_, s), t in zip(others, phase1, strict=True)])
+        self._outlive(round, [(s, t) for (_, s), t in zip(others, phase2, strict=True)])
         if lost is not None:
             self._residuals[feedback] = lost  # type: ignore[index]
-        self.last = RoundStats(sum(sent), received, loop.time() - started)
+        self.last = RoundStats(sum(sent), received, loop.time() - started, phases)
         return out.view_as(tensor)
 
 

@@ -422,3 +422,89 @@ def test_chunks_no_round_can_use_are_refused_not_held():
             await engine.close()
 
     asyncio.run(main())
+
+
+def test_a_round_ends_when_its_result_is_in_and_its_last_sends_finish_after():
+    """Over a 1 s RTT link a site holds the average once the peer's result arrives,
+    half a round trip before the peer's acknowledgement of this site's own result
+    can: the round returns without waiting for it, and the send completes after."""
+    from isthmus.sim.emulator import BackgroundEmulator
+    from isthmus.sim.link import LinkParams
+    from isthmus.sim.topology import Site, Topology
+
+    async def main():
+        names = ["a", "b"]
+        members, ports = {}, {}
+        for name in names:
+            identity = Identity(job=JOB, site=name, rank=0, layout_fingerprint="L")
+            members[name] = CrossSiteAllReduce(identity, {}, deadline_s=30.0)
+            ports[name] = await members[name].start("127.0.0.1", 0)
+        topology = Topology.full_mesh(
+            [Site(name=n, listen=(("127.0.0.1", ports[n]),)) for n in names],
+            default=LinkParams.symmetric(rtt_ms=1000),
+        )
+        inputs = _inputs(names, 10_007)
+        weights = {s: 1.0 for s in names}
+        with BackgroundEmulator(topology) as wan:
+            for name, member in members.items():
+                (other,) = [n for n in names if n != name]
+                member.peers = {other: "{}:{}".format(*wan.dial_address(name, other))}
+                member.server.servicer.sites = set(names)
+            try:
+                await asyncio.gather(*(m.connect() for m in members.values()))
+                outs = await asyncio.gather(
+                    *(
+                        members[s].allreduce(
+                            inputs[s], round=0, participants=names, weights=weights
+                        )
+                        for s in names
+                    )
+                )
+                pending = {s: len(members[s]._deliveries) for s in names}
+                for member in members.values():
+                    await member.flush(10.0)
+                after = {s: len(members[s]._deliveries) for s in names}
+                failed = {s: members[s].failed_deliveries for s in names}
+                phases = {s: members[s].last.phases for s in names}
+            finally:
+                await _close(members)
+        return outs, pending, after, failed, phases, inputs, weights
+
+    outs, pending, after, failed, phases, inputs, weights = asyncio.run(main())
+    expected = _reference(inputs, weights).float()
+    assert all(torch.equal(out, outs[0]) for out in outs)
+    assert torch.allclose(outs[0], expected, atol=1e-6)
+    assert pending == {"a": 1, "b": 1}  # each site's result, on its way to the other
+    assert after == {"a": 0, "b": 0} and failed == {"a": 0, "b": 0}
+    for milestones in phases.values():
+        assert list(milestones) == ["contributions", "results"]
+        assert 0 < milestones["contributions"] <= milestones["results"]
+
+
+def test_a_send_that_fails_after_its_round_is_logged_and_one_that_hangs_is_given_up(caplog):
+    """What a round leaves running is never lost silently: a failure is counted and
+    logged, and close() waits only so long for the rest, naming what it gave up."""
+
+    async def main():
+        engine = CrossSiteAllReduce(Identity(job=JOB, site="a", rank=0), {"b": "127.0.0.1:1"})
+
+        async def fails():
+            await asyncio.sleep(0.01)
+            raise RoundError("b", "round 3: sending to site 'b' failed: peer is unreachable")
+
+        hangs = asyncio.ensure_future(asyncio.sleep(3600))
+        engine._outlive(3, [("b", asyncio.ensure_future(fails())), ("c", hangs)])
+        await asyncio.sleep(0.05)
+        failed = engine.failed_deliveries
+        await engine.flush(0.05)
+        left = len(engine._deliveries)
+        await engine.close()
+        return failed, left, hangs.cancelled()
+
+    with caplog.at_level("WARNING", logger="isthmus.inter.allreduce"):
+        failed, left, cancelled = asyncio.run(main())
+    assert failed == 1
+    assert "round 3, over here, could not deliver" in caplog.text
+    assert "peer is unreachable" in caplog.text
+    assert left == 0 and cancelled
+    assert "given up: round 3 to site 'c'" in caplog.text
