@@ -77,6 +77,9 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 phases.append(engine.last.phases)
             if args.round_digests:  # off for timing: hashing 64 MiB takes ~0.1 s of CPU
                 digests.append(_digest(out))
+            if args.idle_s and round < args.repeats:
+                # What compute between rounds does to the links: they go quiet.
+                await asyncio.sleep(args.idle_s)
     finally:
         await engine.close()
     error = float((out.double() - reference(len(names), count)).abs().max()) if count else 0.0
@@ -116,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         "--round-digests", action="store_true", help="a digest of every round's result"
     )
     parser.add_argument("--stall-s", type=float, default=30.0, help="see TransportSettings")
+    parser.add_argument(
+        "--idle-s", type=float, default=0.0, help="pause after each round, as compute would"
+    )
     parser.add_argument(
         "--corrupt-payloads",
         type=float,

@@ -136,10 +136,13 @@ def run_allreduce_bench(
     algorithm: str = "direct",
     hosts: bool = False,
     vs_gloo: bool = False,
+    idle_s: float = 0.0,
     verbose: bool = True,
 ) -> dict[str, Any]:
     """With ``hosts`` every site runs in its own emulated host (packet backend, real
-    TCP); ``vs_gloo`` then also times Gloo's all-reduce across the same hosts."""
+    TCP); ``vs_gloo`` then also times Gloo's all-reduce across the same hosts.
+    ``idle_s``: every site pauses this long between rounds (as compute would), so
+    the rounds meet links that went quiet."""
     run = run_sites(
         sites,
         [
@@ -155,6 +158,8 @@ def run_allreduce_bench(
             str(bandwidth_mbit),
             "--repeats",
             str(repeats),
+            "--idle-s",
+            str(idle_s),
         ],
         link=f"{{rtt_ms: {rtt_ms}, bandwidth_mbit: {bandwidth_mbit}}}",
         hosts=hosts,
@@ -164,6 +169,7 @@ def run_allreduce_bench(
         announce=(
             f"bench allreduce: {sites} sites, {size_mib:g} MiB, codec {codec}, "
             f"{rtt_ms:g} ms, {bandwidth_mbit:g} Mbit/s; {repeats} rounds after a warm-up"
+            + (f", {idle_s:g} s apart" if idle_s else "")
         )
         if verbose
         else None,
@@ -210,6 +216,7 @@ def run_allreduce_bench(
         "codec": codec,
         "algorithm": algorithm if algorithm != "auto" else f"auto: {results[0]['algorithm']}",
         "rounds": repeats,
+        "idle_s": idle_s,
         "seconds": [round(s, 3) for s in per_round],
         "median_seconds": round(median, 3),
         "bound_seconds": round(best, 3),
@@ -232,7 +239,8 @@ def format_allreduce_report(r: dict[str, Any]) -> str:
         [
             f"all-reduce of {r['size_mib']:g} MiB across {r['sites']} sites ({r['algorithm']}, "
             f"codec {r['codec']}), links {r['bandwidth_mbit']:g} Mbit/s and {r['rtt_ms']:g} ms RTT",
-            f"  median {r['median_seconds']:.3f} s over {r['rounds']} rounds {r['seconds']}",
+            f"  median {r['median_seconds']:.3f} s over {r['rounds']} rounds {r['seconds']}"
+            + (f", {r['idle_s']:g} s idle between rounds" if r.get("idle_s") else ""),
             f"  bound {r['bound_seconds']:.3f} s (direct {r['bounds']['direct']:.3f}, "
             f"ring {r['bounds']['ring']:.3f}); efficiency {r['efficiency']:.2f} "
             f"({r['algorithm_efficiency']:.2f} of the bound of the algorithm it ran)",

@@ -44,6 +44,13 @@ def register(commands: Any) -> None:
     )
     allreduce.add_argument("--repeats", type=int, default=3)
     allreduce.add_argument(
+        "--idle-s",
+        type=float,
+        default=0.0,
+        help="seconds every site pauses between rounds, as compute would: how the "
+        "links behave after going quiet (default 0: back to back)",
+    )
+    allreduce.add_argument(
         "--hosts",
         action="store_true",
         help="every site in its own emulated host (packet level, real TCP); needs root",
@@ -89,6 +96,8 @@ def _allreduce(args: argparse.Namespace) -> int:
         raise UsageError(f"--rtt-ms: must be >= 0, got {args.rtt_ms}")
     if args.repeats < 1:
         raise UsageError(f"--repeats: must be >= 1, got {args.repeats}")
+    if not 0 <= args.idle_s <= 3600:
+        raise UsageError(f"--idle-s: must be in [0, 3600] seconds, got {args.idle_s}")
     try:
         parse_codec(args.codec)
     except CodecError as exc:
@@ -111,6 +120,7 @@ def _allreduce(args: argparse.Namespace) -> int:
         algorithm=args.algorithm,
         hosts=hosts,
         vs_gloo=args.vs_gloo,
+        idle_s=args.idle_s,
         verbose=not args.json,
     )
     print(json.dumps(results, indent=2) if args.json else format_allreduce_report(results))
@@ -132,6 +142,8 @@ def _wan(args: argparse.Namespace) -> int:
 
     if args.repeats < 1:
         raise UsageError(f"--repeats: must be >= 1, got {args.repeats}")
+    if not 0 <= args.idle_s <= 3600:
+        raise UsageError(f"--idle-s: must be in [0, 3600] seconds, got {args.idle_s}")
     if args.seconds <= 0:
         raise UsageError(f"--seconds: must be > 0, got {args.seconds}")
     if args.hosts:

@@ -32,6 +32,13 @@ LOCKSTEP_EVERY = 10
 def run_step_seconds(job_path: Path, *, steps: int = 50) -> float:
     """Median compute seconds per inner step in a short DiLoCo run of the job whose
     rounds keep the sites in step."""
+    return statistics.median(run_site_step_seconds(job_path, steps=steps).values())
+
+
+def run_site_step_seconds(job_path: Path, *, steps: int = 50) -> dict[str, float]:
+    """Each site's compute seconds per inner step in a short DiLoCo run of the job
+    whose rounds keep the sites in step (the sites of an emulated run share cores
+    unevenly: the slowest one sets the pace of every round)."""
     raw = load_yaml(job_path.read_text())
     raw["train"] = {**(raw.get("train") or {}), "steps": steps, "sync_every": LOCKSTEP_EVERY}
     raw["train"].update(strategy="diloco", codec="none")
@@ -51,28 +58,27 @@ def run_step_seconds(job_path: Path, *, steps: int = 50) -> float:
             raise RuntimeError(f"calibration run failed: {done.stderr[-1500:]}")
         if json.loads((out / "summary.json").read_text())["status"] != "finished":
             raise RuntimeError(f"calibration run did not finish: {done.stdout[-1500:]}")
-        return _steady_step_seconds(out / "metrics.jsonl")
+        return _steady_site_step_seconds(out / "metrics.jsonl")
 
 
 WARM_UP_STEPS = LOCKSTEP_EVERY
 """Steps left out at the start: the first round starts cold, the sites one by one."""
 
 
-def _steady_step_seconds(metrics: Path) -> float:
-    """The median over sites of each site's mean compute seconds per step after the
-    warm-up: one slow first step in a short run would otherwise move the figure by
-    tens of percent."""
+def _steady_site_step_seconds(metrics: Path) -> dict[str, float]:
+    """Each site's mean compute seconds per step after the warm-up: one slow first
+    step in a short run would otherwise move the figure by tens of percent."""
     from isthmus.deploy.run_records import read_records
 
     by_site: dict[str, list[float]] = {}
     for record in read_records(metrics):
         if record.get("kind") == "step":
             by_site.setdefault(record["site"], []).append(record["compute_s"])
-    means = []
-    for cumulative in by_site.values():
+    means = {}
+    for site, cumulative in sorted(by_site.items()):
         steady = cumulative[WARM_UP_STEPS:]
         if len(steady) >= 2:
-            means.append((steady[-1] - steady[0]) / (len(steady) - 1))
+            means[site] = (steady[-1] - steady[0]) / (len(steady) - 1)
     if not means:
         raise RuntimeError("calibration run recorded too few steps")
-    return statistics.median(means)
+    return means

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,7 @@ def _sim(args: argparse.Namespace) -> int:
             "params": scenario.params,
             "sites": list(scenario.sites),
             "step_s": scenario.step_s,
+            "slowest_step_s": scenario.pace_s,
             "tokens_per_step": scenario.tokens_per_step,
             "sync_every": scenario.sync_every,
             "fragments": scenario.fragments,
@@ -118,7 +120,13 @@ def _sim(args: argparse.Namespace) -> int:
     sc = out["scenario"]
     print(
         f"{sc['params']:.3g} parameters, {len(sc['sites'])} sites, compute "
-        f"{sc['step_s'] * 1e3:.1f} ms per inner step, {sc['tokens_per_step']:,.0f} tokens per "
+        f"{sc['step_s'] * 1e3:.1f} ms per inner step"
+        + (
+            f" (the slowest site {sc['slowest_step_s'] * 1e3:.1f} ms)"
+            if sc["slowest_step_s"] > sc["step_s"]
+            else ""
+        )
+        + f", {sc['tokens_per_step']:,.0f} tokens per "
         f"step (all sites), H={sc['sync_every']}, codec {sc['codec']}"
     )
     print(f"{'strategy':10s} {'step':>10s} {'round':>10s} {'exchange':>10s} "
@@ -182,11 +190,12 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
         tokens = sum(s.layout.dp for s in job.sites) * batch * seq_len
     else:
         tokens = len(sites) * gpus * args.tokens_per_gpu
-    step_s = _step_seconds(args, job, params, tokens / len(sites) / gpus)
+    step_s, slowest_s = _step_seconds(args, job, params, tokens / len(sites) / gpus)
     strategy = args.strategy or (train.strategy if train else "diloco")
     return Scenario(
         params=params,
         step_s=step_s,
+        slowest_step_s=slowest_s,
         tokens_per_step=tokens,
         sites=sites,
         links=links,
@@ -280,19 +289,24 @@ def _job_tokens(job: Job) -> tuple[int, int]:
     return seq_len, job.train.batch_size
 
 
-def _step_seconds(args: argparse.Namespace, job: Job | None, params: float, tokens: float) -> float:
+def _step_seconds(
+    args: argparse.Namespace, job: Job | None, params: float, tokens: float
+) -> tuple[float, float | None]:
+    """Compute seconds per inner step of a typical site, and of the slowest one where
+    a calibration measured the sites apart (None: all alike)."""
     if args.step_ms is not None:
         if args.step_ms <= 0:
             raise ScenarioError("step_ms", f"must be > 0, got {args.step_ms}")
-        return args.step_ms / 1e3
+        return args.step_ms / 1e3, None
     if args.gpu is not None:
-        return step_seconds_from_flops(params, tokens, args.gpu, args.mfu)
+        return step_seconds_from_flops(params, tokens, args.gpu, args.mfu), None
     if job is not None and args.calibrate:
-        from isthmus.deploy.calibrate import run_step_seconds
+        from isthmus.deploy.calibrate import run_site_step_seconds
 
         # On stderr: stdout is the prediction (JSON with --json).
-        print("calibrating: a short run of the job without synchronisation ...", file=sys.stderr)
-        return run_step_seconds(Path(args.job))
+        print("calibrating: a short run of the job, its sites in lockstep ...", file=sys.stderr)
+        by_site = run_site_step_seconds(Path(args.job))
+        return statistics.median(by_site.values()), max(by_site.values())
     raise ScenarioError(
         "step_ms", "give --step-ms, --gpu (FLOPs at --mfu), or --calibrate (measure here)"
     )

@@ -6,8 +6,8 @@ exchange of ``n`` bytes has two parts:
 
 * wire: what :mod:`isthmus.sim.cost` predicts for the better of the direct and
   ring all-reduce on those links, its bandwidth part divided by the engine's
-  measured efficiency against that bound, plus one more one-way latency (a
-  round ends when the peers' acknowledgements of the last chunks are back);
+  measured efficiency against that bound (a round ends when its result is in:
+  the acknowledgements of its last chunks come back while the next work runs);
 * in-site: with ``d`` data-parallel ranks per site, the hierarchical step's
   reduce-scatter before and all-gather after the WAN, over the site's fabric,
   2 (d - 1) / d of the float32 values at the fabric's bandwidth plus 2 (d - 1)
@@ -75,6 +75,11 @@ class Scenario:
     """Parameters of the model (what crosses the WAN: 4 bytes each before the codec)."""
     step_s: float
     """Compute seconds of one inner step at a site (all its ranks in parallel)."""
+    slowest_step_s: float | None = None
+    """The slowest site's compute seconds per inner step, where sites differ (a
+    site on older GPUs; in an emulated run, sites that share cores unevenly):
+    every round waits for it, so it sets the pace, while the others' compute
+    counts at ``step_s``. None: every site computes at ``step_s``."""
     tokens_per_step: float
     """Tokens one inner step trains on, summed over every site."""
     sites: Sequence[str]
@@ -116,6 +121,11 @@ class Scenario:
             raise ScenarioError("params", f"must be > 0, got {self.params}")
         if not (self.step_s > 0):
             raise ScenarioError("step_s", f"compute time per step must be > 0, got {self.step_s}")
+        if self.slowest_step_s is not None and not (self.slowest_step_s >= self.step_s):
+            raise ScenarioError(
+                "slowest_step_s",
+                f"must be >= step_s ({self.step_s}), got {self.slowest_step_s}",
+            )
         if self.sync_every < 1:
             raise ScenarioError("sync_every", f"must be >= 1, got {self.sync_every}")
         if self.fragments < 1 or self.fragments > self.sync_every:
@@ -137,6 +147,11 @@ class Scenario:
                 raise ScenarioError(
                     "bandwidth_mbit", f"link {'<->'.join(sorted(pair))} has no bandwidth"
                 )
+
+    @property
+    def pace_s(self) -> float:
+        """Compute seconds per inner step of the slowest site: the rounds' pace."""
+        return self.step_s if self.slowest_step_s is None else self.slowest_step_s
 
     def link(self, a: str, b: str) -> LinkCost:
         return self.links[frozenset((a, b))]
@@ -184,7 +199,7 @@ class ExchangeCost:
     """One all-reduce across the sites, in its two parts."""
 
     wire_s: float
-    """Network time: transfer at the engine's efficiency, latencies, acknowledgements."""
+    """Network time: transfer at the engine's efficiency, and latencies."""
     host_s: float
     """Host work in the training process: codec, fixed and per-peer overheads."""
     algorithm: str
@@ -203,10 +218,9 @@ def exchange_cost(scenario: Scenario, nbytes: float, *, outer: float = 0.0) -> E
     costs = predict(nbytes, sites, scenario.link, scenario.uplink_bytes_per_s)
     algorithm = min(costs, key=lambda name: (costs[name], name != "direct"))
     latency = predict(0.0, sites, scenario.link, scenario.uplink_bytes_per_s)[algorithm]
-    ack = max(scenario.link(a, b).one_way_s for a in sites for b in sites if a != b)
     raw_bytes = nbytes / CODEC_BYTES_PER_VALUE[scenario.codec] * 4
     codec_s = raw_bytes / scenario.codec_bytes_per_s if scenario.codec != "none" else 0.0
-    wire_s = (costs[algorithm] - latency) / scenario.efficiency + latency + ack
+    wire_s = (costs[algorithm] - latency) / scenario.efficiency + latency
     d = scenario.site_ranks
     if d > 1:
         wire_s += 2 * (d - 1) / d * raw_bytes / scenario.fabric_bytes_per_s
@@ -233,7 +247,10 @@ def _overlapped(cost: ExchangeCost, hidden_s: float) -> float:
 
 
 def predict_run(scenario: Scenario) -> Prediction:
+    # Every strategy's rounds need every site, so the slowest site's compute (pace)
+    # sets the wall time; utilisation counts a typical site's compute (t) in it.
     s, t, h = scenario, scenario.step_s, scenario.sync_every
+    pace = s.pace_s
     sites = len(s.sites)
     full = exchange_cost(s, s.wan_bytes)
     algorithm = full.algorithm
@@ -242,9 +259,9 @@ def predict_run(scenario: Scenario) -> Prediction:
     if s.strategy == "sync":
         model_bytes = 4 * s.params
         hideable = max(0.0, 1 - s.bucket_bytes / model_bytes) if s.sync_overlap else 0.0
-        hidden = s.backward_fraction * t * hideable
+        hidden = s.backward_fraction * pace * hideable
         exposed = _overlapped(full, hidden)
-        round_s = t + exposed
+        round_s = pace + exposed
         return Prediction(
             "sync",
             round_s,
@@ -255,7 +272,7 @@ def predict_run(scenario: Scenario) -> Prediction:
             sent_per_exchange / s.tokens_per_step,
             algorithm,
         )
-    compute = h * t
+    compute = h * pace
     full = exchange_cost(s, s.wan_bytes, outer=1.0)
     if s.strategy == "diloco":
         exposed = exchange_cost(s, 64.0).seconds + full.seconds
@@ -264,7 +281,7 @@ def predict_run(scenario: Scenario) -> Prediction:
     else:  # streaming
         part = exchange_cost(s, s.wan_bytes / s.fragments, outer=1 / s.fragments)
         algorithm = part.algorithm
-        exposed = s.fragments * _overlapped(part, s.overlap_steps * t)
+        exposed = s.fragments * _overlapped(part, s.overlap_steps * pace)
     round_s = compute + exposed
     return Prediction(
         s.strategy,
@@ -272,7 +289,7 @@ def predict_run(scenario: Scenario) -> Prediction:
         round_s,
         full.seconds,
         exposed,
-        compute / round_s,
+        h * t / round_s,
         sent_per_exchange / (h * s.tokens_per_step),
         algorithm,
     )

@@ -41,15 +41,15 @@ def scenario(**changes) -> Scenario:
 
 def test_an_exchange_costs_wire_plus_latencies_plus_overhead():
     # Direct, 2 sites: each phase puts N/2 = 2 MB on the link (0.2 s) plus 50 ms;
-    # two phases, then the acknowledgement's 50 ms: 0.4 + 0.1 + 0.05 = 0.55 s.
+    # two phases: 0.4 + 0.1 = 0.5 s (the acknowledgements come back after the round).
     seconds, algorithm = exchange_seconds(scenario(), 4e6)
-    assert algorithm == "direct" and seconds == pytest.approx(0.55)
+    assert algorithm == "direct" and seconds == pytest.approx(0.5)
     # Efficiency divides the bandwidth part only; overhead adds once.
     slower, _ = exchange_seconds(scenario(efficiency=0.5, exchange_overhead_s=0.02), 4e6)
-    assert slower == pytest.approx(0.8 + 0.1 + 0.05 + 0.02)
+    assert slower == pytest.approx(0.8 + 0.1 + 0.02)
     # A codec shrinks the bytes and adds its own time (4 MB of float32 at 4 MB/s).
     int8, _ = exchange_seconds(scenario(codec="int8", codec_bytes_per_s=4e6), 1e6 * (1 + 4 / 256))
-    assert int8 == pytest.approx(2 * (0.5078125e6 / 1e7 + 0.05) + 0.05 + 1.0)
+    assert int8 == pytest.approx(2 * (0.5078125e6 / 1e7 + 0.05) + 1.0)
 
 
 def test_the_ring_is_chosen_when_it_avoids_a_slow_link():
@@ -65,10 +65,10 @@ def test_the_ring_is_chosen_when_it_avoids_a_slow_link():
 
 
 def test_strategies_by_hand():
-    x = 0.55  # the exchange of the whole model, as above
+    x = 0.5  # the exchange of the whole model, as above
     sync = predict_run(scenario(strategy="sync"))
     # One 25 MiB bucket holds the whole 4 MB model: nothing overlaps.
-    assert sync.step_s == pytest.approx(0.1 + x) and sync.utilization == pytest.approx(0.1 / 0.65)
+    assert sync.step_s == pytest.approx(0.1 + x) and sync.utilization == pytest.approx(0.1 / 0.6)
     bucketed = predict_run(scenario(strategy="sync", bucket_bytes=1e6))
     hidden = 2 / 3 * 0.1 * (1 - 1e6 / 4e6)
     assert bucketed.step_s == pytest.approx(0.1 + x - hidden)
@@ -85,6 +85,23 @@ def test_strategies_by_hand():
     # Bytes: every site sends 2 (S-1)/S of the model per exchange.
     assert diloco.wan_bytes_per_token == pytest.approx(2 * 4e6 / (10 * 1000))
     assert sync.wan_bytes_per_token == pytest.approx(2 * 4e6 / 1000)
+
+
+def test_the_slowest_site_sets_the_pace_of_every_round():
+    """Rounds need every site: a site computing at 0.12 s per step holds the others,
+    whose compute (0.1 s) is then a smaller share of the round."""
+    x = 0.5
+    vote, _ = exchange_seconds(scenario(), 64.0)
+    diloco = predict_run(scenario(strategy="diloco", slowest_step_s=0.12))
+    assert diloco.round_s == pytest.approx(10 * 0.12 + vote + x)
+    assert diloco.utilization == pytest.approx(10 * 0.1 / diloco.round_s)
+    sync = predict_run(scenario(strategy="sync", slowest_step_s=0.12))
+    assert sync.step_s == pytest.approx(0.12 + x) and sync.utilization == pytest.approx(0.1 / 0.62)
+    same = predict_run(scenario(strategy="diloco", slowest_step_s=0.1))
+    assert same == predict_run(scenario(strategy="diloco"))
+    with pytest.raises(ScenarioError) as caught:
+        scenario(slowest_step_s=0.05)
+    assert caught.value.field == "slowest_step_s"
 
 
 def test_flops_and_bad_scenarios_are_named():
