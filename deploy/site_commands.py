@@ -39,6 +39,7 @@ import yaml
 
 from isthmus.deploy.addressing import resolve
 from isthmus.deploy.cli import UsageError, add_command
+from isthmus.deploy.host_tuning import tcp_advice
 from isthmus.deploy.jobfile import Job, SiteSpec, load_job, parse_address
 
 RDZV_PORT = 29400
@@ -94,6 +95,9 @@ def _site(args: argparse.Namespace) -> int:
     check_real_network(job, spec)
     out = args.out or Path("runs") / f"{job.name}-{spec.name}"
     launcher = TorchrunLayout.from_environment()
+    if launcher is None or launcher.rank == 0:  # once per site, not once per rank
+        for line in tcp_advice():
+            print(f"warning: {line}", file=sys.stderr)
     if launcher is not None:
         launcher.check(spec, index)
         check_can_listen(spec, index, ranks=[launcher.rank])

@@ -34,8 +34,10 @@ interval, and ``W(n)`` and ``C(n)`` the wire and host parts:
 * ``async``: the exchange overlaps the whole next round:
   round = H t + max(0, W(N) - H t) + C(N).
 
-Utilisation is H t / round. ``sim`` imports nothing from ``intra`` or
-``inter``: the scenario holds plain numbers.
+Every round needs every site, so where sites compute at different speeds
+the slowest one's ``t`` sets the rounds' pace (``slowest_step_s``) and a
+typical site's counts as its compute. Utilisation is H t / round. ``sim``
+imports nothing from ``intra`` or ``inter``: the scenario holds plain numbers.
 """
 
 from __future__ import annotations

@@ -404,3 +404,30 @@ def test_three_sites_on_separate_hosts_started_as_operators_would(tmp_path):
     assert "every site holds the same model" in done.stdout
     for site in "abc":
         assert "round 2 at step 20" in (out / f"{site}.log").read_text()
+
+
+def test_tcp_settings_that_slow_a_long_fat_link_are_named_with_their_fix(tmp_path):
+    from isthmus.deploy.host_tuning import read_sysctl, tcp_advice
+
+    defaults = {
+        "net.ipv4.tcp_slow_start_after_idle": "1",
+        "net.ipv4.tcp_rmem": "4096 131072 6291456",
+        "net.ipv4.tcp_wmem": "4096 16384 4194304",
+    }
+    advice = tcp_advice(defaults.get)
+    assert len(advice) == 3
+    assert "sysctl -w net.ipv4.tcp_slow_start_after_idle=0" in advice[0]
+    assert "at most 6.0 MiB" in advice[1] and "'4096 131072 33554432'" in advice[1]
+    assert "net.ipv4.tcp_wmem='4096 16384 33554432'" in advice[2]
+    tuned = {
+        "net.ipv4.tcp_slow_start_after_idle": "0",
+        "net.ipv4.tcp_rmem": "4096 131072 33554432",
+        "net.ipv4.tcp_wmem": "4096 16384 67108864",
+    }
+    assert tcp_advice(tuned.get) == []
+    assert tcp_advice(lambda name: None) == []  # unreadable (not Linux): nothing to say
+    # Real files: the reader maps dotted names to /proc/sys paths.
+    (tmp_path / "net" / "ipv4").mkdir(parents=True)
+    (tmp_path / "net" / "ipv4" / "tcp_slow_start_after_idle").write_text("1\n")
+    assert read_sysctl("net.ipv4.tcp_slow_start_after_idle", tmp_path) == "1"
+    assert read_sysctl("net.ipv4.tcp_rmem", tmp_path) is None
