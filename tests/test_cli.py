@@ -106,6 +106,7 @@ def test_every_command_has_help(command):
             "--jitter-distribution: unknown distribution",
         ),
         (("bench", "wan", "--repeats", "0"), "--repeats: must be >= 1"),
+        (("bench", "wan", "--seconds", "0"), "--seconds: must be > 0"),
         (("bench", "allreduce", "--sites", "1"), "--sites: must be in 2..8"),
         (("bench", "allreduce", "--codec", "int3"), "--codec: unknown codec 'int3'"),
         (("bench", "allreduce", "--idle-s", "-1"), "--idle-s: must be in [0, 3600]"),
