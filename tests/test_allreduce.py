@@ -474,7 +474,9 @@ def test_a_round_ends_when_its_result_is_in_and_its_last_sends_finish_after():
     expected = _reference(inputs, weights).float()
     assert all(torch.equal(out, outs[0]) for out in outs)
     assert torch.allclose(outs[0], expected, atol=1e-6)
-    assert pending == {"a": 1, "b": 1}  # each site's result, on its way to the other
+    # Each site's result is on its way to the other (its acknowledgement half a round
+    # trip off); the contribution's acknowledgement may be too, racing the result.
+    assert all(1 <= count <= 2 for count in pending.values()), pending
     assert after == {"a": 0, "b": 0} and failed == {"a": 0, "b": 0}
     for milestones in phases.values():
         assert list(milestones) == ["contributions", "results"]
