@@ -21,6 +21,7 @@ The README's trials (seed 0), one command each (T: ``--sync-every 7 --levels 1
     python benchmarks/convergence_trials.py T --inner-lr-scale 2   (and 0.6)
     python benchmarks/convergence_trials.py --mode sync --top-k 0.0025
     python benchmarks/convergence_trials.py --sync-every 50 --outer-lr 0.7 --outer-momentum 0.9
+    python benchmarks/convergence_trials.py T --moments-every 3,6
 
 Prints one JSON line: the settings, held-out loss, WAN MB and exchanges.
 """
@@ -73,7 +74,11 @@ def encoded_bytes(count: int, args: argparse.Namespace) -> float:
 
 
 def flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return flat_of(model.parameters())
+
+
+def flat_of(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
 
 
 @torch.no_grad()
@@ -101,6 +106,13 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument(
+        "--moments-every",
+        default="",
+        metavar="KU,KV",
+        help="DES-LOC-style (arXiv 2505.22549): also average AdamW's first moment every "
+        "KU rounds and its second every KV rounds (float32), e.g. 3,6",
+    )
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -119,6 +131,11 @@ def main() -> int:
     momentum = torch.zeros(size)
     residuals = [torch.zeros(size) for _ in range(WORKERS)]
     schedule = parse_schedule(args.sync_every)
+    moments_every = [int(k) for k in args.moments_every.split(",")] if args.moments_every else []
+    if moments_every and (len(moments_every) != 2 or min(moments_every) < 1):
+        parser.error("--moments-every: two intervals >= 1 in rounds, e.g. 3,6")
+    if not moments_every:
+        moments_every = [0, 0]
     # The direct all-reduce: every site sends (S-1)/S of the vector in each phase.
     share = (WORKERS - 1) / WORKERS * WORKERS
     wan_bytes, exchanges, since = 0.0, 0, 0
@@ -181,6 +198,15 @@ def main() -> int:
         global_params -= args.outer_lr * update
         for model in models:
             load_flat(model.parameters(), global_params)
+        for state, every in zip(("exp_avg", "exp_avg_sq"), moments_every, strict=True):
+            if every and exchanges % every == 0:
+                tensors = [
+                    [o.state[p][state] for p in o.param_groups[0]["params"]] for o in optimizers
+                ]
+                mean = sum(flat_of(t) for t in tensors) / WORKERS
+                for t in tensors:
+                    load_flat(t, mean)
+                wan_bytes += share * 2 * 4 * size
     result = {
         "settings": vars(args),
         "eval_loss": evaluate(models[0], data, 32),
