@@ -131,11 +131,11 @@ def main() -> int:
     momentum = torch.zeros(size)
     residuals = [torch.zeros(size) for _ in range(WORKERS)]
     schedule = parse_schedule(args.sync_every)
-    moments_every = [int(k) for k in args.moments_every.split(",")] if args.moments_every else []
-    if moments_every and (len(moments_every) != 2 or min(moments_every) < 1):
+    # In rounds, for (exp_avg, exp_avg_sq); 0: never.
+    given = args.moments_every
+    moments_every = [int(k) for k in given.split(",")] if given else [0, 0]
+    if len(moments_every) != 2 or (given and min(moments_every) < 1):
         parser.error("--moments-every: two intervals >= 1 in rounds, e.g. 3,6")
-    if not moments_every:
-        moments_every = [0, 0]
     # The direct all-reduce: every site sends (S-1)/S of the vector in each phase.
     share = (WORKERS - 1) / WORKERS * WORKERS
     wan_bytes, exchanges, since = 0.0, 0, 0

@@ -182,17 +182,14 @@ def run_allreduce_bench(
     best = min(b.values())
     sent_per_round = sum(statistics.median(r["bytes_sent"]) for r in results)
     theoretical = sites * 2 * (sites - 1) / sites * nbytes  # direct, codec none
-    wire_bytes = sum(d["bytes"] for link in wire["links"] for k, d in link.items() if "->" in k)
+    directions = [d for link in wire["links"] for k, d in link.items() if "->" in k]
+    wire_bytes = sum(d["bytes"] for d in directions)
     extra: dict[str, Any] = {"backend": "hosts" if hosts else "proxy"}
     if hosts:  # real TCP: what the bottleneck queues dropped, and TCP sent again
-        extra["queue_drop_segments"] = sum(
-            d.get("queue_drops", 0) for link in wire["links"] for k, d in link.items() if "->" in k
-        )
-        extra["wire_segments"] = sum(
-            d.get("segments", 0) for link in wire["links"] for k, d in link.items() if "->" in k
-        )
+        extra["queue_drop_segments"] = sum(d.get("queue_drops", 0) for d in directions)
+        extra["wire_segments"] = sum(d.get("segments", 0) for d in directions)
     # Where a round's time goes: the slowest site's milestone, median over rounds.
-    names = [name for name in results[0]["phases"][0]] if results[0].get("phases") else []
+    names = list(results[0]["phases"][0]) if results[0].get("phases") else []
     if names and all(len(r["phases"]) == repeats for r in results):
         extra["phases_median_seconds"] = {
             name: round(

@@ -864,8 +864,10 @@ class CrossSiteAllReduce:
             for _, s in others:
                 self._incoming.pop((round, mine, s), None)
             raise
-        self._outlive(round, [(s, t) for (_, s), t in zip(others, phase1, strict=True)])
-        self._outlive(round, [(s, t) for (_, s), t in zip(others, phase2, strict=True)])
+        self._outlive(
+            round,
+            [(s, t) for sends in (phase1, phase2) for (_, s), t in zip(others, sends, strict=True)],
+        )
         if lost is not None:
             self._residuals[feedback] = lost  # type: ignore[index]
         self.last = RoundStats(sum(sent), received, loop.time() - started, phases)
