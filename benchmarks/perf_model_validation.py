@@ -4,13 +4,15 @@
 
 1. Calibration (not part of the validation): the compute time of a step
    right before and right after each run (their mean), on its job file
-   (``isthmus.deploy.calibrate.run_step_seconds``, as ``isthmus sim
-   --calibrate``: a short lockstep run with the emulator, launcher and broker
-   running as in the runs; this machine's speed drifts too much over minutes
-   for one calibration at the start), and the host work of one exchange,
-   (a + b (S - 1)) x processes per core for S sites (a: DiLoCo's outer step;
-   b: per peer), from DiLoCo runs of 2 and of 4 sites on a 1 ms, 1 Gbit/s
-   link (their measured syncing time per round minus the model's wire time).
+   (``isthmus.deploy.calibrate.calibrate``, as ``isthmus sim --calibrate``: a
+   short run synchronising as the job does, with the emulator, launcher and
+   broker running as in the runs; this machine's speed drifts too much over
+   minutes for one calibration at the start), with how much it varies from
+   step to step; and the host work of one exchange, (a + b (S - 1)) x
+   processes per core for S sites (a: DiLoCo's outer step; b: per peer), from
+   DiLoCo runs of 2 and of 4 sites on a 1 ms, 1 Gbit/s link (their measured
+   syncing time per round minus the model's wire time and its wait for the
+   last site).
 2. Validation: emulated runs (``isthmus run``) of 2-4 sites, sync, DiLoCo and
    Streaming DiLoCo, two bandwidths; each run's measured time per inner step
    and compute utilisation (evaluation time left out, as the model has none)
@@ -32,7 +34,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from isthmus.deploy.calibrate import run_site_step_seconds
+from isthmus.deploy.calibrate import calibrate, steady_calibration
 from isthmus.deploy.run_records import read_records
 from isthmus.deploy.run_summary import training_figures
 from isthmus.deploy.sim_commands import CODEC_BYTES_PER_S, ENGINE_EFFICIENCY
@@ -118,6 +120,7 @@ def run(case: Case, folder: Path) -> dict[str, float]:
         "utilization": statistics.fmean(utilisation),
         "syncing_s": statistics.fmean(syncing) if syncing else 0.0,
         "compute_s_by_site": compute,
+        "jitter_s": steady_calibration(out / "metrics.jsonl").jitter_s,
     }
 
 
@@ -132,6 +135,7 @@ def scenario(
     outer_s: float,
     peer_s: float = 0.0,
     slowest_s: float | None = None,
+    jitter_s: float = 0.0,
 ) -> Scenario:
     names = [f"s{i}" for i in range(case.sites)]
     config = config_for("tiny")
@@ -139,6 +143,7 @@ def scenario(
         params=float(config.parameter_count()),
         step_s=step_s,
         slowest_step_s=slowest_s,
+        step_jitter_s=jitter_s,
         tokens_per_step=case.sites * BATCH * config.seq_len,
         sites=names,
         links=uniform_links(names, bandwidth_mbit=case.bandwidth_mbit, rtt_ms=case.rtt_ms),
@@ -164,15 +169,20 @@ def main() -> int:
 
     # Host work of a DiLoCo exchange, (a + b (S - 1)) x processes per core: the outer
     # step a and b per peer, from DiLoCo on a fast link with 2 and with 4 sites (the
-    # syncing time per round beyond the model's wire time).
+    # syncing time per round beyond the model's wire time and its wait for the last
+    # site, from the variation of the run's own steps).
     beyond = {}
     for case in CALIBRATIONS:
         measured = run(case, root / f"calibration-{case.sites}")
-        wire_only, _ = exchange_seconds(scenario(case, 0.1, 0.0), 4 * 471_000)
-        beyond[case.sites] = max(0.0, measured["syncing_s"] - wire_only) / contention(case.sites)
+        fit = scenario(case, 0.1, 0.0, jitter_s=measured["jitter_s"])
+        wire_only, _ = exchange_seconds(fit, 4 * 471_000)
+        late = fit.late_s(case.sync_every)
+        left = measured["syncing_s"] - wire_only - late
+        beyond[case.sites] = max(0.0, left) / contention(case.sites)
         print(
             f"calibration: {case.name}: syncing {measured['syncing_s'] * 1e3:.0f} ms per "
-            f"round, wire {wire_only * 1e3:.0f} ms -> {beyond[case.sites] * 1e3:.0f} ms beyond",
+            f"round, wire {wire_only * 1e3:.0f} ms, last site {late * 1e3:.0f} ms -> "
+            f"{beyond[case.sites] * 1e3:.0f} ms beyond",
             flush=True,
         )
     peer = max(0.0, (beyond[4] - beyond[2]) / 2)
@@ -193,15 +203,20 @@ def main() -> int:
         folder = root / f"case-{index}"
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "calibrate.yaml").write_text(job_text(case))
-        before = run_site_step_seconds(folder / "calibrate.yaml")
+        before = calibrate(folder / "calibrate.yaml")
         measured = run(case, folder)
-        after = run_site_step_seconds(folder / "calibrate.yaml")
-        before_s, after_s = statistics.median(before.values()), statistics.median(after.values())
+        after = calibrate(folder / "calibrate.yaml")
+        before_s, after_s = before.step_s, after.step_s
         step_s = (before_s + after_s) / 2
-        by_site = {site: (t + after.get(site, t)) / 2 for site, t in before.items()}
+        jitter_s = (before.jitter_s + after.jitter_s) / 2
+        by_site = {
+            site: (t + after.step_s_by_site.get(site, t)) / 2
+            for site, t in before.step_s_by_site.items()
+        }
         slowest_s = max(step_s, *by_site.values())
-        predicted = predict_run(scenario(case, step_s, overhead, peer, slowest_s))
+        predicted = predict_run(scenario(case, step_s, overhead, peer, slowest_s, jitter_s))
         uniform = predict_run(scenario(case, step_s, overhead, peer))
+        steady = predict_run(scenario(case, step_s, overhead, peer, slowest_s))
         row = {
             "case": case.name,
             "steps": case.steps,
@@ -210,8 +225,12 @@ def main() -> int:
             "calibrated_after_ms": after_s * 1e3,
             "calibrated_by_site_ms": {site: t * 1e3 for site, t in sorted(by_site.items())},
             "calibrated_slowest_ms": slowest_s * 1e3,
+            "calibrated_jitter_ms": jitter_s * 1e3,
+            "measured_jitter_ms": measured["jitter_s"] * 1e3,
             "predicted_step_ms_all_sites_alike": uniform.step_s * 1e3,
             "predicted_utilization_all_sites_alike": uniform.utilization,
+            "predicted_step_ms_without_jitter": steady.step_s * 1e3,
+            "predicted_utilization_without_jitter": steady.utilization,
             "measured_compute_by_site_ms": {
                 site: v * 1e3 for site, v in sorted(measured["compute_s_by_site"].items())
             },
@@ -254,8 +273,10 @@ def write_docs(result: dict) -> None:
         MARKERS[0],
         "",
         "Calibration: each run's compute per step, the mean of a calibration just before "
-        "and one just after it (column 'calibrated': the median site, both calibrations "
-        "in brackets, and the slowest site, which sets the pace of every round); "
+        "and one just after it, each synchronising as the run does (column 'calibrated': "
+        "the median site, both calibrations in brackets, the slowest site, which sets the "
+        "pace of every round, and the standard deviation of a site's step, with which the "
+        "last site reaches each synchronisation later); "
         f"host work per exchange: outer step {cal['outer_step_ms']:.0f} ms + "
         f"{cal['peer_overhead_ms']:.0f} ms per peer site, times processes per core.",
         "",
@@ -267,7 +288,8 @@ def write_docs(result: dict) -> None:
         lines.append(
             f"| {r['case']} | {r['steps']} | {r['calibrated_step_ms']:.1f} ms "
             f"({r['calibrated_before_ms']:.0f}, {r['calibrated_after_ms']:.0f}); "
-            f"slowest {r['calibrated_slowest_ms']:.1f} ms | "
+            f"slowest {r['calibrated_slowest_ms']:.1f} ms; "
+            f"varying {r['calibrated_jitter_ms']:.1f} ms | "
             f"{r['measured_step_ms']:.1f} ms | "
             f"{r['predicted_step_ms']:.1f} ms | {r['step_error']:+.1%} | "
             f"{r['measured_utilization']:.1%} | {r['predicted_utilization']:.1%} | "

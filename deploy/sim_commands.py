@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -64,6 +64,12 @@ def register(commands: Any) -> None:
         "--tokens-per-gpu", type=float, default=4096 * 2, help="tokens per step per GPU"
     )
     what.add_argument("--step-ms", type=float, help="compute time of one inner step")
+    what.add_argument(
+        "--step-jitter-ms",
+        type=float,
+        help="standard deviation of a site's compute per step, from step to step (default 0; "
+        "--calibrate measures it)",
+    )
     what.add_argument("--rtt-ms", type=float, help="every link's round trip")
     what.add_argument("--bandwidth-mbit", type=float, help="every link's bandwidth")
     what.add_argument("--strategy", choices=STRATEGIES, help="mark this strategy")
@@ -103,6 +109,7 @@ def _sim(args: argparse.Namespace) -> int:
             "sites": list(scenario.sites),
             "step_s": scenario.step_s,
             "slowest_step_s": scenario.pace_s,
+            "step_jitter_s": scenario.step_jitter_s,
             "tokens_per_step": scenario.tokens_per_step,
             "sync_every": scenario.sync_every,
             "fragments": scenario.fragments,
@@ -124,6 +131,11 @@ def _sim(args: argparse.Namespace) -> int:
         + (
             f" (the slowest site {sc['slowest_step_s'] * 1e3:.1f} ms)"
             if sc["slowest_step_s"] > sc["step_s"]
+            else ""
+        )
+        + (
+            f", varying by {sc['step_jitter_s'] * 1e3:.1f} ms from step to step"
+            if sc["step_jitter_s"]
             else ""
         )
         + f", {sc['tokens_per_step']:,.0f} tokens per "
@@ -190,12 +202,18 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
         tokens = sum(s.layout.dp for s in job.sites) * batch * seq_len
     else:
         tokens = len(sites) * gpus * args.tokens_per_gpu
-    step_s, slowest_s = _step_seconds(args, job, params, tokens / len(sites) / gpus)
+    step_s, slowest_s, jitter_s = _step_seconds(args, job, params, tokens / len(sites) / gpus)
+    given_jitter = getattr(args, "step_jitter_ms", None)
+    if given_jitter is not None:
+        if not (0 <= given_jitter < math.inf):
+            raise ScenarioError("step_jitter_ms", f"must be >= 0, got {given_jitter}")
+        jitter_s = given_jitter / 1e3
     strategy = args.strategy or (train.strategy if train else "diloco")
     return Scenario(
         params=params,
         step_s=step_s,
         slowest_step_s=slowest_s,
+        step_jitter_s=jitter_s,
         tokens_per_step=tokens,
         sites=sites,
         links=links,
@@ -291,30 +309,31 @@ def _job_tokens(job: Job) -> tuple[int, int]:
 
 def _step_seconds(
     args: argparse.Namespace, job: Job | None, params: float, tokens: float
-) -> tuple[float, float | None]:
-    """Compute seconds per inner step of a typical site, and of the slowest one where
-    a calibration measured the sites apart (None: all alike)."""
+) -> tuple[float, float | None, float]:
+    """Compute seconds per inner step of a typical site, of the slowest one where a
+    calibration measured the sites apart (None: all alike), and how much a site's
+    varies from step to step (0 unless measured)."""
     if args.step_ms is not None:
         if args.step_ms <= 0:
             raise ScenarioError("step_ms", f"must be > 0, got {args.step_ms}")
-        return args.step_ms / 1e3, None
+        return args.step_ms / 1e3, None, 0.0
     if args.gpu is not None:
-        return step_seconds_from_flops(params, tokens, args.gpu, args.mfu), None
+        return step_seconds_from_flops(params, tokens, args.gpu, args.mfu), None, 0.0
     if job is not None and args.calibrate:
-        from isthmus.deploy.calibrate import run_site_step_seconds
+        from isthmus.deploy.calibrate import calibrate
 
         # On stderr: stdout is the prediction (JSON with --json).
-        print("calibrating: a short run of the job, its sites in lockstep ...", file=sys.stderr)
-        by_site = run_site_step_seconds(Path(args.job))
-        return statistics.median(by_site.values()), max(by_site.values())
+        print("calibrating: a short run of the job, synchronising as it does ...", file=sys.stderr)
+        measured = calibrate(Path(args.job))
+        return measured.step_s, measured.slowest_step_s, measured.jitter_s
     raise ScenarioError(
         "step_ms", "give --step-ms, --gpu (FLOPs at --mfu), or --calibrate (measure here)"
     )
 
 
-def job_scenario(job_path: Path, step_s: float) -> Scenario:
-    """The job file's scenario with a known compute time per inner step (what
-    ``isthmus sim JOB --step-ms`` predicts from)."""
+def job_scenario(job_path: Path, step_s: float, jitter_s: float = 0.0) -> Scenario:
+    """The job file's scenario with a known compute time per inner step and its
+    variation (what ``isthmus sim JOB --step-ms --step-jitter-ms`` predicts from)."""
     args = argparse.Namespace(
         job=str(job_path),
         params=None,
@@ -324,6 +343,7 @@ def job_scenario(job_path: Path, step_s: float) -> Scenario:
         mfu=0.4,
         tokens_per_gpu=4096 * 2,
         step_ms=step_s * 1e3,
+        step_jitter_ms=jitter_s * 1e3,
         rtt_ms=None,
         bandwidth_mbit=None,
         strategy=None,

@@ -88,11 +88,11 @@ def _tune(args: argparse.Namespace) -> int:
         raise UsageError(f"--trial-steps: must be >= 1, got {args.trial_steps}")
     started = time.monotonic()
     log = sys.stderr if args.json else sys.stdout
-    step_s, source = _step_seconds(args, job_path, log)
+    step_s, jitter_s, source = _step_seconds(args, job_path, log)
     from isthmus.deploy.sim_commands import job_scenario, range_note
 
     try:
-        scenario = job_scenario(job_path, step_s)
+        scenario = job_scenario(job_path, step_s, jitter_s)
         candidates = sweep(scenario, settings)
         pick, reaches = model_pick(candidates, settings.target_utilization)
     except ScenarioError as exc:
@@ -158,16 +158,19 @@ def _settings(job: Job, args: argparse.Namespace) -> TuneSettings:
         raise UsageError(f"--{exc.field.replace('_', '-')}: {exc.reason}") from None
 
 
-def _step_seconds(args: argparse.Namespace, job_path: Path, log: Any) -> tuple[float, str]:
+def _step_seconds(args: argparse.Namespace, job_path: Path, log: Any) -> tuple[float, float, str]:
+    """Compute seconds per inner step, their variation from step to step, and where
+    they came from."""
     if args.step_ms is not None:
         if not (args.step_ms > 0 and math.isfinite(args.step_ms)):
             raise UsageError(f"--step-ms: must be > 0, got {args.step_ms}")
-        return args.step_ms / 1e3, "--step-ms"
-    from isthmus.deploy.calibrate import run_step_seconds
+        return args.step_ms / 1e3, 0.0, "--step-ms"
+    from isthmus.deploy.calibrate import calibrate
 
-    print("calibrating: a short run of the job without synchronisation ...", file=log, flush=True)
+    print("calibrating: a short run of the job, synchronising as it does ...", file=log, flush=True)
     try:
-        return run_step_seconds(job_path), "calibrated here"
+        measured = calibrate(job_path)
+        return measured.step_s, measured.jitter_s, "calibrated here"
     except RuntimeError as exc:
         raise UsageError(f"calibration failed ({exc}); or give --step-ms") from None
 

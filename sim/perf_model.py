@@ -28,11 +28,14 @@ interval, and ``W(n)`` and ``C(n)`` the wire and host parts:
   of the backward pass can hide the wire: step = t + max(0, W(N) - h) + C(N)
   with h = b t (1 - bucket / N) (no overlap, or one bucket: h = 0);
 * ``diloco``: a round is H steps, a vote (a tiny exchange) and the exchange:
-  round = H t + X(0) + X(N), X = W + C;
+  round = H t + late(H) + X(0) + X(N), X = W + C;
 * ``streaming``: P fragments each exchange N / P, the wire overlapping tau
-  inner steps: round = H t + P (max(0, W(N / P) - tau t) + C(N / P));
+  inner steps: round = H t + P (max(0, late(H / P) + W(N / P) - tau t) + C(N / P));
 * ``async``: the exchange overlaps the whole next round:
-  round = H t + max(0, W(N) - H t) + C(N).
+  round = H t + max(0, late(H) + W(N) - H t) + C(N).
+
+Sync's step is t + late(1) + max(0, W(N) - h) + C(N): its last bucket waits
+for the last site.
 
 Every round needs every site, so where sites compute at different speeds
 the slowest one's ``t`` sets the rounds' pace (``slowest_step_s``) and a
@@ -42,6 +45,7 @@ imports nothing from ``intra`` or ``inter``: the scenario holds plain numbers.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -82,6 +86,11 @@ class Scenario:
     site on older GPUs; in an emulated run, sites that share cores unevenly):
     every round waits for it, so it sets the pace, while the others' compute
     counts at ``step_s``. None: every site computes at ``step_s``."""
+    step_jitter_s: float = 0.0
+    """Standard deviation of a site's compute per inner step, from step to step
+    (measured by a calibration; a few percent of the step on dedicated GPUs, more
+    where processes share cores): the last site to reach a synchronisation holds
+    it up."""
     tokens_per_step: float
     """Tokens one inner step trains on, summed over every site."""
     sites: Sequence[str]
@@ -128,6 +137,10 @@ class Scenario:
                 "slowest_step_s",
                 f"must be >= step_s ({self.step_s}), got {self.slowest_step_s}",
             )
+        if not (0 <= self.step_jitter_s < math.inf):
+            raise ScenarioError(
+                "step_jitter_ms", f"must be >= 0 and finite, got {self.step_jitter_s * 1e3} ms"
+            )
         if self.sync_every < 1:
             raise ScenarioError("sync_every", f"must be >= 1, got {self.sync_every}")
         if self.fragments < 1 or self.fragments > self.sync_every:
@@ -155,6 +168,11 @@ class Scenario:
         """Compute seconds per inner step of the slowest site: the rounds' pace."""
         return self.step_s if self.slowest_step_s is None else self.slowest_step_s
 
+    def late_s(self, steps: float) -> float:
+        """Expected seconds the last site reaches a synchronisation after the average
+        one, ``steps`` inner steps after the sites last met."""
+        return self.step_jitter_s * math.sqrt(steps) * expected_largest_normal(len(self.sites))
+
     def link(self, a: str, b: str) -> LinkCost:
         return self.links[frozenset((a, b))]
 
@@ -174,7 +192,7 @@ class Prediction:
     exchange_s: float
     """Seconds one exchange of the whole model takes (wire, codec, overhead)."""
     exposed_s: float
-    """Seconds per round the compute waits for exchanges."""
+    """Seconds per round the compute waits: for exchanges, and for the last site."""
     utilization: float
     wan_bytes_per_token: float
     """Bytes sent over the WAN, all sites, per token trained."""
@@ -242,10 +260,26 @@ def exchange_seconds(scenario: Scenario, nbytes: float) -> tuple[float, str]:
     return cost.seconds, cost.algorithm
 
 
-def _overlapped(cost: ExchangeCost, hidden_s: float) -> float:
-    """Seconds an exchange holds the compute when its wire overlaps ``hidden_s`` of
-    compute: the wire beyond that, and all of its host work."""
-    return max(0.0, cost.wire_s - hidden_s) + cost.host_s
+def _overlapped(cost: ExchangeCost, hidden_s: float, late_s: float = 0.0) -> float:
+    """Seconds an exchange holds the compute when its wire, started ``late_s`` after
+    this site's by the last site, overlaps ``hidden_s`` of compute: what is left
+    beyond that, and all of its host work."""
+    return max(0.0, late_s + cost.wire_s - hidden_s) + cost.host_s
+
+
+@functools.cache
+def expected_largest_normal(count: int) -> float:
+    """The expected largest of ``count`` independent standard normal values:
+    the integral of x count phi(x) Phi(x)^(count - 1) (0 for one value)."""
+    if count < 2:
+        return 0.0
+    step, total = 1e-3, 0.0
+    for i in range(-10_000, 10_001):
+        x = i * step
+        density = math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+        below = 0.5 * (1 + math.erf(x / math.sqrt(2)))
+        total += x * count * density * below ** (count - 1)
+    return total * step
 
 
 def predict_run(scenario: Scenario) -> Prediction:
@@ -262,7 +296,7 @@ def predict_run(scenario: Scenario) -> Prediction:
         model_bytes = 4 * s.params
         hideable = max(0.0, 1 - s.bucket_bytes / model_bytes) if s.sync_overlap else 0.0
         hidden = s.backward_fraction * pace * hideable
-        exposed = _overlapped(full, hidden)
+        exposed = s.late_s(1) + _overlapped(full, hidden)
         round_s = pace + exposed
         return Prediction(
             "sync",
@@ -277,13 +311,14 @@ def predict_run(scenario: Scenario) -> Prediction:
     compute = h * pace
     full = exchange_cost(s, s.wan_bytes, outer=1.0)
     if s.strategy == "diloco":
-        exposed = exchange_cost(s, 64.0).seconds + full.seconds
+        exposed = s.late_s(h) + exchange_cost(s, 64.0).seconds + full.seconds
     elif s.strategy == "async":
-        exposed = _overlapped(full, compute)
-    else:  # streaming
+        exposed = _overlapped(full, compute, s.late_s(h))
+    else:  # streaming: the sites meet at every fragment's exchange
         part = exchange_cost(s, s.wan_bytes / s.fragments, outer=1 / s.fragments)
         algorithm = part.algorithm
-        exposed = s.fragments * _overlapped(part, s.overlap_steps * pace)
+        late = s.late_s(h / s.fragments)
+        exposed = s.fragments * _overlapped(part, s.overlap_steps * pace, late)
     round_s = compute + exposed
     return Prediction(
         s.strategy,
