@@ -34,7 +34,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from isthmus.deploy.calibrate import calibrate, steady_calibration
+from isthmus.deploy.calibrate import calibrate, steady_calibration, steps_between_syncs
 from isthmus.deploy.run_records import read_records
 from isthmus.deploy.run_summary import training_figures
 from isthmus.deploy.sim_commands import CODEC_BYTES_PER_S, ENGINE_EFFICIENCY
@@ -42,6 +42,8 @@ from isthmus.intra.model import config_for
 from isthmus.sim.perf_model import Scenario, exchange_seconds, predict_run, uniform_links
 
 BATCH = 8
+FRAGMENTS = 2
+"""Streaming's fragments: the job files leave them at the default."""
 MARKERS = ("<!-- validation:start -->", "<!-- validation:end -->")
 
 
@@ -120,8 +122,14 @@ def run(case: Case, folder: Path) -> dict[str, float]:
         "utilization": statistics.fmean(utilisation),
         "syncing_s": statistics.fmean(syncing) if syncing else 0.0,
         "compute_s_by_site": compute,
-        "jitter_s": steady_calibration(out / "metrics.jsonl").jitter_s,
+        "jitter_s": steady_calibration(out / "metrics.jsonl", every=between_syncs(case)).jitter_s,
     }
+
+
+def between_syncs(case: Case) -> int:
+    return steps_between_syncs(
+        {"strategy": case.strategy, "sync_every": case.sync_every, "fragments": FRAGMENTS}
+    )
 
 
 def contention(sites: int) -> float:
@@ -149,7 +157,7 @@ def scenario(
         links=uniform_links(names, bandwidth_mbit=case.bandwidth_mbit, rtt_ms=case.rtt_ms),
         strategy=case.strategy,
         sync_every=case.sync_every,
-        fragments=2,
+        fragments=FRAGMENTS,
         overlap_steps=1,
         codec_bytes_per_s=CODEC_BYTES_PER_S,
         efficiency=ENGINE_EFFICIENCY,
@@ -176,7 +184,7 @@ def main() -> int:
         measured = run(case, root / f"calibration-{case.sites}")
         fit = scenario(case, 0.1, 0.0, jitter_s=measured["jitter_s"])
         wire_only, _ = exchange_seconds(fit, 4 * 471_000)
-        late = fit.late_s(case.sync_every)
+        late = fit.late_s(between_syncs(case))
         left = measured["syncing_s"] - wire_only - late
         beyond[case.sites] = max(0.0, left) / contention(case.sites)
         print(
@@ -203,9 +211,9 @@ def main() -> int:
         folder = root / f"case-{index}"
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "calibrate.yaml").write_text(job_text(case))
-        before = calibrate(folder / "calibrate.yaml")
+        before = calibrate(folder / "calibrate.yaml", keep=folder / "calibration-before")
         measured = run(case, folder)
-        after = calibrate(folder / "calibrate.yaml")
+        after = calibrate(folder / "calibrate.yaml", keep=folder / "calibration-after")
         before_s, after_s = before.step_s, after.step_s
         step_s = (before_s + after_s) / 2
         jitter_s = (before.jitter_s + after.jitter_s) / 2

@@ -19,8 +19,8 @@ different moments), and how much that varies from step to step.
 
 from __future__ import annotations
 
-import itertools
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -46,8 +46,9 @@ class Calibration:
     """Each site's mean compute seconds per inner step (the sites of an emulated run
     share cores unevenly: the slowest one sets the pace of every round)."""
     jitter_s: float
-    """The standard deviation of one site's compute per step, from step to step (the
-    median over sites): every synchronisation waits for the last site to arrive."""
+    """How much a site's compute per step varies, as the model uses it: the standard
+    deviation of independent steps that would make the last site reach the
+    calibration's synchronisations as late (beyond its mean pace) as it did."""
 
     @property
     def step_s(self) -> float:
@@ -57,6 +58,16 @@ class Calibration:
     @property
     def slowest_step_s(self) -> float:
         return max(self.step_s_by_site.values())
+
+
+def steps_between_syncs(train: dict[str, Any]) -> int:
+    """Inner steps between the synchronisations of a run with ``train`` settings (as
+    :func:`calibration_train` gives them)."""
+    if train["strategy"] == "sync":
+        return 1
+    if train["strategy"] == "streaming":
+        return max(1, int(train["sync_every"]) // int(train.get("fragments", 2)))
+    return int(train["sync_every"])
 
 
 def calibration_train(train: dict[str, Any]) -> dict[str, Any]:
@@ -75,48 +86,65 @@ def calibration_train(train: dict[str, Any]) -> dict[str, Any]:
     return {**train, **changed}
 
 
-def calibrate(job_path: Path, *, steps: int = 50) -> Calibration:
+def calibrate(job_path: Path, *, steps: int = 50, keep: Path | None = None) -> Calibration:
     """Each site's compute seconds per inner step, and their variation, in a short run
-    of the job that synchronises as it does (see the module's docstring)."""
+    of the job that synchronises as it does (see the module's docstring); ``keep``:
+    a folder for the run (else a temporary one)."""
     raw = load_yaml(job_path.read_text())
     raw["train"] = calibration_train({**(raw.get("train") or {}), "steps": steps})
     raw.pop("tune", None)  # never the online controller
-    with tempfile.TemporaryDirectory(prefix="isthmus-calibrate-") as folder:
-        job = Path(folder) / "job.yaml"
+    with tempfile.TemporaryDirectory(prefix="isthmus-calibrate-") as scratch:
+        folder = keep or Path(scratch)
+        folder.mkdir(parents=True, exist_ok=True)
+        job = folder / "job.yaml"
         job.write_text(yaml.safe_dump(raw))
-        out = Path(folder) / "run"
+        out = folder / "run"
         done = subprocess.run(
             [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)],
             capture_output=True,
             text=True,
             timeout=900,
-            cwd=folder,
+            cwd=str(folder),
         )
         if done.returncode:
             raise RuntimeError(f"calibration run failed: {done.stderr[-1500:]}")
         if json.loads((out / "summary.json").read_text())["status"] != "finished":
             raise RuntimeError(f"calibration run did not finish: {done.stdout[-1500:]}")
-        return steady_calibration(out / "metrics.jsonl")
+        return steady_calibration(out / "metrics.jsonl", every=steps_between_syncs(raw["train"]))
 
 
-def steady_calibration(metrics: Path, *, warm_up: int = WARM_UP_STEPS) -> Calibration:
+def steady_calibration(metrics: Path, *, every: int, warm_up: int = WARM_UP_STEPS) -> Calibration:
     """Each site's compute per step after the warm-up (one slow first step in a short
-    run would otherwise move the figure by tens of percent), and its variation."""
+    run would otherwise move the figure by tens of percent), and its variation: at
+    each synchronisation (``every`` steps), how far the last site's compute since
+    the one before, beyond its own mean pace, lies past the average site's. That
+    lateness, over the model's sigma sqrt(every) e(S), is the sigma that reproduces
+    it. The sites' steps are not what the model assumes, independent: on shared
+    cores a step that lost its core is often followed by one that gets it, and
+    steps slowed at every site alike (a round's own work) keep no one waiting;
+    the standard deviation of single steps overstates the lateness by up to 2x."""
     from isthmus.deploy.run_records import read_records
+    from isthmus.sim.perf_model import expected_largest_normal
 
-    by_site: dict[str, list[tuple[int, float]]] = {}
+    by_site: dict[str, dict[int, float]] = {}
     for record in read_records(metrics):
         if record.get("kind") == "step":
-            by_site.setdefault(record["site"], []).append((record["step"], record["compute_s"]))
-    means, spreads = {}, []
-    for site, steps in sorted(by_site.items()):
-        # compute_s is cumulative: a step's compute is the difference to the one before.
-        cumulative = [seconds for _, seconds in sorted(steps)][warm_up:]
-        if len(cumulative) >= 2:
-            means[site] = (cumulative[-1] - cumulative[0]) / (len(cumulative) - 1)
-        each = [b - a for a, b in itertools.pairwise(cumulative)]
-        if len(each) >= 2:
-            spreads.append(statistics.stdev(each))
-    if not means:
+            by_site.setdefault(record["site"], {0: 0.0})[record["step"]] = record["compute_s"]
+    last = min((max(steps) for steps in by_site.values()), default=0)
+    if last - warm_up < 2 or any(warm_up not in s or last not in s for s in by_site.values()):
         raise RuntimeError("calibration run recorded too few steps")
-    return Calibration(means, statistics.median(spreads) if spreads else 0.0)
+    # compute_s is cumulative: the compute of steps (a, b] is the difference.
+    means = {
+        site: (steps[last] - steps[warm_up]) / (last - warm_up)
+        for site, steps in sorted(by_site.items())
+    }
+    lateness = []
+    for start in range(warm_up, last - every + 1, every):
+        beyond = [
+            steps[start + every] - steps[start] - every * means[site]
+            for site, steps in by_site.items()
+        ]
+        lateness.append(max(beyond) - statistics.fmean(beyond))
+    spread = expected_largest_normal(len(by_site)) * math.sqrt(every)
+    jitter = statistics.fmean(lateness) / spread if lateness and spread else 0.0
+    return Calibration(means, jitter)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -14,7 +15,9 @@ from isthmus.sim.cost import LinkCost
 from isthmus.sim.perf_model import (
     Scenario,
     ScenarioError,
+    exchange_cost,
     exchange_seconds,
+    expected_largest_normal,
     predict_run,
     step_seconds_from_flops,
     uniform_links,
@@ -104,6 +107,41 @@ def test_the_slowest_site_sets_the_pace_of_every_round():
     assert caught.value.field == "slowest_step_s"
 
 
+def test_the_expected_largest_of_normal_values():
+    # Closed forms: 1/sqrt(pi) for two values, 3/(2 sqrt(pi)) for three.
+    assert expected_largest_normal(1) == 0.0
+    assert expected_largest_normal(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-6)
+    assert expected_largest_normal(3) == pytest.approx(3 / (2 * math.sqrt(math.pi)), rel=1e-6)
+    assert expected_largest_normal(4) == pytest.approx(1.0294, abs=1e-4)  # tables
+
+
+def test_every_synchronisation_waits_for_the_last_site():
+    """A site's step varying by sigma = 20 ms: H = 16 steps after the sites last met,
+    the last of two arrives 20 ms x 4 / sqrt(pi) after the average one."""
+    sigma, late16 = 0.02, 0.02 * 4 / math.sqrt(math.pi)
+    steady = predict_run(scenario(strategy="diloco", sync_every=16))
+    jittery = predict_run(scenario(strategy="diloco", sync_every=16, step_jitter_s=sigma))
+    assert jittery.round_s == pytest.approx(steady.round_s + late16)
+    assert jittery.utilization == pytest.approx(16 * 0.1 / jittery.round_s)
+    # Sync meets every step: late(1) = sigma / sqrt(pi), in every step.
+    sync = predict_run(scenario(strategy="sync", step_jitter_s=sigma))
+    no_jitter = predict_run(scenario(strategy="sync"))
+    assert sync.step_s == pytest.approx(no_jitter.step_s + sigma / math.sqrt(math.pi))
+    # Streaming meets at every fragment, H / P = 8 steps apart; its overlap hides the
+    # lateness with the wire: exposed = max(0, late(8) + W - tau t) + C per fragment.
+    part = exchange_cost(scenario(), 2e6, outer=0.5)
+    for tau in (1, 4):
+        streaming = predict_run(
+            scenario(strategy="streaming", sync_every=16, overlap_steps=tau, step_jitter_s=sigma)
+        )
+        late8 = sigma * math.sqrt(8) / math.sqrt(math.pi)
+        exposed = max(0.0, late8 + part.wire_s - tau * 0.1) + part.host_s
+        assert streaming.round_s == pytest.approx(16 * 0.1 + 2 * exposed)
+    # One site waits for no one.
+    alone = scenario(sites=["a"], links={}, step_jitter_s=sigma)
+    assert alone.late_s(100) == 0.0
+
+
 def test_flops_and_bad_scenarios_are_named():
     assert step_seconds_from_flops(1e9, 1000, "h100", 0.5) == pytest.approx(6e12 / (989e12 * 0.5))
     for changes, name in [
@@ -112,6 +150,7 @@ def test_flops_and_bad_scenarios_are_named():
         ({"params": 0}, "params"),
         ({"fragments": 20}, "fragments"),
         ({"codec": "int3"}, "codec"),
+        ({"step_jitter_s": -0.01}, "step_jitter_ms"),
     ]:
         with pytest.raises(ScenarioError) as caught:
             scenario(**changes)
@@ -135,6 +174,20 @@ def test_sim_command_for_a_job_and_for_flags():
     assert [p["strategy"] for p in out["predictions"]] == ["sync", "diloco", "streaming", "async"]
     assert out["scenario"]["sites"] == ["us-east", "eu-west", "asia-east"]
     assert out["scenario"]["sync_every"] == 50 and out["validated_range"] == ""
+    assert out["scenario"]["step_jitter_s"] == 0.0
+    jittery = isthmus(
+        "sim", "deploy/examples/three-continents.yaml", "--step-ms", "100",
+        "--step-jitter-ms", "10", "--json",
+    )  # fmt: skip
+    assert jittery.returncode == 0, jittery.stderr
+    slower = json.loads(jittery.stdout)
+    assert slower["scenario"]["step_jitter_s"] == pytest.approx(0.01)
+    for steady, late in zip(out["predictions"], slower["predictions"], strict=True):
+        # Async's round hides the lateness with its wire behind the whole next round.
+        hidden = late["strategy"] == "async"
+        assert (
+            (late["step_s"] == steady["step_s"]) if hidden else (late["step_s"] > steady["step_s"])
+        )
     big = isthmus(
         "sim", "--params", "340e9", "--sites", "2", "--gpus-per-site", "1024", "--gpu", "h100",
         "--rtt-ms", "10", "--bandwidth-mbit", "100000", "--strategy", "sync",
@@ -163,6 +216,10 @@ def test_sim_command_for_a_job_and_for_flags():
             "--bandwidth-mbit: must be > 0",
         ),
         (["--params", "1e9", "--sites", "0", "--step-ms", "10"], "--sites: must be >= 1"),
+        (
+            ["deploy/examples/two-sites.yaml", "--step-ms", "10", "--step-jitter-ms", "-1"],
+            "--step-jitter-ms: must be >= 0",
+        ),
         (["deploy/examples/two-sites.yaml"], "--step-ms: give --step-ms"),
         (
             ["deploy/examples/two-sites.yaml", "--step-ms", "10", "--sync-every", "0"],
@@ -192,6 +249,8 @@ def test_sim_calibrates_the_step_with_a_short_run_of_the_job(tmp_path):
     out = json.loads(done.stdout)
     assert "calibrating" in done.stderr
     assert 0.001 < out["scenario"]["step_s"] < 5
+    # Two processes share the cores: the steps vary, and the calibration says by how much.
+    assert 0 < out["scenario"]["step_jitter_s"] < out["scenario"]["step_s"]
     diloco = next(p for p in out["predictions"] if p["strategy"] == "diloco")
     assert 0 < diloco["utilization"] <= 1
 

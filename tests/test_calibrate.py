@@ -1,0 +1,95 @@
+"""The calibration's run settings and what it reads from a run's records."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+
+from isthmus.deploy.calibrate import (
+    LOCKSTEP_EVERY,
+    calibration_train,
+    steady_calibration,
+    steps_between_syncs,
+)
+from isthmus.deploy.run_records import RecordWriter
+
+
+def test_the_calibration_synchronises_as_the_job_does():
+    # Sync: every step, its buckets beside the backward pass.
+    sync = calibration_train({"strategy": "sync", "codec": "int8", "steps": 50, "lr": 0.01})
+    assert sync["strategy"] == "sync" and sync["lr"] == 0.01
+    # The codec is host work in the model, not compute: never in the calibration.
+    assert sync["codec"] == "none"
+    # Streaming: its fragments and overlap, a fragment at most every 10 steps.
+    streaming = calibration_train(
+        {"strategy": "streaming", "sync_every": 100, "fragments": 4, "overlap_steps": 2}
+    )
+    assert streaming["strategy"] == "streaming" and streaming["fragments"] == 4
+    assert streaming["overlap_steps"] == 2
+    assert streaming["sync_every"] == 4 * LOCKSTEP_EVERY
+    assert calibration_train({"strategy": "streaming", "sync_every": 20})["sync_every"] == 20
+    # DiLoCo at the job's H up to 10; async's sites would drift apart: DiLoCo.
+    assert calibration_train({"strategy": "diloco", "sync_every": 5})["sync_every"] == 5
+    for strategy in ("diloco", "async"):
+        lockstep = calibration_train({"strategy": strategy, "sync_every": 50})
+        assert lockstep["strategy"] == "diloco" and lockstep["sync_every"] == LOCKSTEP_EVERY
+
+
+def write_steps(metrics, steps: dict[str, list[float]]) -> None:
+    """Step records as a run writes them: cumulative compute seconds per step."""
+    for site, each in steps.items():
+        writer = RecordWriter(metrics, site)
+        total = 0.0
+        for number, seconds in enumerate(each, 1):
+            total += seconds
+            writer.write("step", step=number, compute_s=total, loss=1.0)
+            writer.write("blocked", what="syncing", seconds=0.3)  # not compute: ignored
+        writer.close()
+
+
+def test_each_sites_step_and_how_late_the_last_one_arrives(tmp_path):
+    """Two sites synchronising every 2 steps, the first 2 left out. Site a's windows
+    run 0.04 s over, 0.04 s under and level with its mean pace (0.1 s per step),
+    site b's level with its own (0.2 s): the last site is 0.02, 0.02 and 0 s past
+    the average one, 0.04 / 3 s on average, which independent steps would give
+    with sigma = (0.04 / 3) / (sqrt 2 e(2)), e(2) = 1 / sqrt(pi)."""
+    metrics = tmp_path / "metrics.jsonl"
+    write_steps(
+        metrics,
+        {
+            "a": [0.5, 0.5, 0.10, 0.14, 0.10, 0.06, 0.12, 0.08],
+            "b": [0.9, 0.9, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2],
+        },
+    )
+    calibration = steady_calibration(metrics, every=2, warm_up=2)
+    assert calibration.step_s_by_site == pytest.approx({"a": 0.1, "b": 0.2})
+    assert calibration.slowest_step_s == pytest.approx(0.2)
+    assert calibration.step_s == pytest.approx(0.15)
+    sigma = (0.04 / 3) / (math.sqrt(2) / math.sqrt(math.pi))
+    assert calibration.jitter_s == pytest.approx(sigma)
+
+
+def test_steps_slowed_at_every_site_alike_keep_no_one_waiting(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    alike = [0.5, 0.1, 0.3, 0.1, 0.1, 0.25, 0.1, 0.1, 0.4, 0.1, 0.1]
+    write_steps(metrics, {"a": alike, "b": alike, "c": alike})
+    calibration = steady_calibration(metrics, every=1, warm_up=1)
+    assert calibration.jitter_s == pytest.approx(0.0, abs=1e-12)
+    assert calibration.step_s == pytest.approx(statistics.fmean(alike[1:]))
+
+
+def test_the_steps_between_synchronisations():
+    assert steps_between_syncs(calibration_train({"strategy": "sync"})) == 1
+    assert steps_between_syncs({"strategy": "streaming", "sync_every": 20, "fragments": 4}) == 5
+    assert steps_between_syncs(calibration_train({"strategy": "async", "sync_every": 50})) == 10
+
+
+def test_a_run_with_too_few_steps_is_refused(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    writer = RecordWriter(metrics, "a")
+    writer.write("step", step=1, compute_s=0.1, loss=1.0)
+    writer.close()
+    with pytest.raises(RuntimeError, match="too few steps"):
+        steady_calibration(metrics, every=1)
