@@ -122,7 +122,8 @@ def steady_calibration(metrics: Path, *, every: int, warm_up: int = WARM_UP_STEP
     it. The sites' steps are not what the model assumes, independent: on shared
     cores a step that lost its core is often followed by one that gets it, and
     steps slowed at every site alike (a round's own work) keep no one waiting;
-    the standard deviation of single steps overstates the lateness by up to 2x."""
+    the standard deviation of single steps overstated the lateness 1.6x in a
+    4-site DiLoCo run here."""
     from isthmus.deploy.run_records import read_records
     from isthmus.sim.perf_model import expected_largest_normal
 

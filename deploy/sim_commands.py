@@ -29,12 +29,15 @@ ENGINE_EFFICIENCY = 0.88
 3 sites, 200 Mbit/s: 0.88-0.90)."""
 CODEC_BYTES_PER_S = 1.45e9
 """int8 encode + decode per core on this machine (``isthmus bench codec``)."""
-OUTER_STEP_S = 0.02
-PEER_OVERHEAD_S = 0.015
-"""Host work of one exchange here: DiLoCo's outer step over the tiny model, and the
-share per peer site; both times processes per core in an emulated job. Fitted to
-DiLoCo runs of 2 and 4 sites on a fast link (benchmarks/perf_model_validation.py:
-17-20 ms and 11-19 ms over two calibrations, 2026-11-22)."""
+OUTER_STEP_S = 0.003
+"""DiLoCo's outer step over the tiny model here (pseudo-gradients, Nesterov SGD on
+the CPU copies, the copy back; 0.47 M parameters, one thread): 3.1-3.6 ms, timed
+directly, 2026-11-24; times processes per core in an emulated job."""
+PEER_OVERHEAD_S = 0.0
+"""Host work of one exchange per peer site here, beyond the wire and the wait for
+the last site: none measurable. Fitted to DiLoCo runs of 2 and 4 sites on a fast
+link (benchmarks/perf_model_validation.py, twice on 2026-11-24: 0 ms). Before the
+model had the wait for the last site, the same fit put 6-19 ms here: that wait."""
 GLOO_LOOPBACK_BYTES_PER_S = 60e6
 GLOO_LOOPBACK_LATENCY_S = 1e-3
 """The in-site step here (Gloo over loopback, a 2-rank site): 18-42 ms for the tiny
