@@ -141,9 +141,11 @@ def steady_calibration(metrics: Path, *, every: int, warm_up: int = WARM_UP_STEP
     }
     lateness = []
     for start in range(warm_up, last - every + 1, every):
+        end = start + every
+        if any(start not in steps or end not in steps for steps in by_site.values()):
+            continue  # a step without its record (a site restarted): no comparison
         beyond = [
-            steps[start + every] - steps[start] - every * means[site]
-            for site, steps in by_site.items()
+            steps[end] - steps[start] - every * means[site] for site, steps in by_site.items()
         ]
         lateness.append(max(beyond) - statistics.fmean(beyond))
     spread = expected_largest_normal(len(by_site)) * math.sqrt(every)

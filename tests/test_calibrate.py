@@ -86,6 +86,16 @@ def test_the_steps_between_synchronisations():
     assert steps_between_syncs(calibration_train({"strategy": "async", "sync_every": 50})) == 10
 
 
+def test_windows_with_a_missing_step_record_are_left_out(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    write_steps(metrics, {"a": [0.1] * 8, "b": [0.1] * 8})
+    kept = [line for line in metrics.read_text().splitlines() if '"step": 6,' not in line]
+    metrics.write_text("\n".join(kept) + "\n")
+    calibration = steady_calibration(metrics, every=2, warm_up=2)
+    assert calibration.step_s == pytest.approx(0.1)
+    assert calibration.jitter_s == pytest.approx(0.0, abs=1e-12)
+
+
 def test_a_run_with_too_few_steps_is_refused(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     writer = RecordWriter(metrics, "a")
