@@ -374,9 +374,12 @@ def _train(
                 records.write("config", round=outer_seen, step=step + 1, settings=changes)
         # Held-out loss every sync_every steps (after DiLoCo's round: the global
         # model), whatever the strategy, so runs compare at the same points; where
-        # sync_every can change live, after every round.
+        # sync_every can change live, after every round; or as train.eval_every says.
         live_h = settings.strategy in LIVE_SYNC_EVERY or settings.round_seconds is not None
-        eval_due = round_ended if live_h else (step + 1) % settings.sync_every == 0
+        if settings.eval_every is not None:
+            eval_due = settings.eval_every > 0 and (step + 1) % settings.eval_every == 0
+        else:
+            eval_due = round_ended if live_h else (step + 1) % settings.sync_every == 0
         if eval_due and site.layout.pp == 1:
             eval_started = time.perf_counter()
             eval_loss = evaluate(part.model, held_out, loss_fn)  # a stage is not a model

@@ -98,6 +98,13 @@ class TrainSettings:
     batch_size: int = 8
     """``isthmus run``: sequences per step, per data-parallel rank."""
 
+    eval_every: int | None = None
+    """``isthmus run``: held-out loss every this many inner steps; 0: only at the end.
+    Default (null): every ``sync_every`` steps (after DiLoCo's round: the global
+    model), or after every round where ``sync_every`` can change while the job runs.
+    An evaluation stops the training thread while exchanges in flight go on (a
+    Streaming fragment, an async round), which matters when timing a run."""
+
     checkpoint_every: int = 0
     """``isthmus run``: checkpoint every site after every this many rounds (outer steps;
     with ``sync``, steps), in ``RUN_DIR/checkpoints/``, so ``isthmus run --resume
@@ -187,6 +194,16 @@ class TrainSettings:
                 "warmup_steps", f"must be an integer >= 0, got {self.warmup_steps!r}"
             )
         _positive_int("batch_size", self.batch_size)
+        if self.eval_every is not None and not (
+            isinstance(self.eval_every, int)
+            and not isinstance(self.eval_every, bool)
+            and self.eval_every >= 0
+        ):
+            raise SettingError(
+                "eval_every",
+                f"must be an integer >= 0 (inner steps; 0: only at the end; null: every "
+                f"sync_every steps), got {self.eval_every!r}",
+            )
         if not (
             isinstance(self.checkpoint_every, int)
             and not isinstance(self.checkpoint_every, bool)

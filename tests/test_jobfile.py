@@ -169,6 +169,10 @@ def test_egress_overrides_one_direction():
             "train.sync_every: must be an integer >= 1",
         ),
         (
+            "name: x\nsites: [{name: a}]\ntrain: {eval_every: -5}\n",
+            "train.eval_every: must be an integer >= 0 (inner steps; 0: only at the end",
+        ),
+        (
             "name: x\nsites: [{name: a}]\ntrain: {sync_evry: 3}\n",
             "train.sync_evry: unknown key; did you mean 'sync_every'?",
         ),

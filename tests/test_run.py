@@ -172,9 +172,17 @@ def test_time_budgeted_rounds_end_every_site_at_the_same_round(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["sync", "streaming", "async"])
-def test_every_strategy_runs_and_ends_identical(tmp_path, strategy):
-    job = write_job(tmp_path, steps=8)
+@pytest.mark.parametrize(
+    ("strategy", "eval_every", "evaluated_at"),
+    # async's default: after every round, which ends a round late (its exchange
+    # overlaps the next 4 steps): step 8 only.
+    [("sync", 0, []), ("streaming", 3, [3, 6]), ("async", None, [8])],
+)
+def test_every_strategy_runs_and_ends_identical(tmp_path, strategy, eval_every, evaluated_at):
+    text = SMALL_JOB
+    if eval_every is not None:
+        text = text.replace("warmup_steps: 2}", f"warmup_steps: 2, eval_every: {eval_every}}}")
+    job = write_job(tmp_path, steps=8, text=text)
     out = tmp_path / "run"
     done = isthmus("run", str(job), "--out", str(out), "--strategy", strategy, cwd=tmp_path)
     assert done.returncode == 0, done.stderr + explain(out)
@@ -184,6 +192,13 @@ def test_every_strategy_runs_and_ends_identical(tmp_path, strategy):
     digests = {s["param_sha256"] for s in summary["sites"].values()}
     assert len(digests) == 1 and None not in digests
     assert all(s["inner_steps"] == 8 for s in summary["sites"].values())
+    # Held-out loss where train.eval_every says (0: only the final one; the default:
+    # after every round), and at the end.
+    evals = [r for r in read_records(out / "metrics.jsonl") if r["kind"] == "eval"]
+    for site in ("a", "b"):
+        mine = [r for r in evals if r["site"] == site]
+        assert [r["step"] for r in mine if not r.get("final")] == evaluated_at
+        assert [r["step"] for r in mine if r.get("final")] == [8]
 
 
 @pytest.mark.parametrize(
