@@ -140,7 +140,8 @@ def steady_calibration(metrics: Path, *, every: int, warm_up: int = WARM_UP_STEP
         for site, steps in sorted(by_site.items())
     }
     lateness = []
-    for start in range(warm_up, last - every + 1, every):
+    first = -(-warm_up // every) * every  # the first synchronisation after the warm-up
+    for start in range(first, last - every + 1, every):
         end = start + every
         if any(start not in steps or end not in steps for steps in by_site.values()):
             continue  # a step without its record (a site restarted): no comparison

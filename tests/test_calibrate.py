@@ -80,6 +80,19 @@ def test_steps_slowed_at_every_site_alike_keep_no_one_waiting(tmp_path):
     assert calibration.step_s == pytest.approx(statistics.fmean(alike[1:]))
 
 
+def test_windows_start_at_a_synchronisation(tmp_path):
+    """Rounds every 3 steps, 4 left out: the windows are (6, 9] and (9, 12], not
+    (4, 7] and (7, 10]. Site a took 0.25 s in steps 5 and 6, before the first
+    window, so its mean pace (0.1375 s) puts it 0.1125 s ahead in both windows, and
+    the last site (b, level with its pace) 0.05625 s past the average one."""
+    metrics = tmp_path / "metrics.jsonl"
+    write_steps(metrics, {"a": [0.1] * 4 + [0.25, 0.25] + [0.1] * 6, "b": [0.1] * 12})
+    calibration = steady_calibration(metrics, every=3, warm_up=4)
+    assert calibration.step_s_by_site["a"] == pytest.approx(0.1375)
+    sigma = 0.05625 / (math.sqrt(3) / math.sqrt(math.pi))
+    assert calibration.jitter_s == pytest.approx(sigma)
+
+
 def test_the_steps_between_synchronisations():
     assert steps_between_syncs(calibration_train({"strategy": "sync"})) == 1
     assert steps_between_syncs({"strategy": "streaming", "sync_every": 20, "fragments": 4}) == 5
