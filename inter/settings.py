@@ -194,26 +194,13 @@ class TrainSettings:
                 "warmup_steps", f"must be an integer >= 0, got {self.warmup_steps!r}"
             )
         _positive_int("batch_size", self.batch_size)
-        if self.eval_every is not None and not (
-            isinstance(self.eval_every, int)
-            and not isinstance(self.eval_every, bool)
-            and self.eval_every >= 0
-        ):
-            raise SettingError(
+        if self.eval_every is not None:
+            _non_negative_int(
                 "eval_every",
-                f"must be an integer >= 0 (inner steps; 0: only at the end; null: every "
-                f"sync_every steps), got {self.eval_every!r}",
+                self.eval_every,
+                "inner steps; 0: only at the end; null: every sync_every steps",
             )
-        if not (
-            isinstance(self.checkpoint_every, int)
-            and not isinstance(self.checkpoint_every, bool)
-            and self.checkpoint_every >= 0
-        ):
-            raise SettingError(
-                "checkpoint_every",
-                f"must be an integer >= 0 (rounds; 0: no checkpoints), got "
-                f"{self.checkpoint_every!r}",
-            )
+        _non_negative_int("checkpoint_every", self.checkpoint_every, "rounds; 0: no checkpoints")
 
         if not (_is_number(self.round_deadline_s) and self.round_deadline_s > 0):
             raise SettingError(
@@ -238,16 +225,7 @@ class TrainSettings:
                 f"({self.round_deadline_s:g} s): a returning site must wait at least as long "
                 "as the others take to notice it was gone; raise it, or lower round_deadline_s",
             )
-        if not (
-            isinstance(self.min_sites, int)
-            and not isinstance(self.min_sites, bool)
-            and self.min_sites >= 0
-        ):
-            raise SettingError(
-                "min_sites",
-                f"must be an integer >= 0 (sites; 0: half the job's, rounded up), got "
-                f"{self.min_sites!r}",
-            )
+        _non_negative_int("min_sites", self.min_sites, "sites; 0: half the job's, rounded up")
 
     @property
     def site_wait_s(self) -> float:
@@ -289,3 +267,8 @@ def check_late_contributions(late: Any, weight: Any) -> None:
         )
     if not (_is_number(weight) and 0 < weight <= 1):
         raise SettingError("staleness_weight", f"must be a number in (0, 1], got {weight!r}")
+
+
+def _non_negative_int(name: str, value: Any, meaning: str) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        raise SettingError(name, f"must be an integer >= 0 ({meaning}), got {value!r}")
