@@ -51,7 +51,15 @@ def membership_for(job: Job, run_dir: Path, site: str, *, rejoining: bool) -> Me
     if not survives_site_loss(job) or run_broker(job, run_dir, site) is None:
         return None
     names = [s.name for s in job.sites]
-    return Membership(names, site, min_sites=job.train.quorum(len(names)), joining=rejoining)
+    return Membership(
+        names,
+        site,
+        min_sites=job.train.quorum(len(names)),
+        joining=rejoining,
+        # Waiting longer for the members' reports than a round's deadline is never
+        # needed: by then every member still in the round has failed it or completed it.
+        stuck_settle_s=job.train.round_deadline_s,
+    )
 
 
 class SiteControl:

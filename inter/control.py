@@ -399,7 +399,8 @@ class ControlPlane:
 
     def _publish_view(self, view: Any) -> None:
         """A membership view, retained, QoS 1: every site must see it, also a site that
-        connects later. Called from this client's thread or the training thread."""
+        connects later. Called from this client's thread, the training thread, or the
+        leader's timer that ends its wait for the members' reports."""
         payload = encode({**view.to_message(), "t": time.time()})
 
         async def send() -> None:

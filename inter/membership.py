@@ -30,6 +30,15 @@ each other, the later one is left out, by everyone alike.
 Below ``min_sites`` members, the view is still published, and sites wait at
 its start round, saying why, until enough sites are back (the quorum).
 
+A member stuck in a round names only the members it cannot reach itself; when
+the fault lies between two others (a reaches b and c, b and c cannot reach each
+other), its report alone would give a view with the same members, and the round
+would fail again under it. So before the leader publishes a view that changes
+nothing but the round's numbers, it waits for the members still in that round
+to report too (each fails it by its own deadline, or completes it), for at most
+``stuck_settle_s`` (the round deadline): the later of a cut pair is then left
+out in one view, whichever member's round failed first.
+
 Liveness hints only feed the decision: nothing but a published view changes
 who takes part in a round.
 """
@@ -341,6 +350,7 @@ class Membership:
         *,
         min_sites: int,
         joining: bool = False,
+        stuck_settle_s: float = 0.0,
     ) -> None:
         if me not in sites:
             raise ValueError(f"site {me!r} is not one of {list(sites)}")
@@ -349,6 +359,12 @@ class Membership:
         self.sites = list(sites)
         self.me = me
         self.min_sites = min_sites
+        self.stuck_settle_s = stuck_settle_s
+        """How long the leader waits for the members still in a round to report before it
+        runs the round again with the same members (see the module's docstring)."""
+        self._stuck_since: tuple[int, float] | None = None
+        """(epoch, when) the leader first held back a view for the members' reports."""
+        self._settle_timer: threading.Timer | None = None
         self.applied = first_view(sites)
         """The view this site's rounds run under now."""
         self.latest = self.applied
@@ -465,12 +481,62 @@ class Membership:
             view = decide(self.sites, reports, current, self.min_sites)
             if view is None:
                 return
+            if self._hold_back(view, current, reports):
+                return
             newcomers = {m: self._newcomers[m] for m in view.members if m in self._newcomers}
             view = dataclasses.replace(view, leader=self.me, newcomers=newcomers)
             self._proposed = view
             self._proposed_at = time.monotonic()
         log.info("site %s leads: publishing view %d (%s)", self.me, view.epoch, view.reason)
         self.publish_view(view)
+
+    def _hold_back(self, view: View, current: View, reports: Mapping[str, Report | None]) -> bool:
+        """(Lock held.) Whether the leader waits before publishing ``view``: it only runs
+        the round again with the same members while members that could name a
+        culprit are still in the round (see the module's docstring). Schedules a
+        decision for when the wait is over."""
+        if view.members != current.members or view.catch_up or self.stuck_settle_s <= 0:
+            return False
+        stuck = [
+            m
+            for m in current.members
+            if (r := reports.get(m)) is not None and r.phase == "stuck" and r.epoch == current.epoch
+        ]
+        if not stuck:
+            return False
+        failed_round = max(reports[m].rounds for m in stuck)  # type: ignore[union-attr]
+        in_round = [
+            m
+            for m in current.members
+            if m not in stuck
+            and (r := reports.get(m)) is not None
+            and r.online
+            and r.phase == "training"
+            and r.epoch == current.epoch
+            and r.rounds <= failed_round
+        ]
+        if not in_round:
+            return False
+        now = time.monotonic()
+        if self._stuck_since is None or self._stuck_since[0] != current.epoch:
+            self._stuck_since = (current.epoch, now)
+            log.info(
+                "site %s leads: %s stuck in round %d but %s still in it; waiting up to %g s "
+                "for their reports before running it again",
+                self.me,
+                stuck,
+                failed_round,
+                in_round,
+                self.stuck_settle_s,
+            )
+        remaining = self._stuck_since[1] + self.stuck_settle_s - now
+        if remaining <= 0:
+            return False
+        if self._settle_timer is None or not self._settle_timer.is_alive():
+            self._settle_timer = threading.Timer(remaining, self._lead)
+            self._settle_timer.daemon = True
+            self._settle_timer.start()
+        return True
 
     # -- what the training thread reports ------------------------------------------
     def _my_report(self) -> Report:

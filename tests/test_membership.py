@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -214,6 +215,50 @@ def test_the_leader_publishes_once_and_every_site_applies_the_view_at_its_round(
     assert a.newer_view(4) == view  # the round under way must be run again
     assert a.view_for(4, timeout_s=1, on_wait=print) == view
     assert a.history == [view]
+
+
+def online(report: Report) -> dict:
+    return {"state": "online", "membership": report.to_message()}
+
+
+def test_a_stuck_member_that_reaches_everyone_waits_for_the_others_to_name_the_culprit():
+    """The link a-c is cut; b's round fails first, and b reaches both. Deciding on
+    b's report alone would run the round again with a, b and c (and fail again);
+    the leader waits for a and c, still in the round, and leaves c out at once."""
+    published: list[View] = []
+    a = Membership(SITES, "a", min_sites=2, stuck_settle_s=60)
+    a.publish_view = published.append
+    a.report(rounds=7, engine_round=12)
+    a.on_status("c", online(training(7, 12)))
+    a.on_status("b", online(Report(phase="stuck", rounds=7, engine_round=12)))
+    assert published == []
+    a.report(phase="stuck", unreachable=("c",))
+    assert [v.members for v in published] == [("a", "b")]
+    assert "left out ['c']" in published[0].reason
+
+
+def test_a_member_that_completed_the_round_is_not_waited_for():
+    published: list[View] = []
+    a = Membership(["a", "b"], "a", min_sites=1, stuck_settle_s=60)
+    a.publish_view = published.append
+    a.report(rounds=8, engine_round=13)  # a completed round 7, which b failed
+    a.on_status("b", online(Report(phase="stuck", rounds=7, engine_round=12)))
+    assert [(v.members, v.start_round) for v in published] == [(("a", "b"), 8)]
+
+
+def test_without_the_others_reports_the_round_is_run_again_once_the_wait_is_over():
+    published: list[View] = []
+    a = Membership(SITES, "a", min_sites=2, stuck_settle_s=0.2)
+    a.publish_view = published.append
+    a.report(rounds=7, engine_round=12)
+    a.on_status("c", online(training(7, 12)))
+    a.on_status("b", online(Report(phase="stuck", rounds=7, engine_round=12)))
+    assert published == []
+    deadline = time.monotonic() + 10
+    while not published and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [v.members for v in published] == [("a", "b", "c")]
+    assert published[0].reason == "stuck ['b']"
 
 
 NEWCOMER_SPEC = {

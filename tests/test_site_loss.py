@@ -119,16 +119,20 @@ sites:
   - {name: b, ranks: 2}
 wan:
   default: {rtt_ms: 20, bandwidth_mbit: 200}
-train: {strategy: diloco, steps: 100, sync_every: 5, warmup_steps: 2, min_sites: 1}
+train: {strategy: diloco, steps: 100, sync_every: 5, warmup_steps: 2, min_sites: 2}
 """
 
 
 @pytest.mark.slow
 def test_a_site_of_several_ranks_that_loses_one_is_restarted_whole_and_rejoins(tmp_path):
-    """One rank of b dies (a lost GPU): the launcher stops b's other rank, a trains
-    on alone (quorum 1), b comes back, and both sites end with the same model. a
-    has one rank, b two (replicas): each rank of b pulls the state from the rank
-    of a it shares its first lane with, here a's only one."""
+    """One rank of b dies (a lost GPU): the launcher stops b's other rank, a waits
+    below the quorum of 2, b comes back whole, and both sites end with the same
+    model. a has one rank, b two (replicas): each rank of b pulls the state from
+    the rank of a it shares its first lane with, here a's only one.
+
+    The quorum keeps the test about the restart, not a race: with quorum 1, a
+    trained on alone and, on a fast machine, finished its 100 steps (5 s) before
+    b's two ranks were back (13 s), so b found everyone done."""
     out, summary, _ = run_with_fault(tmp_path, TWO_RANK_SITES, "b", "--restart-lost", ranks=[1])
     sites = summary["sites"]
     assert sites["a"]["param_sha256"] == sites["b"]["param_sha256"], sites
