@@ -220,6 +220,15 @@ def _live(site: str, reports: Mapping[str, Report | None], current: View) -> boo
     return report.online and report.phase not in ("leaving", "done")
 
 
+def stuck_in(current: View, reports: Mapping[str, Report | None]) -> list[str]:
+    """The members whose round under ``current`` failed (they ask for a new view)."""
+    return [
+        m
+        for m in current.members
+        if (r := reports.get(m)) is not None and r.phase == "stuck" and r.epoch == current.epoch
+    ]
+
+
 def decide(
     sites: Sequence[str],
     reports: Mapping[str, Report | None],
@@ -247,11 +256,7 @@ def decide(
         if any(site in unreachable(m) or m in unreachable(site) for m in members):
             continue
         members.append(site)
-    stuck = [
-        m
-        for m in current.members
-        if m in members and report(m).phase == "stuck" and report(m).epoch == current.epoch
-    ]
+    stuck = [m for m in stuck_in(current, reports) if m in members]
     conflicts = [m for m in members if report(m).conflict == current.epoch]
     # A member that asks to leave takes part in the round under way and is left
     # out from the next; one that is done training has left already.
@@ -497,11 +502,7 @@ class Membership:
         decision for when the wait is over."""
         if view.members != current.members or view.catch_up or self.stuck_settle_s <= 0:
             return False
-        stuck = [
-            m
-            for m in current.members
-            if (r := reports.get(m)) is not None and r.phase == "stuck" and r.epoch == current.epoch
-        ]
+        stuck = stuck_in(current, reports)
         if not stuck:
             return False
         failed_round = max(reports[m].rounds for m in stuck)  # type: ignore[union-attr]
