@@ -106,6 +106,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--beta2", type=float, default=0.999, help="AdamW's second beta")
+    parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's")
     parser.add_argument(
         "--moments-every",
         default="",
@@ -125,7 +127,12 @@ def main() -> int:
     streams = [
         data.batches(ShardSpec(w, (1,) * WORKERS, 0, seed=args.seed), BATCH) for w in range(WORKERS)
     ]
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=args.lr) for m in models]
+    optimizers = [
+        torch.optim.AdamW(
+            m.parameters(), lr=args.lr, betas=(0.9, args.beta2), weight_decay=args.weight_decay
+        )
+        for m in models
+    ]
     size = flat(models[0]).numel()
     global_params = flat(models[0]).clone()
     momentum = torch.zeros(size)
