@@ -23,6 +23,16 @@ The README's trials (seed 0), one command each (T: ``--sync-every 7 --levels 1
     python benchmarks/convergence_trials.py --sync-every 50 --outer-lr 0.7 --outer-momentum 0.9
     python benchmarks/convergence_trials.py T --moments-every 3,6
 
+The reference recipe's open parts, on DiLoCo H=50 with the outer Nesterov (N:
+``--sync-every 50 --outer-lr 0.7 --outer-momentum 0.9``):
+
+    python benchmarks/convergence_trials.py N --beta2 0.95   (and --mode sync --beta2 0.95)
+    python benchmarks/convergence_trials.py --sync-every 50 --beta2 0.95
+    python benchmarks/convergence_trials.py N --weight-decay 0.1
+    python benchmarks/convergence_trials.py N --beta2 0.95 --grad-clip 0
+    python benchmarks/convergence_trials.py N --beta2 0.95 --lr 1e-3
+    python benchmarks/convergence_trials.py N --beta2 0.95 --inner-lr-scale 0.5
+
 Prints one JSON line: the settings, held-out loss, WAN MB and exchanges.
 """
 
