@@ -170,6 +170,16 @@ class OnlineTuner:
             1e3 * step_s,
             100 * predicted,
         )
+        if predicted < self.tune.target_utilization and wanted == self.tune.max_sync_every:
+            log.warning(
+                "online tuner: the target utilisation %.0f%% needs an H above "
+                "tune.max_sync_every (%d); running at %d (predicted %.0f%%); raise "
+                "max_sync_every to reach it",
+                100 * self.tune.target_utilization,
+                self.tune.max_sync_every,
+                wanted,
+                100 * predicted,
+            )
         self.decisions.append(decision)
         self.sync_every = wanted
         self._pending_from = from_round

@@ -157,8 +157,10 @@ def test_a_small_job_end_to_end(tmp_path):
 
 @pytest.mark.slow
 def test_time_budgeted_rounds_end_every_site_at_the_same_round(tmp_path):
-    # Site b (two ranks, an in-site average every step) is the slower one here.
-    text = SMALL_JOB.replace("sync_every: 4,", "sync_every: 1000, round_seconds: 1.5,")
+    # Site b (two ranks, an in-site average every step) is the slower one here. Rounds
+    # short enough for several before a ends: on a fast machine a takes its 40 steps
+    # in about 2 s (1.5 s rounds gave it one).
+    text = SMALL_JOB.replace("sync_every: 4,", "sync_every: 1000, round_seconds: 0.4,")
     job = write_job(tmp_path, steps=40, text=text)
     out = tmp_path / "run"
     done = isthmus("run", str(job), "--out", str(out), cwd=tmp_path)

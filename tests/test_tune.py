@@ -347,7 +347,14 @@ def test_the_online_controller_moves_h_and_every_site_switches_at_the_same_round
     changes = summary["sync_every_changes"]
     assert changes and changes[0]["sync_every_from"] == 5
     assert 5 < changes[0]["sync_every_to"] <= 100
-    assert changes[0]["measured_utilization"] < 0.8 <= changes[0]["predicted_utilization"]
+    change = changes[0]
+    # The target, or as near as tune.max_sync_every allows (a fast machine's short
+    # steps need an H above 100 for 80%: 33 ms steps and 0.95 s exposed, 78% at 100).
+    assert change["measured_utilization"] < 0.8
+    assert change["predicted_utilization"] >= 0.8 or (
+        change["sync_every_to"] == 100
+        and change["predicted_utilization"] > change["measured_utilization"]
+    )
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     applied = {(r["site"], r["round"]) for r in records if r["kind"] == "config"}
     first = changes[0]["from_round"]
