@@ -32,6 +32,10 @@ The reference recipe's open parts, on DiLoCo H=50 with the outer Nesterov (N:
     python benchmarks/convergence_trials.py N --beta2 0.95 --grad-clip 0
     python benchmarks/convergence_trials.py N --beta2 0.95 --lr 1e-3
     python benchmarks/convergence_trials.py N --beta2 0.95 --inner-lr-scale 0.5
+    python benchmarks/convergence_trials.py N --schedule constant   (and --mode sync, and
+        --sync-every 50 alone for plain averaging; each again with --beta2 0.95)
+    python benchmarks/convergence_trials.py N --schedule constant --beta2 0.95 --seed 1
+        (and 2, each with --mode sync; and N --seed 1 for the cosine recipe)
 
 Prints one JSON line: the settings, held-out loss, WAN MB and exchanges.
 """
@@ -116,6 +120,12 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument(
+        "--schedule",
+        choices=("cosine", "constant"),
+        default="cosine",
+        help="after the warm-up: cosine decay to 10%%, or the peak rate throughout",
+    )
     parser.add_argument("--beta2", type=float, default=0.999, help="AdamW's second beta")
     parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's")
     parser.add_argument(
@@ -159,6 +169,8 @@ def main() -> int:
     started = time.monotonic()
     for step in range(args.steps):
         lr = warmup_cosine(args.lr, step, WARMUP_STEPS, args.steps)
+        if args.schedule == "constant":
+            lr = args.lr * min(1.0, (step + 1) / WARMUP_STEPS)
         if args.mode == "diloco":
             lr *= args.inner_lr_scale
         for model, optimizer, stream in zip(models, optimizers, streams, strict=True):
