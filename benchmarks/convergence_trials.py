@@ -168,8 +168,9 @@ def main() -> int:
     wan_bytes, exchanges, since = 0.0, 0, 0
     started = time.monotonic()
     for step in range(args.steps):
-        lr = warmup_cosine(args.lr, step, WARMUP_STEPS, args.steps)
-        if args.schedule == "constant":
+        if args.schedule == "cosine":
+            lr = warmup_cosine(args.lr, step, WARMUP_STEPS, args.steps)
+        else:  # the same linear warm-up, then the peak rate
             lr = args.lr * min(1.0, (step + 1) / WARMUP_STEPS)
         if args.mode == "diloco":
             lr *= args.inner_lr_scale

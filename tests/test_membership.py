@@ -221,13 +221,19 @@ def online(report: Report) -> dict:
     return {"state": "online", "membership": report.to_message()}
 
 
+def leader_a(sites: list[str], min_sites: int, settle_s: float) -> tuple[Membership, list[View]]:
+    """Site a, the leader, and the list its published views go to."""
+    published: list[View] = []
+    a = Membership(sites, "a", min_sites=min_sites, stuck_settle_s=settle_s)
+    a.publish_view = published.append
+    return a, published
+
+
 def test_a_stuck_member_that_reaches_everyone_waits_for_the_others_to_name_the_culprit():
     """The link a-c is cut; b's round fails first, and b reaches both. Deciding on
     b's report alone would run the round again with a, b and c (and fail again);
     the leader waits for a and c, still in the round, and leaves c out at once."""
-    published: list[View] = []
-    a = Membership(SITES, "a", min_sites=2, stuck_settle_s=60)
-    a.publish_view = published.append
+    a, published = leader_a(SITES, min_sites=2, settle_s=60)
     a.report(rounds=7, engine_round=12)
     a.on_status("c", online(training(7, 12)))
     a.on_status("b", online(Report(phase="stuck", rounds=7, engine_round=12)))
@@ -238,18 +244,14 @@ def test_a_stuck_member_that_reaches_everyone_waits_for_the_others_to_name_the_c
 
 
 def test_a_member_that_completed_the_round_is_not_waited_for():
-    published: list[View] = []
-    a = Membership(["a", "b"], "a", min_sites=1, stuck_settle_s=60)
-    a.publish_view = published.append
+    a, published = leader_a(["a", "b"], min_sites=1, settle_s=60)
     a.report(rounds=8, engine_round=13)  # a completed round 7, which b failed
     a.on_status("b", online(Report(phase="stuck", rounds=7, engine_round=12)))
     assert [(v.members, v.start_round) for v in published] == [(("a", "b"), 8)]
 
 
 def test_without_the_others_reports_the_round_is_run_again_once_the_wait_is_over():
-    published: list[View] = []
-    a = Membership(SITES, "a", min_sites=2, stuck_settle_s=0.2)
-    a.publish_view = published.append
+    a, published = leader_a(SITES, min_sites=2, settle_s=0.2)
     a.report(rounds=7, engine_round=12)
     a.on_status("c", online(training(7, 12)))
     a.on_status("b", online(Report(phase="stuck", rounds=7, engine_round=12)))
