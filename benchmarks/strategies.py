@@ -11,7 +11,11 @@ configuration: held-out loss (mean and spread over seeds), its gap to
 synchronisation), with the ratio to ``sync``'s.
 
     python benchmarks/strategies.py [--seeds 0 1 2] [--steps 600] [--only diloco-h50 ...]
-        [--json FILE] [--plot FILE.png]
+        [--lr-schedule cosine|constant] [--beta2 B] [--json FILE] [--plot FILE.png]
+
+``--lr-schedule constant --beta2 0.95`` is the recipe the single-process trials
+(``benchmarks/convergence_trials.py``) found closest to the issue's reference:
+the peak rate held after the warm-up, AdamW's second beta 0.95.
 
 With ``--json``, results already in FILE are kept and the configurations run
 now are added or replaced, so a long protocol can be measured in parts.
@@ -61,12 +65,13 @@ GRAD_CLIP = 1.0
 does: without it sync's loss spiked and moved by 0.23 across seeds."""
 
 
-def run_one(config: str, seed: int, steps: int, corpus_bytes: int | None) -> dict:
+def run_one(config: str, seed: int, steps: int, corpus_bytes: int | None, recipe: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="isthmus-strategies-") as tmp:
         tmpdir = Path(tmp)
         job = loopback_job(tmpdir / "job.yaml", "strategies", SITES)
         args = ["--steps", str(steps), "--batch", "16", "--seed", str(seed), "--lr", "3e-3"]
         args += ["--warmup-steps", str(WARMUP_STEPS), "--grad-clip", str(GRAD_CLIP)]
+        args += ["--lr-schedule", recipe["lr_schedule"], "--beta2", str(recipe["beta2"])]
         # Four sites share this machine's cores: one thread each.
         args += ["--eval-batches", "32", "--threads", "1", *CONFIGS[config]]
         if corpus_bytes:
@@ -92,6 +97,13 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--only", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--corpus-bytes", type=int, default=None)
+    parser.add_argument(
+        "--lr-schedule",
+        choices=("cosine", "constant"),
+        default="cosine",
+        help="after the warm-up: cosine decay to 10%% (default), or the peak rate held",
+    )
+    parser.add_argument("--beta2", type=float, default=0.999, help="AdamW's second beta")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="bar plot of loss gap and WAN bytes (PNG)")
     args = parser.parse_args()
@@ -100,12 +112,22 @@ def main() -> int:
         # Configurations measured by an earlier invocation stay (the table is
         # printed for all of them); the ones run now replace theirs.
         results = json.loads(Path(args.json).read_text())
+    recipe = {"lr_schedule": args.lr_schedule, "beta2": args.beta2}
+    # Files written before the recipe was recorded hold the cosine one.
+    cosine = {"lr_schedule": "cosine", "beta2": 0.999}
+    other = {c: r.get("recipe", cosine) for c, r in results.items()}
+    other = {c: r for c, r in other.items() if r != recipe}
+    if other:  # one table compares one recipe
+        parser.error(
+            f"--json {args.json} holds results of another recipe ({other}); "
+            "give another file or the same --lr-schedule and --beta2"
+        )
     total = len(args.only) * len(args.seeds)
     done = 0
     for config in args.only:
         runs = []
         for seed in args.seeds:
-            runs.append(run_one(config, seed, args.steps, args.corpus_bytes))
+            runs.append(run_one(config, seed, args.steps, args.corpus_bytes, recipe))
             done += 1
             print(
                 f"[{done}/{total}] {config} seed {seed}: eval loss {runs[-1]['eval_loss']:.4f}, "
@@ -120,6 +142,7 @@ def main() -> int:
             "eval_losses": losses,
             "wan_bytes": statistics.mean(r["wan_bytes"] for r in runs),
             "outer_steps": runs[0]["outer_steps"],
+            "recipe": recipe,
         }
         if args.json:  # after every configuration: a long run keeps what it measured
             Path(args.json).write_text(json.dumps(results, indent=2))

@@ -25,6 +25,7 @@ from isthmus.deploy.gloo_baseline import time_on_hosts
 from isthmus.deploy.jobfile import free_ports
 from isthmus.sim.control import ControlClient
 from isthmus.sim.cost import LinkCost, predict
+from isthmus.sim.link import DirectionParams
 
 ISTHMUS = [sys.executable, "-m", "isthmus"]
 
@@ -137,12 +138,15 @@ def run_allreduce_bench(
     hosts: bool = False,
     vs_gloo: bool = False,
     idle_s: float = 0.0,
+    queue_ms: float | None = None,
     verbose: bool = True,
 ) -> dict[str, Any]:
     """With ``hosts`` every site runs in its own emulated host (packet backend, real
     TCP); ``vs_gloo`` then also times Gloo's all-reduce across the same hosts.
     ``idle_s``: every site pauses this long between rounds (as compute would), so
-    the rounds meet links that went quiet."""
+    the rounds meet links that went quiet. ``queue_ms``: each link's bottleneck
+    queue (``None``: the link model's default)."""
+    queue = "" if queue_ms is None else f", queue_ms: {queue_ms}"
     run = run_sites(
         sites,
         [
@@ -161,7 +165,7 @@ def run_allreduce_bench(
             "--idle-s",
             str(idle_s),
         ],
-        link=f"{{rtt_ms: {rtt_ms}, bandwidth_mbit: {bandwidth_mbit}}}",
+        link=f"{{rtt_ms: {rtt_ms}, bandwidth_mbit: {bandwidth_mbit}{queue}}}",
         hosts=hosts,
         vs_gloo=vs_gloo,
         size_mib=size_mib,
@@ -214,6 +218,7 @@ def run_allreduce_bench(
         "algorithm": algorithm if algorithm != "auto" else f"auto: {results[0]['algorithm']}",
         "rounds": repeats,
         "idle_s": idle_s,
+        "queue_ms": queue_ms if queue_ms is not None else DirectionParams().queue_ms,
         "seconds": [round(s, 3) for s in per_round],
         "median_seconds": round(median, 3),
         "bound_seconds": round(best, 3),
@@ -235,7 +240,8 @@ def format_allreduce_report(r: dict[str, Any]) -> str:
     return "\n".join(
         [
             f"all-reduce of {r['size_mib']:g} MiB across {r['sites']} sites ({r['algorithm']}, "
-            f"codec {r['codec']}), links {r['bandwidth_mbit']:g} Mbit/s and {r['rtt_ms']:g} ms RTT",
+            f"codec {r['codec']}), links {r['bandwidth_mbit']:g} Mbit/s and {r['rtt_ms']:g} ms RTT"
+            + (f", {r['queue_ms']:g} ms queues" if "queue_ms" in r else ""),
             f"  median {r['median_seconds']:.3f} s over {r['rounds']} rounds {r['seconds']}"
             + (f", {r['idle_s']:g} s idle between rounds" if r.get("idle_s") else ""),
             f"  bound {r['bound_seconds']:.3f} s (direct {r['bounds']['direct']:.3f}, "

@@ -42,6 +42,13 @@ def register(commands: Any) -> None:
         help="direct (full mesh, every site owns a slice), ring (successor only), or auto "
         "(whichever the alpha-beta model predicts fastest on these links)",
     )
+    allreduce.add_argument(
+        "--queue-ms",
+        type=float,
+        default=None,
+        help="each link's bottleneck queue in milliseconds of its rate (default: the "
+        "emulator's 25 ms); a queue of one RTT holds a bandwidth-delay product",
+    )
     allreduce.add_argument("--repeats", type=int, default=3)
     allreduce.add_argument(
         "--idle-s",
@@ -96,6 +103,8 @@ def _allreduce(args: argparse.Namespace) -> int:
         raise UsageError(f"--rtt-ms: must be >= 0, got {args.rtt_ms}")
     if args.repeats < 1:
         raise UsageError(f"--repeats: must be >= 1, got {args.repeats}")
+    if args.queue_ms is not None and args.queue_ms < 0:
+        raise UsageError(f"--queue-ms: must be >= 0, got {args.queue_ms}")
     if not 0 <= args.idle_s <= 3600:
         raise UsageError(f"--idle-s: must be in [0, 3600] seconds, got {args.idle_s}")
     try:
@@ -121,6 +130,7 @@ def _allreduce(args: argparse.Namespace) -> int:
         hosts=hosts,
         vs_gloo=args.vs_gloo,
         idle_s=args.idle_s,
+        queue_ms=args.queue_ms,
         verbose=not args.json,
     )
     print(json.dumps(results, indent=2) if args.json else format_allreduce_report(results))

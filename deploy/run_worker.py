@@ -28,7 +28,7 @@ import dataclasses
 import itertools
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,7 @@ from isthmus.intra.model import GPT, config_for, lm_loss
 from isthmus.intra.parallelize import GPT_PLAN, ModelPlan, SiteModel
 from isthmus.intra.plugins import DataContext, load_callable, load_model
 from isthmus.intra.process_group import SiteError, launcher_rank
-from isthmus.intra.schedule import warmup_cosine
+from isthmus.intra.schedule import learning_rate_at
 from isthmus.sim.tuner import LIVE_SYNC_EVERY
 
 EVAL_BATCHES = 8
@@ -83,8 +83,22 @@ def builtin_dataset(job: Job, model: nn.Module) -> Dataset | None:
 
 
 def learning_rate(settings: TrainSettings, step: int) -> float:
-    """The inner learning rate at ``step``: warm-up, then cosine decay to 10%."""
-    return warmup_cosine(settings.inner_lr, step, settings.warmup_steps, settings.steps)
+    """The inner learning rate at ``step``: warm-up, then ``settings.lr_schedule``."""
+    return learning_rate_at(
+        settings.lr_schedule, settings.inner_lr, step, settings.warmup_steps, settings.steps
+    )
+
+
+def inner_optimizer(
+    settings: TrainSettings, parameters: Iterable[torch.Tensor]
+) -> torch.optim.AdamW:
+    """The inner optimizer of ``isthmus run``: AdamW as the job's ``train:`` sets it."""
+    return torch.optim.AdamW(
+        parameters,
+        lr=learning_rate(settings, 0),
+        betas=(settings.inner_beta1, settings.inner_beta2),
+        weight_decay=settings.inner_weight_decay,
+    )
 
 
 def build_strategy(
@@ -247,7 +261,7 @@ def _train(
     part = SiteModel(model, site.layout, site.rank, loss_fn=loss_fn, plan=plan)
     dataset = builtin_dataset(job, model)
     held_out = held_out_batches(job, model, dataset)
-    optimizer = torch.optim.AdamW(part.parameters(), lr=learning_rate(settings, 0))
+    optimizer = inner_optimizer(settings, part.parameters())
     checkpoints = run_dir / "checkpoints" / site.name
     resumed: dict[str, Any] = {}
     if resume_round is not None:

@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from isthmus.intra.schedule import SCHEDULES
+
 STRATEGIES = ("sync", "diloco", "streaming", "async")
 CODECS = ("none", "fp16", "bf16", "int8", "int4")
 
@@ -87,8 +89,23 @@ class TrainSettings:
     """``isthmus run``: peak learning rate of the inner optimizer (AdamW)."""
 
     warmup_steps: int = 20
-    """``isthmus run``: inner steps of linear learning-rate warm-up; cosine decay to 10%
-    of ``inner_lr`` after it."""
+    """``isthmus run``: inner steps of linear learning-rate warm-up; ``lr_schedule``
+    says what follows."""
+
+    lr_schedule: str = "cosine"
+    """``isthmus run``: after the warm-up, ``cosine`` decay to 10% of ``inner_lr`` at
+    the last step, or ``constant``: ``inner_lr`` held to the end (short DiLoCo runs
+    from scratch do better with it; the README's convergence table)."""
+
+    inner_beta1: float = 0.9
+    """``isthmus run``: AdamW's first-moment decay (the inner optimizer's)."""
+
+    inner_beta2: float = 0.999
+    """``isthmus run``: AdamW's second-moment decay; 0.95 is the usual choice for
+    language models (it follows the gradient's scale faster)."""
+
+    inner_weight_decay: float = 0.01
+    """``isthmus run``: AdamW's decoupled weight decay."""
 
     grad_clip: float = 1.0
     """``isthmus run``: before every inner step, scale the gradient down to this norm
@@ -188,6 +205,19 @@ class TrainSettings:
             raise SettingError(
                 "grad_clip",
                 f"must be a gradient norm >= 0 (0: no clipping), got {self.grad_clip!r}",
+            )
+        if self.lr_schedule not in SCHEDULES:
+            raise SettingError(
+                "lr_schedule",
+                f"unknown schedule {self.lr_schedule!r}; use one of {', '.join(SCHEDULES)}",
+            )
+        for name in ("inner_beta1", "inner_beta2"):
+            value = getattr(self, name)
+            if not (_is_number(value) and 0 <= value < 1):
+                raise SettingError(name, f"must be in [0, 1), got {value!r}")
+        if not (_is_number(self.inner_weight_decay) and self.inner_weight_decay >= 0):
+            raise SettingError(
+                "inner_weight_decay", f"must be a number >= 0, got {self.inner_weight_decay!r}"
             )
         if not (isinstance(self.warmup_steps, int) and self.warmup_steps >= 0):
             raise SettingError(

@@ -1,8 +1,13 @@
-"""The inner learning-rate schedule of the built-in training: warm-up, then cosine."""
+"""The inner learning-rate schedules of the built-in training: warm-up, then cosine or held."""
 
 from __future__ import annotations
 
 import math
+
+SCHEDULES = ("cosine", "constant")
+"""What follows the linear warm-up: ``cosine`` decay to 10% of the peak, or the peak
+rate held (``constant``: local steps stay useful to the end, which short DiLoCo runs
+from scratch need; see the README's convergence table)."""
 
 
 def warmup_cosine(peak: float, step: int, warmup_steps: int, steps: int) -> float:
@@ -12,3 +17,12 @@ def warmup_cosine(peak: float, step: int, warmup_steps: int, steps: int) -> floa
         return peak * (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, steps - warmup_steps))
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def learning_rate_at(schedule: str, peak: float, step: int, warmup_steps: int, steps: int) -> float:
+    """The rate at ``step`` under ``schedule`` (one of :data:`SCHEDULES`)."""
+    if schedule == "cosine":
+        return warmup_cosine(peak, step, warmup_steps, steps)
+    if schedule == "constant":
+        return peak * min(1.0, (step + 1) / max(1, warmup_steps))
+    raise ValueError(f"unknown learning-rate schedule {schedule!r}; use one of {SCHEDULES}")

@@ -209,6 +209,18 @@ def test_egress_overrides_one_direction():
             "train.grad_clip: must be a gradient norm >= 0 (0: no clipping), got -1",
         ),
         (
+            "name: x\nsites: [{name: a}]\ntrain: {lr_schedule: linear}\n",
+            "train.lr_schedule: unknown schedule 'linear'; use one of cosine, constant",
+        ),
+        (
+            "name: x\nsites: [{name: a}]\ntrain: {inner_beta2: 1}\n",
+            "train.inner_beta2: must be in [0, 1), got 1",
+        ),
+        (
+            "name: x\nsites: [{name: a}]\ntrain: {inner_weight_decay: -0.1}\n",
+            "train.inner_weight_decay: must be a number >= 0, got -0.1",
+        ),
+        (
             "name: x\nsites: [{name: a}]\ntrain: {round_deadline_s: 30}\n",
             "train.collective_timeout_s: 60 s must be shorter than round_deadline_s (30 s)",
         ),

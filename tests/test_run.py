@@ -424,6 +424,31 @@ def test_learning_rate_warms_up_then_decays_to_a_tenth():
     assert rates[-1] == pytest.approx(0.1, abs=0.01)
 
 
+def test_a_constant_schedule_holds_the_peak_after_the_warm_up():
+    from isthmus.deploy.run_worker import learning_rate
+    from isthmus.inter.settings import TrainSettings
+
+    settings = TrainSettings(steps=100, warmup_steps=10, inner_lr=1.0, lr_schedule="constant")
+    rates = [learning_rate(settings, s) for s in range(100)]
+    assert rates[0] == pytest.approx(0.1) and rates[4] == pytest.approx(0.5)
+    assert rates[9:] == [1.0] * 91
+
+
+def test_the_inner_optimizer_takes_the_job_files_adamw_settings():
+    import torch
+
+    from isthmus.deploy.jobfile import parse_job
+    from isthmus.deploy.run_worker import inner_optimizer
+
+    job = parse_job(
+        "name: j\nsites: [{name: a}]\ntrain: {inner_lr: 0.002, warmup_steps: 0, "
+        "inner_beta1: 0.8, inner_beta2: 0.95, inner_weight_decay: 0.1}\n"
+    )
+    group = inner_optimizer(job.train, torch.nn.Linear(2, 2).parameters()).param_groups[0]
+    assert group["lr"] == 0.002
+    assert group["betas"] == (0.8, 0.95) and group["weight_decay"] == 0.1
+
+
 def test_live_progress_renders_every_site_and_link(tmp_path):
     from rich.console import Console
 

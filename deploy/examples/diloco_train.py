@@ -31,7 +31,7 @@ from isthmus.deploy.jobfile import free_port_blocks
 from isthmus.deploy.site_errors import run_site_main
 from isthmus.intra.data import Dataset, ShardSpec, stdlib_corpus
 from isthmus.intra.model import GPT, config_for, lm_loss
-from isthmus.intra.schedule import warmup_cosine
+from isthmus.intra.schedule import SCHEDULES, learning_rate_at
 
 
 @torch.no_grad()
@@ -157,8 +157,15 @@ def main(argv: list[str] | None = None) -> int:
         help="clip the gradient to this norm before every inner step (sync: the average); 0: never",
     )
     parser.add_argument(
-        "--warmup-steps", type=int, default=0, help="linear warm-up, then cosine decay to 10%%"
+        "--warmup-steps", type=int, default=0, help="linear warm-up, then --lr-schedule"
     )
+    parser.add_argument(
+        "--lr-schedule",
+        choices=SCHEDULES,
+        default="cosine",
+        help="with --warmup-steps: cosine decay to 10%% after the warm-up, or the peak held",
+    )
+    parser.add_argument("--beta2", type=float, default=0.999, help="AdamW's second beta")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--corpus-bytes", type=int, default=None)
@@ -166,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-batches", type=int, default=8, help="of 16 held-out windows")
     parser.add_argument("--out", help="write the report as JSON, and the parameters beside it")
     args = parser.parse_args(argv)
+    if not 0 <= args.beta2 < 1:
+        parser.error(f"--beta2: must be in [0, 1), got {args.beta2}")
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -177,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     shard = ShardSpec(site.site_index, dps, site.dp_rank, seed=args.seed)
     batches = data.batches(shard, args.batch)
     if args.inner == "adamw":
-        inner: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        inner: torch.optim.Optimizer = torch.optim.AdamW(
+            model.parameters(), lr=args.lr, betas=(0.9, args.beta2)
+        )
     else:
         inner = torch.optim.SGD(model.parameters(), lr=args.lr)
     tokens = args.batch * model.config.seq_len
@@ -205,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         for step in range(args.steps):
             if args.warmup_steps:
                 for group in inner.param_groups:
-                    group["lr"] = warmup_cosine(args.lr, step, args.warmup_steps, args.steps)
+                    group["lr"] = learning_rate_at(
+                        args.lr_schedule, args.lr, step, args.warmup_steps, args.steps
+                    )
             if args.sync_every_schedule:
                 strategy.sync_every = sync_every_at(args.sync_every_schedule, step)
             x, y = next(batches)
