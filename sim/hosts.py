@@ -167,7 +167,6 @@ def tune_namespace(netns: str) -> None:
         ("net.ipv4.tcp_rmem", "4096 131072 33554432"),
         ("net.ipv4.tcp_wmem", "4096 16384 33554432"),
         ("net.ipv4.tcp_no_metrics_save", "1"),
-        ("net.ipv4.tcp_congestion_control", os.environ.get("ISTHMUS_CC", "bbr")),
         # Hosts talk IPv4 only; IPv6 would only add neighbour discovery noise.
         ("net.ipv6.conf.all.disable_ipv6", "1"),
     ):
