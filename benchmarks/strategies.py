@@ -107,6 +107,8 @@ def main() -> int:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="bar plot of loss gap and WAN bytes (PNG)")
     args = parser.parse_args()
+    if not 0 <= args.beta2 < 1:
+        parser.error(f"--beta2: must be in [0, 1), got {args.beta2}")
     results: dict[str, dict] = {}
     if args.json and Path(args.json).exists():
         # Configurations measured by an earlier invocation stay (the table is

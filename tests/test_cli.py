@@ -110,6 +110,7 @@ def test_every_command_has_help(command):
         (("bench", "allreduce", "--sites", "1"), "--sites: must be in 2..8"),
         (("bench", "allreduce", "--codec", "int3"), "--codec: unknown codec 'int3'"),
         (("bench", "allreduce", "--idle-s", "-1"), "--idle-s: must be in [0, 3600]"),
+        (("bench", "allreduce", "--queue-ms", "-5"), "--queue-ms: must be >= 0, got -5"),
         (("bench", "codec", "--size-mib", "0"), "--size-mib: must be > 0"),
     ],
 )
