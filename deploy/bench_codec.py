@@ -21,7 +21,10 @@ import torch
 
 from isthmus.inter.codecs import parse_codec
 
-SPECS = ("none", "fp16", "bf16", "int8", "int4", "none+zstd", "bf16+zstd", "int8+zstd", "int4+zstd")
+SPECS = (
+    *("none", "fp16", "bf16", "int8", "int4", "int2"),
+    *("none+zstd", "bf16+zstd", "int8+zstd", "int4+zstd", "int2+zstd"),
+)
 
 
 def stdlib_bytes(limit: int = 4 << 20) -> torch.Tensor:

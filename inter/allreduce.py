@@ -7,7 +7,10 @@ encodes the result *once*; in the all-gather phase it sends those same bytes
 to every site and decodes them itself too. Every site therefore ends with
 bitwise-identical output, whatever the codec. A value is encoded twice on its
 way (once as a contribution, once as the owner's result), so the end-to-end
-error is at most two of the codec's bounds (see ``Codec.max_error``).
+error is at most two of the codec's bounds (see ``Codec.max_error``): the
+contributions' weighted bounds E, plus the bound of the second encode, taken for
+values of magnitude up to |exact average| + E (a blockwise codec's step follows
+the block absmax of what the owner reduced, which the first encode can raise).
 
 The caller decides which sites take part and with what weights (the strategy
 seals that decision for the round); the engine never decides membership. A

@@ -8,7 +8,10 @@ what is needed to decode them) and back. The lossy part is one of
 * ``bf16``  bfloat16: relative error <= 2**-8, the float32 range;
 * ``int8``  blockwise absmax: each block of ``block_size`` values shares a float32
   scale = absmax / 127; |error| <= absmax / 254 per element;
-* ``int4``  blockwise absmax, levels -7..7, two per byte; |error| <= absmax / 14,
+* ``int4``  blockwise absmax, levels -7..7, two per byte; |error| <= absmax / 14;
+* ``int2``  blockwise absmax, ternary levels -1..1, four per byte; |error| <= absmax / 2
+  (a value is sent as 0 or as its block's absmax with its sign: coarse, so meant
+  for pseudo-gradients with error feedback, which sends what it lost next time),
 
 optionally followed by a lossless stage (``+zstd``): byte-shuffle (the values'
 bytes regrouped into planes, so exponent bytes sit together) then zstd at
@@ -28,7 +31,9 @@ from dataclasses import dataclass, field
 import torch
 import zstandard
 
-LOSSY = ("none", "fp16", "bf16", "int8", "int4")
+LOSSY = ("none", "fp16", "bf16", "int8", "int4", "int2")
+BLOCKWISE_LEVELS = {"int8": 127, "int4": 7, "int2": 1}
+"""The blockwise codecs: values are rounded to -levels..levels times a per-block scale."""
 FP16_MAX = 65504.0
 DEFAULT_BLOCK_SIZE = 256
 DEFAULT_ZSTD_LEVEL = 3
@@ -48,7 +53,7 @@ class Encoded:
     """Number of float32 values encoded."""
     payload: bytes | bytearray
     block_size: int = 0
-    """Values per scale (int8, int4); 0 otherwise."""
+    """Values per scale (int8, int4, int2); 0 otherwise."""
     meta: dict[str, int] = field(default_factory=dict)
     """Sizes of the payload's sections before the lossless stage (for decoding)."""
 
@@ -70,6 +75,11 @@ class Codec:
             raise CodecError(
                 f"block_size must be an even integer >= 2 (int4 packs pairs), got {size!r}"
             )
+        if self.name == "int2" and size % 4:
+            raise CodecError(
+                f"block_size must be a multiple of 4 for int2 (it packs four values a "
+                f"byte), got {size}"
+            )
         if not -7 <= self.zstd_level <= 22:
             raise CodecError(f"zstd_level must be in -7..22, got {self.zstd_level}")
 
@@ -86,7 +96,7 @@ class Codec:
             return x.abs() * 2.0**-11 + 2.0**-25  # relative, or half the smallest subnormal
         if self.name == "bf16":
             return x.abs() * 2.0**-8 + 2.0**-134
-        levels = 127 if self.name == "int8" else 7
+        levels = BLOCKWISE_LEVELS[self.name]
         absmax = _blocks(values, self.block_size).abs().amax(dim=1).double()
         per_block = absmax / (2 * levels)
         # Plus float32's own rounding of the scale and of q * scale.
@@ -111,7 +121,7 @@ class Codec:
             codec=self.spec,
             count=values.numel(),
             payload=payload,
-            block_size=self.block_size if self.name in ("int8", "int4") else 0,
+            block_size=self.block_size if self.name in BLOCKWISE_LEVELS else 0,
             meta=sections,
         )
 
@@ -129,12 +139,14 @@ class Codec:
         return values.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
 
     def _encode_blocks(self, values: torch.Tensor) -> tuple[bytearray, int]:
-        """Payload = float32 scale per block, then the int8 (or packed int4) values.
+        """Payload = float32 scale per block, then the int8 (or packed int4, int2) values.
         Written straight into one buffer: no intermediate copies of the values."""
-        levels = 127 if self.name == "int8" else 7
+        levels = BLOCKWISE_LEVELS[self.name]
         parts = [_quantize(b, levels) for b in _block_views(values, self.block_size)]
         if self.name == "int4":
             parts = [(scale, _pack_nibbles(q)) for scale, q in parts]
+        elif self.name == "int2":
+            parts = [(scale, _pack_crumbs(q)) for scale, q in parts]
         scales_len = 4 * sum(scale.numel() for scale, _ in parts)
         payload = bytearray(scales_len + sum(q.numel() for _, q in parts))
         scale_out = torch.frombuffer(payload, dtype=torch.float32, count=scales_len // 4)
@@ -181,6 +193,10 @@ class Codec:
         if self.name == "int4":
             packed = q.view(torch.uint8)
             q = torch.stack((packed & 0x0F, packed >> 4), dim=1).view(-1).view(torch.int8) - 8
+        elif self.name == "int2":
+            packed = q.view(torch.uint8)
+            crumbs = [(packed >> shift) & 0x03 for shift in (0, 2, 4, 6)]
+            q = torch.stack(crumbs, dim=1).view(-1).view(torch.int8) - 1
         _dequantize(q.view(-1, encoded.block_size), scale, result)
         return result
 
@@ -189,6 +205,13 @@ def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     """Values -7..7, two per byte: the first in the low nibble (as value + 8)."""
     nibbles = (q + 8).view(torch.uint8).view(-1, 2)
     return (nibbles[:, 0] | (nibbles[:, 1] << 4)).view(torch.int8)
+
+
+def _pack_crumbs(q: torch.Tensor) -> torch.Tensor:
+    """Values -1..1, four per byte (as value + 1, two bits each): the first lowest."""
+    crumbs = (q + 1).view(torch.uint8).view(-1, 4)
+    packed = crumbs[:, 0] | (crumbs[:, 1] << 2) | (crumbs[:, 2] << 4) | (crumbs[:, 3] << 6)
+    return packed.view(torch.int8)
 
 
 def _read_only(buffer: bytes | memoryview, dtype: torch.dtype) -> torch.Tensor:

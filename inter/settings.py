@@ -17,7 +17,7 @@ from typing import Any
 from isthmus.intra.schedule import SCHEDULES
 
 STRATEGIES = ("sync", "diloco", "streaming", "async")
-CODECS = ("none", "fp16", "bf16", "int8", "int4")
+CODECS = ("none", "fp16", "bf16", "int8", "int4", "int2")
 
 
 class SettingError(ValueError):
@@ -58,8 +58,8 @@ class TrainSettings:
     """Nesterov momentum of the outer optimizer (DiLoCo paper: 0.9)."""
 
     codec: str = "none"
-    """How values cross the WAN: ``none`` (exact float32), ``fp16``, ``bf16``, ``int8`` or
-    ``int4``."""
+    """How values cross the WAN: ``none`` (exact float32), ``fp16``, ``bf16``, ``int8``,
+    ``int4`` or ``int2`` (ternary: with ``error_feedback``, for pseudo-gradients)."""
 
     error_feedback: bool = False
     """With a lossy codec, carry what it lost of each site's values into the next

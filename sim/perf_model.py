@@ -60,8 +60,9 @@ CODEC_BYTES_PER_VALUE = {
     "bf16": 2.0,
     "int8": 1.0 + 4 / 256,
     "int4": 0.5 + 4 / 256,
+    "int2": 0.25 + 4 / 256,
 }
-"""Wire bytes per float32 value (int8/int4: one float32 scale per block of 256)."""
+"""Wire bytes per float32 value (int8/int4/int2: one float32 scale per block of 256)."""
 
 GPU_FLOPS = {"h100": 989e12, "h200": 989e12, "a100": 312e12, "b200": 2250e12, "cpu": 1e11}
 """Dense BF16 peak FLOP/s per accelerator (vendor data sheets; cpu: a rough core)."""

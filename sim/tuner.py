@@ -27,7 +27,7 @@ from isthmus.sim.perf_model import (
 
 SYNC_EVERY_LADDER = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 """H values the sweep considers (1-2-5 steps), plus the configured bounds."""
-CODEC_PRECISION = ("none", "fp16", "bf16", "int8", "int4")
+CODEC_PRECISION = ("none", "fp16", "bf16", "int8", "int4", "int2")
 """Most precise first: with equal H the tuner prefers the earlier codec."""
 FRAGMENT_CHOICES = (1, 2, 4, 8)
 LIVE_SYNC_EVERY = ("diloco", "async")

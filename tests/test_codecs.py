@@ -15,7 +15,10 @@ from isthmus.inter.codecs import (
     parse_codec,
 )
 
-SPECS = ["none", "fp16", "bf16", "int8", "int4", "none+zstd", "bf16+zstd", "int8+zstd", "int4+zstd"]
+SPECS = [
+    *("none", "fp16", "bf16", "int8", "int4", "int2"),
+    *("none+zstd", "bf16+zstd", "int8+zstd", "int4+zstd", "int2+zstd"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +59,7 @@ def test_error_bound_on_a_real_pseudo_gradient(spec, real_pseudo_gradient):
 
 def test_int_bounds_are_the_documented_fractions_of_block_absmax():
     values = _data("normal", 4096)
-    for spec, levels in (("int8", 254), ("int4", 14)):
+    for spec, levels in (("int8", 254), ("int4", 14), ("int2", 2)):
         codec = parse_codec(spec, block_size=64)
         decoded = codec.decode(codec.encode(values))
         blocks = values.view(-1, 64)
@@ -101,6 +104,14 @@ def test_compression_ratios():
     assert sizes["fp16"] == sizes["bf16"] == 2 << 16
     assert sizes["int8"] == (1 << 16) + 4 * (1 << 16) // 256
     assert sizes["int4"] == (1 << 15) + 4 * (1 << 16) // 256
+    assert sizes["int2"] == (1 << 14) + 4 * (1 << 16) // 256
+
+
+def test_int2_sends_zero_or_the_blocks_absmax_with_its_sign():
+    values = torch.tensor([0.9, -0.2, 0.49, -0.51, 0.0, -1.0, 0.3, 0.6])
+    codec = parse_codec("int2", block_size=4)
+    decoded = codec.decode(codec.encode(values))
+    assert decoded.tolist() == pytest.approx([0.9, 0.0, 0.9, -0.9, 0.0, -1.0, 0.0, 1.0])
 
 
 def test_bf16_zstd_compresses_a_real_pseudo_gradient(real_pseudo_gradient):
@@ -121,6 +132,7 @@ def test_byte_shuffle_round_trips():
     [
         (lambda: Codec(name="int3"), "unknown codec 'int3'"),
         (lambda: Codec(name="int4", block_size=7), "block_size must be an even integer"),
+        (lambda: Codec(name="int2", block_size=6), "a multiple of 4 for int2"),
         (lambda: Codec(name="int8", zstd=True, zstd_level=40), "zstd_level must be in"),
         (lambda: parse_codec("int8+lz4"), "unknown lossless stage 'lz4'"),
         (lambda: parse_codec("fp16").encode(torch.tensor([1e5])), "exceeds fp16's range"),
