@@ -52,7 +52,7 @@ import torch
 from isthmus.deploy.examples.diloco_train import evaluate, parse_schedule, sync_every_at
 from isthmus.intra.data import Dataset, ShardSpec, stdlib_corpus
 from isthmus.intra.model import GPT, config_for, lm_loss
-from isthmus.intra.schedule import warmup_cosine
+from isthmus.intra.schedule import SCHEDULES, learning_rate_at
 
 WORKERS = 4
 BATCH = 16
@@ -122,9 +122,10 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument(
         "--schedule",
-        choices=("cosine", "constant"),
+        choices=SCHEDULES,
         default="cosine",
-        help="after the warm-up: cosine decay to 10%%, or the peak rate throughout",
+        help="after the warm-up: cosine decay to 10%%, the peak rate throughout, or "
+        "the peak then a linear decay to 10%% over the last fifth (wsd)",
     )
     parser.add_argument("--beta2", type=float, default=0.999, help="AdamW's second beta")
     parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's")
@@ -168,10 +169,7 @@ def main() -> int:
     wan_bytes, exchanges, since = 0.0, 0, 0
     started = time.monotonic()
     for step in range(args.steps):
-        if args.schedule == "cosine":
-            lr = warmup_cosine(args.lr, step, WARMUP_STEPS, args.steps)
-        else:  # the same linear warm-up, then the peak rate
-            lr = args.lr * min(1.0, (step + 1) / WARMUP_STEPS)
+        lr = learning_rate_at(args.schedule, args.lr, step, WARMUP_STEPS, args.steps)
         if args.mode == "diloco":
             lr *= args.inner_lr_scale
         for model, optimizer, stream in zip(models, optimizers, streams, strict=True):

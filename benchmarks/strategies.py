@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from isthmus.deploy.examples.diloco_train import loopback_job, run_sites
+from isthmus.intra.schedule import SCHEDULES
 
 SITES = ["s0", "s1", "s2", "s3"]
 # Means of closing the gap to sync at a small fraction of its bytes: an outer
@@ -41,6 +42,7 @@ SITES = ["s0", "s1", "s2", "s3"]
 FEDAVG = ["--outer-lr", "1.0", "--outer-momentum", "0.0"]
 INT4_EF = ["--codec", "int4", "--error-feedback"]
 GROWING_H = "5:100,10:200,25:400,50"
+SHRINKING_H = "10:200,7:400,5"
 CONFIGS: dict[str, list[str]] = {
     "sync": ["--strategy", "sync"],
     "diloco-h50": ["--strategy", "diloco", "--sync-every", "50"],
@@ -56,6 +58,12 @@ CONFIGS: dict[str, list[str]] = {
         *("--strategy", "diloco", "--sync-every-schedule", GROWING_H, *FEDAVG, *INT4_EF),
     ],
     "diloco-avg-h150-int4-ef": ["--strategy", "diloco", "--sync-every", "150", *FEDAVG, *INT4_EF],
+    # Ternary pseudo-gradients, exchanged more often late in the run than early:
+    # with the peak learning rate held to the end, the last rounds matter most.
+    "diloco-avg-shrinking-int2-ef": [
+        *("--strategy", "diloco", "--sync-every-schedule", SHRINKING_H, *FEDAVG),
+        *("--codec", "int2", "--error-feedback"),
+    ],
 }
 WARMUP_STEPS = 30
 """Every strategy trains with the same inner schedule: linear warm-up over these
@@ -99,9 +107,10 @@ def main() -> int:
     parser.add_argument("--corpus-bytes", type=int, default=None)
     parser.add_argument(
         "--lr-schedule",
-        choices=("cosine", "constant"),
+        choices=SCHEDULES,
         default="cosine",
-        help="after the warm-up: cosine decay to 10%% (default), or the peak rate held",
+        help="after the warm-up: cosine decay to 10%% (default), the peak rate held, or "
+        "held then decayed over the last fifth (wsd)",
     )
     parser.add_argument("--beta2", type=float, default=0.999, help="AdamW's second beta")
     parser.add_argument("--json", help="write the results here")

@@ -94,8 +94,9 @@ class TrainSettings:
 
     lr_schedule: str = "cosine"
     """``isthmus run``: after the warm-up, ``cosine`` decay to 10% of ``inner_lr`` at
-    the last step, or ``constant``: ``inner_lr`` held to the end (short DiLoCo runs
-    from scratch do better with it; the README's convergence table)."""
+    the last step; ``constant``: ``inner_lr`` held to the end (short DiLoCo runs
+    from scratch do better with it; the README's convergence table); or ``wsd``:
+    held, then a linear decay to 10% over the last fifth of the steps."""
 
     inner_beta1: float = 0.9
     """``isthmus run``: AdamW's first-moment decay (the inner optimizer's)."""

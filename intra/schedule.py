@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import math
 
-SCHEDULES = ("cosine", "constant")
-"""What follows the linear warm-up: ``cosine`` decay to 10% of the peak, or the peak
+SCHEDULES = ("cosine", "constant", "wsd")
+"""What follows the linear warm-up: ``cosine`` decay to 10% of the peak, the peak
 rate held (``constant``: local steps stay useful to the end, which short DiLoCo runs
-from scratch need; see the README's convergence table)."""
+from scratch need; see the README's convergence table), or ``wsd``
+(warm-up, stable, decay): the peak held, then a linear decay to 10% over the last
+:data:`WSD_DECAY_FRACTION` of the steps."""
+WSD_DECAY_FRACTION = 0.2
 
 
 def warmup_cosine(peak: float, step: int, warmup_steps: int, steps: int) -> float:
@@ -25,4 +28,10 @@ def learning_rate_at(schedule: str, peak: float, step: int, warmup_steps: int, s
         return warmup_cosine(peak, step, warmup_steps, steps)
     if schedule == "constant":
         return peak * min(1.0, (step + 1) / max(1, warmup_steps))
+    if schedule == "wsd":
+        decay_start = max(warmup_steps, round(steps * (1 - WSD_DECAY_FRACTION)))
+        if step < decay_start:
+            return peak * min(1.0, (step + 1) / max(1, warmup_steps))
+        progress = min(1.0, (step - decay_start) / max(1, steps - decay_start))
+        return peak * (1 - 0.9 * progress)
     raise ValueError(f"unknown learning-rate schedule {schedule!r}; use one of {SCHEDULES}")

@@ -210,7 +210,7 @@ def test_egress_overrides_one_direction():
         ),
         (
             "name: x\nsites: [{name: a}]\ntrain: {lr_schedule: linear}\n",
-            "train.lr_schedule: unknown schedule 'linear'; use one of cosine, constant",
+            "train.lr_schedule: unknown schedule 'linear'; use one of cosine, constant, wsd",
         ),
         (
             "name: x\nsites: [{name: a}]\ntrain: {inner_beta2: 1}\n",

@@ -434,6 +434,18 @@ def test_a_constant_schedule_holds_the_peak_after_the_warm_up():
     assert rates[9:] == [1.0] * 91
 
 
+def test_wsd_holds_the_peak_then_decays_linearly_over_the_last_fifth():
+    from isthmus.deploy.run_worker import learning_rate
+    from isthmus.inter.settings import TrainSettings
+
+    settings = TrainSettings(steps=100, warmup_steps=10, inner_lr=1.0, lr_schedule="wsd")
+    rates = [learning_rate(settings, s) for s in range(100)]
+    assert rates[0] == pytest.approx(0.1) and rates[9:80] == [1.0] * 71
+    assert rates[90] == pytest.approx(1 - 0.9 * 10 / 20)
+    assert all(x > y for x, y in itertools.pairwise(rates[80:]))
+    assert rates[-1] == pytest.approx(0.1, abs=0.05)
+
+
 def test_the_inner_optimizer_takes_the_job_files_adamw_settings():
     import torch
 
