@@ -37,6 +37,19 @@ The reference recipe's open parts, on DiLoCo H=50 with the outer Nesterov (N:
     python benchmarks/convergence_trials.py N --schedule constant --beta2 0.95 --seed 1
         (and 2, each with --mode sync; and N --seed 1 for the cosine recipe)
 
+With that recipe (C: ``--schedule constant --beta2 0.95``), plain averaging, seed
+0; E: ``--error-feedback``; the README gives each figure:
+
+    python benchmarks/convergence_trials.py C --sync-every 2   (and --outer-lr 2)
+    python benchmarks/convergence_trials.py C E --sync-every 13 --levels 7
+    python benchmarks/convergence_trials.py C E --sync-every 7 --levels 1
+        (and --outer-lr 0.5 --outer-momentum 0.5)
+    python benchmarks/convergence_trials.py C E --sync-every 4 --sign
+    python benchmarks/convergence_trials.py C E --levels 1 --sync-every 5:150,7:400,10
+        (and 10:200,7:400,5; and that with --schedule wsd, next to --mode sync)
+    python benchmarks/convergence_trials.py C E --codec int2+zstd --sync-every 5
+        (and 7:200,5:400,4; 4; 4:300,3; 32)
+
 Prints one JSON line: the settings, held-out loss, WAN MB and exchanges.
 """
 
@@ -50,6 +63,7 @@ from collections.abc import Iterable
 import torch
 
 from isthmus.deploy.examples.diloco_train import evaluate, parse_schedule, sync_every_at
+from isthmus.inter.codecs import CodecError, parse_codec
 from isthmus.intra.data import Dataset, ShardSpec, stdlib_corpus
 from isthmus.intra.model import GPT, config_for, lm_loss
 from isthmus.intra.schedule import SCHEDULES, learning_rate_at
@@ -113,6 +127,11 @@ def main() -> int:
     parser.add_argument("--levels", type=int, default=0, help="0: float32, 7: int4, 1: ternary")
     parser.add_argument("--sign", action="store_true", help="1 bit: sign x block mean")
     parser.add_argument("--block", type=int, default=256)
+    parser.add_argument(
+        "--codec",
+        help="diloco: encode with this Isthmus codec (e.g. int2+zstd) instead of the "
+        "quantiser above, and count its payload bytes",
+    )
     parser.add_argument("--error-feedback", action="store_true")
     parser.add_argument("--top-k", type=float, default=0.0, help="sync: keep this fraction")
     parser.add_argument("--inner-lr-scale", type=float, default=1.0, help="diloco's inner lr")
@@ -139,6 +158,10 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    try:
+        codec = parse_codec(args.codec) if args.codec else None
+    except CodecError as exc:
+        parser.error(f"--codec: {exc}")
 
     torch.manual_seed(args.seed)
     models = [GPT(config_for("tiny")) for _ in range(WORKERS)]
@@ -212,12 +235,22 @@ def main() -> int:
             delta = global_params - flat(model)
             if args.error_feedback:
                 delta += residuals[w]
-            sent = quantise(delta, args.levels, args.block, args.sign)
+            if codec is not None:  # the engine's own codec: its bytes, counted
+                encoded = codec.encode(delta)
+                sent = codec.decode(encoded)
+                wan_bytes += (WORKERS - 1) / WORKERS * len(encoded.payload)
+            else:
+                sent = quantise(delta, args.levels, args.block, args.sign)
             if args.error_feedback:
                 residuals[w] = delta - sent
             deltas.append(sent)
-        average = quantise(sum(deltas) / WORKERS, args.levels, args.block, args.sign)
-        wan_bytes += share * 2 * encoded_bytes(size, args)
+        if codec is not None:
+            encoded = codec.encode(sum(deltas) / WORKERS)
+            average = codec.decode(encoded)
+            wan_bytes += share * len(encoded.payload)
+        else:
+            average = quantise(sum(deltas) / WORKERS, args.levels, args.block, args.sign)
+            wan_bytes += share * 2 * encoded_bytes(size, args)
         exchanges += 1
         update = average
         if args.outer_momentum:

@@ -68,6 +68,13 @@ def test_minimal_job_gets_defaults():
     assert job.train.strategy == "diloco" and job.train.sync_every == 50
 
 
+def test_a_codec_may_carry_the_zstd_stage():
+    job = parse_job(
+        "name: x\nsites: [{name: a}]\ntrain: {codec: int2+zstd, error_feedback: true}\n"
+    )
+    assert job.train.codec == "int2+zstd"
+
+
 def test_default_link_applies_to_every_pair_and_presets_resolve():
     job = parse_job(
         "name: x\nsites: [{name: a}, {name: b}, {name: c}]\n"
@@ -179,6 +186,10 @@ def test_egress_overrides_one_direction():
         (
             "name: x\nsites: [{name: a}]\ntrain: {codec: int3}\n",
             "train.codec: unknown codec 'int3'",
+        ),
+        (
+            "name: x\nsites: [{name: a}]\ntrain: {codec: int4+lz4}\n",
+            "optionally followed by +zstd (e.g. int2+zstd)",
         ),
         (
             "name: x\nsites: [{name: a}]\ntrain: {strategy: async, round_seconds: 30}\n",
