@@ -138,10 +138,17 @@ def test_streaming_with_one_fragment_no_overlap_no_mixing_is_diloco(tmp_path):
             ("--strategy", "diloco", "--codec", "int4", "--error-feedback"),
             marks=pytest.mark.slow,
         ),
+        pytest.param(
+            ("--strategy", "diloco", "--codec", "int2+zstd", "--error-feedback"),
+            marks=pytest.mark.slow,
+        ),
         ("--strategy", "async"),
         ("--strategy", "sync"),
     ],
-    ids=["streaming-int4-overlap", "diloco-int4-error-feedback", "async", "sync"],
+    ids=[
+        *("streaming-int4-overlap", "diloco-int4-error-feedback"),
+        *("diloco-int2-zstd-error-feedback", "async", "sync"),
+    ],
 )
 def test_every_strategy_ends_identical_on_every_site(tmp_path, flags):
     reports = _run(tmp_path, ["a", "b"], flags)
