@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         "--lr-schedule",
         choices=SCHEDULES,
         default="cosine",
-        help="with --warmup-steps: cosine decay to 10%% after the warm-up, or the peak held",
+        help="with --warmup-steps, after the warm-up: cosine decay to 10%%, the peak held "
+        "(constant), or held then decayed over the last fifth (wsd)",
     )
     parser.add_argument("--beta2", type=float, default=0.999, help="AdamW's second beta")
     parser.add_argument("--batch", type=int, default=8)
