@@ -62,11 +62,16 @@ from collections.abc import Iterable
 
 import torch
 
-from isthmus.deploy.examples.diloco_train import evaluate, parse_schedule, sync_every_at
+from isthmus.deploy.examples.diloco_train import (
+    add_recipe_arguments,
+    evaluate,
+    parse_schedule,
+    sync_every_at,
+)
 from isthmus.inter.codecs import CodecError, parse_codec
 from isthmus.intra.data import Dataset, ShardSpec, stdlib_corpus
 from isthmus.intra.model import GPT, config_for, lm_loss
-from isthmus.intra.schedule import SCHEDULES, learning_rate_at
+from isthmus.intra.schedule import learning_rate_at
 
 WORKERS = 4
 BATCH = 16
@@ -139,14 +144,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument(
-        "--schedule",
-        choices=SCHEDULES,
-        default="cosine",
-        help="after the warm-up: cosine decay to 10%%, the peak rate throughout, or "
-        "the peak then a linear decay to 10%% over the last fifth (wsd)",
-    )
-    parser.add_argument("--beta2", type=float, default=0.999, help="AdamW's second beta")
+    add_recipe_arguments(parser, schedule_flag="--schedule")
     parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's")
     parser.add_argument(
         "--moments-every",
@@ -192,7 +190,7 @@ def main() -> int:
     wan_bytes, exchanges, since = 0.0, 0, 0
     started = time.monotonic()
     for step in range(args.steps):
-        lr = learning_rate_at(args.schedule, args.lr, step, WARMUP_STEPS, args.steps)
+        lr = learning_rate_at(args.lr_schedule, args.lr, step, WARMUP_STEPS, args.steps)
         if args.mode == "diloco":
             lr *= args.inner_lr_scale
         for model, optimizer, stream in zip(models, optimizers, streams, strict=True):

@@ -32,8 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from isthmus.deploy.examples.diloco_train import loopback_job, run_sites
-from isthmus.intra.schedule import SCHEDULES
+from isthmus.deploy.examples.diloco_train import add_recipe_arguments, loopback_job, run_sites
 
 SITES = ["s0", "s1", "s2", "s3"]
 # Means of closing the gap to sync at a small fraction of its bytes: an outer
@@ -114,14 +113,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--only", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--corpus-bytes", type=int, default=None)
-    parser.add_argument(
-        "--lr-schedule",
-        choices=SCHEDULES,
-        default="cosine",
-        help="after the warm-up: cosine decay to 10%% (default), the peak rate held, or "
-        "held then decayed over the last fifth (wsd)",
-    )
-    parser.add_argument("--beta2", type=float, default=0.999, help="AdamW's second beta")
+    add_recipe_arguments(parser)
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="plot of loss gap against WAN bytes (PNG)")
     parser.add_argument(
@@ -130,8 +122,6 @@ def main() -> int:
         help="run nothing: print the table (and --plot) of the results already in --json",
     )
     args = parser.parse_args()
-    if not 0 <= args.beta2 < 1:
-        parser.error(f"--beta2: must be in [0, 1), got {args.beta2}")
     results: dict[str, dict] = {}
     if args.json and Path(args.json).exists():
         # Configurations measured by an earlier invocation stay (the table is

@@ -121,6 +121,33 @@ class _NoSync:
         pass
 
 
+def add_recipe_arguments(
+    parser: argparse.ArgumentParser, schedule_flag: str = "--lr-schedule"
+) -> None:
+    """The inner recipe's choices this example, the convergence benchmark and its
+    trials share: the learning-rate schedule after the warm-up (``args.lr_schedule``)
+    and AdamW's second beta (``args.beta2``)."""
+    parser.add_argument(
+        schedule_flag,
+        dest="lr_schedule",
+        choices=SCHEDULES,
+        default="cosine",
+        help="after the warm-up: cosine decay to 10%% (default), the peak held "
+        "(constant), or held then decayed linearly over the last fifth (wsd)",
+    )
+    parser.add_argument("--beta2", type=_beta, default=0.999, help="AdamW's second beta")
+
+
+def _beta(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m isthmus.deploy.examples.diloco_train")
     parser.add_argument("job")
@@ -159,14 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--warmup-steps", type=int, default=0, help="linear warm-up, then --lr-schedule"
     )
-    parser.add_argument(
-        "--lr-schedule",
-        choices=SCHEDULES,
-        default="cosine",
-        help="with --warmup-steps, after the warm-up: cosine decay to 10%%, the peak held "
-        "(constant), or held then decayed over the last fifth (wsd)",
-    )
-    parser.add_argument("--beta2", type=float, default=0.999, help="AdamW's second beta")
+    add_recipe_arguments(parser)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--corpus-bytes", type=int, default=None)
@@ -174,8 +194,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-batches", type=int, default=8, help="of 16 held-out windows")
     parser.add_argument("--out", help="write the report as JSON, and the parameters beside it")
     args = parser.parse_args(argv)
-    if not 0 <= args.beta2 < 1:
-        parser.error(f"--beta2: must be in [0, 1), got {args.beta2}")
 
     if args.threads:
         torch.set_num_threads(args.threads)
