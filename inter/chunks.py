@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import zstandard
 
-from isthmus.inter.codecs import Codec, CodecError, Encoded, parse_codec
+from isthmus.inter.codecs import VALUE_BYTES, Codec, CodecError, Encoded, parse_codec
 from isthmus.proto import wire_pb2
 
 
@@ -67,16 +67,8 @@ def chunk_ranges(count: int, values_per_chunk: int) -> list[tuple[int, int]]:
 def values_per_chunk(codec: Codec, max_chunk_bytes: int) -> int:
     """How many values fit in a chunk of ``max_chunk_bytes`` before the lossless stage,
     a multiple of the codec's block size so no block straddles two chunks."""
-    bytes_per_value = {
-        "none": 4.0,
-        "fp16": 2.0,
-        "bf16": 2.0,
-        "int8": 1.0,
-        "int4": 0.5,
-        "int2": 0.25,
-    }[codec.name]
     block = codec.block_size
-    values = int(max_chunk_bytes / (bytes_per_value + 4.0 / block))
+    values = int(max_chunk_bytes / (VALUE_BYTES[codec.name] + 4.0 / block))
     return max(block, values // block * block)
 
 

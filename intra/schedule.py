@@ -26,12 +26,13 @@ def learning_rate_at(schedule: str, peak: float, step: int, warmup_steps: int, s
     """The rate at ``step`` under ``schedule`` (one of :data:`SCHEDULES`)."""
     if schedule == "cosine":
         return warmup_cosine(peak, step, warmup_steps, steps)
+    held = peak * min(1.0, (step + 1) / max(1, warmup_steps))  # warm-up, then the peak
     if schedule == "constant":
-        return peak * min(1.0, (step + 1) / max(1, warmup_steps))
+        return held
     if schedule == "wsd":
         decay_start = max(warmup_steps, round(steps * (1 - WSD_DECAY_FRACTION)))
         if step < decay_start:
-            return peak * min(1.0, (step + 1) / max(1, warmup_steps))
+            return held
         progress = min(1.0, (step - decay_start) / max(1, steps - decay_start))
         return peak * (1 - 0.9 * progress)
     raise ValueError(f"unknown learning-rate schedule {schedule!r}; use one of {SCHEDULES}")
