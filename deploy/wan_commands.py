@@ -19,6 +19,7 @@ from isthmus.deploy.cli import UsageError, add_command
 from isthmus.deploy.job_commands import describe_link
 from isthmus.deploy.jobfile import Job, load_job, load_yaml, parse_address
 from isthmus.deploy.orphan import end_with_parent
+from isthmus.inter.allocator import keep_freed_memory
 from isthmus.sim.control import ControlClient, ControlError, ControlServer
 from isthmus.sim.emulator import BackgroundEmulator, Emulator
 from isthmus.sim.link import LinkConfigError, LinkParams
@@ -187,6 +188,7 @@ def _proxy(args: argparse.Namespace) -> int:
         default=params,
         seed=args.seed,
     )
+    keep_freed_memory()  # the proxy's reads are buffers of 256 KiB: reuse them
     return asyncio.run(_serve_proxy(topology, listen, connect))
 
 
@@ -263,6 +265,7 @@ def _up(args: argparse.Namespace) -> int:
         from isthmus.deploy.wan_hosts import serve_hosts
 
         return serve_hosts(job, state_path, write_json_atomic)
+    keep_freed_memory()  # the proxy's reads are buffers of 256 KiB: reuse them
     return asyncio.run(_serve_topology(job, state_path, args.host, args.stats_every))
 
 

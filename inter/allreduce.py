@@ -128,9 +128,13 @@ class _Incoming:
         """With ``keep``: the chunks themselves, to forward them unchanged (ring)."""
         self._keep = False
 
-    def open(self, size: int, *, keep: bool = False) -> None:
+    def open(self, size: int, *, keep: bool = False, into: torch.Tensor | None = None) -> None:
+        """Give the chunks a buffer of ``size`` values: ``into`` (where the caller wants
+        them, e.g. their place in the round's output: no copy after), or a new one."""
         self._keep = keep
-        self.buffer = torch.empty(size, dtype=torch.float32)
+        if into is not None and into.numel() != size:
+            raise ValueError(f"buffer of {into.numel()} values for a shard of {size}")
+        self.buffer = torch.empty(size, dtype=torch.float32) if into is None else into
         for chunk in self.pending:
             self._place(chunk)
         self.pending.clear()
@@ -379,10 +383,17 @@ class CrossSiteAllReduce:
         self._incoming.setdefault(key, _Incoming()).add(chunk)
 
     def _expect(
-        self, round: int, shard: int, site: str, size: int, *, keep: bool = False
+        self,
+        round: int,
+        shard: int,
+        site: str,
+        size: int,
+        *,
+        keep: bool = False,
+        into: torch.Tensor | None = None,
     ) -> _Incoming:
         incoming = self._incoming.setdefault((round, shard, site), _Incoming())
-        incoming.open(size, keep=keep)
+        incoming.open(size, keep=keep, into=into)
         return incoming
 
     async def _wait_for(
@@ -788,7 +799,14 @@ class CrossSiteAllReduce:
             for lo, hi in [bounds[j]]
         ]
         out = torch.empty_like(flat)
-        results = {s: self._expect(round, n + j, s, bounds[j][1] - bounds[j][0]) for j, s in others}
+        # Every other slice's result is decoded straight into its place in ``out``
+        # as it arrives: no buffer to allocate and copy over at the end of the
+        # round, where that work would come after the last byte.
+        results = {
+            s: self._expect(round, n + j, s, hi - lo, into=out[lo:hi])
+            for j, s in others
+            for lo, hi in [bounds[j]]
+        }
         queues: dict[str, asyncio.Queue[wire_pb2.Chunk | None]] = {
             s: asyncio.Queue() for _, s in others
         }
@@ -803,14 +821,12 @@ class CrossSiteAllReduce:
             )
             total = sum(weights[s] for s in sites)
             mine_flat = flat[a:b]
-            own_values = torch.empty(b - a, dtype=torch.float32)
-            # With an exact codec, decode(encode(x)) is x bit for bit: skip the round
-            # trip for this site's own values (the bytes sent are the same either way).
+            # With an exact codec, decode(encode(x)) is x bit for bit: this site's own
+            # values are used as they are (the bytes sent are the same either way).
             exact = self.codec.name == "none"
+            own_values = mine_flat if exact else torch.empty(b - a, dtype=torch.float32)
             for index, (lo, hi) in enumerate(loop_ranges):
-                if exact:
-                    own_values[lo:hi] = mine_flat[lo:hi]
-                else:
+                if not exact:
                     # This site's own contribution goes through the codec like the others'.
                     own_chunk = await self._encode(
                         mine_flat[lo:hi],
@@ -832,7 +848,11 @@ class CrossSiteAllReduce:
                 # Sites of weight 0 (left out of the round by its seal) send zeros
                 # and receive the average; their values are not even read.
                 counted = [s for s in sites if weights[s] > 0]
-                reduced = torch.mul(parts[counted[0]], weights[counted[0]] / total)
+                # Reduced in place in ``out``: with an exact codec that is the result;
+                # otherwise decoding the encoded result overwrites it below.
+                reduced = torch.mul(
+                    parts[counted[0]], weights[counted[0]] / total, out=out[a + lo : a + hi]
+                )
                 for site in counted[1:]:
                     reduced.add_(parts[site], alpha=weights[site] / total)
                 result = await self._encode(
@@ -846,9 +866,7 @@ class CrossSiteAllReduce:
                 sent.append(_payload_size(result) * len(others))
                 for queue in queues.values():
                     queue.put_nowait(result)
-                if exact:
-                    out[a + lo : a + hi] = reduced
-                else:
+                if not exact:
                     _own_chunk(result, self.codec).decode_into(out[a:b])
             for queue in queues.values():
                 queue.put_nowait(None)
@@ -858,7 +876,7 @@ class CrossSiteAllReduce:
                 received += (b - a) * 4
             for j, s in others:
                 lo, hi = bounds[j]
-                out[lo:hi] = await self._wait_for(round, n + j, s, results[s], deadline)
+                await self._wait_for(round, n + j, s, results[s], deadline)
                 received += (hi - lo) * 4
             phases["results"] = loop.time() - started
         except BaseException:
