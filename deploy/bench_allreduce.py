@@ -25,6 +25,7 @@ from isthmus.deploy.gloo_baseline import time_on_hosts
 from isthmus.deploy.jobfile import free_ports
 from isthmus.sim.control import ControlClient
 from isthmus.sim.cost import LinkCost, predict
+from isthmus.sim.hosts import TCP_BUFFER_MAX
 from isthmus.sim.link import DirectionParams
 
 ISTHMUS = [sys.executable, "-m", "isthmus"]
@@ -59,6 +60,7 @@ def run_sites(
     size_mib: float = 0.0,
     repeats: int = 0,
     announce: str | None = None,
+    tcp_rmem_max: int | None = None,
 ) -> SiteRun:
     """Start ``isthmus wan up`` for ``sites`` sites joined by ``link`` (the job file's
     link mapping, e.g. ``{rtt_ms: 50, corrupt: 1e-6}``), one all-reduce worker per
@@ -83,6 +85,8 @@ def run_sites(
         job.write_text("\n".join(lines) + "\n")
         state = tmpdir / "state.json"
         backend = ["--hosts"] if hosts else ["--stats-every", "0"]
+        if tcp_rmem_max is not None:
+            backend += ["--tcp-rmem-max", str(tcp_rmem_max)]
         with wan_up(job, state, *backend):
             control = json.loads(state.read_text())["control"]
             host, port = control.rsplit(":", 1)
@@ -139,13 +143,15 @@ def run_allreduce_bench(
     vs_gloo: bool = False,
     idle_s: float = 0.0,
     queue_ms: float | None = None,
+    tcp_rmem_max: int | None = None,
     verbose: bool = True,
 ) -> dict[str, Any]:
     """With ``hosts`` every site runs in its own emulated host (packet backend, real
     TCP); ``vs_gloo`` then also times Gloo's all-reduce across the same hosts.
     ``idle_s``: every site pauses this long between rounds (as compute would), so
     the rounds meet links that went quiet. ``queue_ms``: each link's bottleneck
-    queue (``None``: the link model's default)."""
+    queue (``None``: the link model's default). ``tcp_rmem_max``: the hosts' largest
+    TCP receive buffer (``None``: the hosts' default, 32 MiB)."""
     queue = "" if queue_ms is None else f", queue_ms: {queue_ms}"
     run = run_sites(
         sites,
@@ -170,6 +176,7 @@ def run_allreduce_bench(
         vs_gloo=vs_gloo,
         size_mib=size_mib,
         repeats=repeats,
+        tcp_rmem_max=tcp_rmem_max,
         announce=(
             f"bench allreduce: {sites} sites, {size_mib:g} MiB, codec {codec}, "
             f"{rtt_ms:g} ms, {bandwidth_mbit:g} Mbit/s; {repeats} rounds after a warm-up"
@@ -190,6 +197,7 @@ def run_allreduce_bench(
     wire_bytes = sum(d["bytes"] for d in directions)
     extra: dict[str, Any] = {"backend": "hosts" if hosts else "proxy"}
     if hosts:  # real TCP: what the bottleneck queues dropped, and TCP sent again
+        extra["tcp_rmem_max"] = tcp_rmem_max if tcp_rmem_max is not None else TCP_BUFFER_MAX
         extra["queue_drop_segments"] = sum(d.get("queue_drops", 0) for d in directions)
         extra["wire_segments"] = sum(d.get("segments", 0) for d in directions)
     # Where a round's time goes: the slowest site's milestone, median over rounds.

@@ -49,6 +49,13 @@ def register(commands: Any) -> None:
         help="each link's bottleneck queue in milliseconds of its rate (default: the "
         "emulator's 25 ms); a queue of one RTT holds a bandwidth-delay product",
     )
+    allreduce.add_argument(
+        "--tcp-rmem-max",
+        type=int,
+        metavar="BYTES",
+        help="with --hosts: the hosts' largest TCP receive buffer (default 32 MiB); about "
+        "2x the links' bandwidth-delay product keeps TCP from overrunning their queues",
+    )
     allreduce.add_argument("--repeats", type=int, default=3)
     allreduce.add_argument(
         "--idle-s",
@@ -112,6 +119,15 @@ def _allreduce(args: argparse.Namespace) -> int:
     except CodecError as exc:
         raise UsageError(f"--codec: {exc}") from None
     hosts = args.hosts or args.vs_gloo
+    if args.tcp_rmem_max is not None:
+        from isthmus.sim.hosts import MIN_TCP_RMEM_MAX
+
+        if not hosts:
+            raise UsageError("--tcp-rmem-max: sets the emulated hosts' TCP; add --hosts")
+        if args.tcp_rmem_max < MIN_TCP_RMEM_MAX:
+            raise UsageError(
+                f"--tcp-rmem-max: must be >= {MIN_TCP_RMEM_MAX} bytes, got {args.tcp_rmem_max}"
+            )
     if hosts:
         from isthmus.sim.hosts import HostsUnavailable, check_support
 
@@ -131,6 +147,7 @@ def _allreduce(args: argparse.Namespace) -> int:
         vs_gloo=args.vs_gloo,
         idle_s=args.idle_s,
         queue_ms=args.queue_ms,
+        tcp_rmem_max=args.tcp_rmem_max,
         verbose=not args.json,
     )
     print(json.dumps(results, indent=2) if args.json else format_allreduce_report(results))

@@ -80,6 +80,13 @@ def register(commands: Any) -> None:
         help="packet level: every site a separate host (network namespace) behind "
         "an emulating router; needs root",
     )
+    up.add_argument(
+        "--tcp-rmem-max",
+        type=int,
+        metavar="BYTES",
+        help="with --hosts: the hosts' largest TCP receive buffer (default 32 MiB); about "
+        "2x a link's bandwidth-delay product keeps TCP from overrunning a shallow queue",
+    )
     up.add_argument("--host", default="127.0.0.1", help="address the link listeners bind")
     up.add_argument(
         "--stats-every",
@@ -261,10 +268,20 @@ def _up(args: argparse.Namespace) -> int:
     if args.stats_every < 0:
         raise UsageError(f"--stats-every: must be >= 0 seconds, got {args.stats_every}")
     end_with_parent()  # started by `isthmus run`: stop when it is gone
+    if args.tcp_rmem_max is not None:
+        from isthmus.sim.hosts import MIN_TCP_RMEM_MAX
+
+        if not args.hosts:
+            raise UsageError("--tcp-rmem-max: sets the emulated hosts' TCP; add --hosts")
+        if args.tcp_rmem_max < MIN_TCP_RMEM_MAX:
+            raise UsageError(
+                f"--tcp-rmem-max: must be >= {MIN_TCP_RMEM_MAX} bytes, got {args.tcp_rmem_max}"
+            )
     if args.hosts:
         from isthmus.deploy.wan_hosts import serve_hosts
 
-        return serve_hosts(job, state_path, write_json_atomic)
+        extra = {} if args.tcp_rmem_max is None else {"tcp_rmem_max": args.tcp_rmem_max}
+        return serve_hosts(job, state_path, write_json_atomic, **extra)
     keep_freed_memory()  # the proxy's reads are buffers of 256 KiB: reuse them
     return asyncio.run(_serve_topology(job, state_path, args.host, args.stats_every))
 

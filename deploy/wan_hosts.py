@@ -22,19 +22,27 @@ from isthmus.deploy.cli import UsageError
 from isthmus.deploy.jobfile import Job
 from isthmus.sim.control import ControlServer
 from isthmus.sim.faults import run_fault
-from isthmus.sim.hosts import Hosts, HostsUnavailable, check_support, netns_name
+from isthmus.sim.hosts import (
+    TCP_BUFFER_MAX,
+    Hosts,
+    HostsUnavailable,
+    check_support,
+    netns_name,
+)
 from isthmus.sim.router import Router
 
 DEFAULT_PORT = 7100
 """Where rank 0 of a site listens on its host when the job file gives no address."""
 
 
-def serve_hosts(job: Job, state_path: Path, write_state: Any) -> int:
+def serve_hosts(
+    job: Job, state_path: Path, write_state: Any, *, tcp_rmem_max: int = TCP_BUFFER_MAX
+) -> int:
     try:
         check_support()
     except HostsUnavailable as exc:
         raise UsageError(str(exc)) from None
-    hosts = Hosts(job.name, [s.name for s in job.sites])
+    hosts = Hosts(job.name, [s.name for s in job.sites], tcp_rmem_max=tcp_rmem_max)
     try:
         made = hosts.create()
     except RuntimeError as exc:

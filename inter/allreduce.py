@@ -482,15 +482,20 @@ class CrossSiteAllReduce:
         site: str,
         chunks: Iterable[wire_pb2.Chunk] | AsyncIterator[wire_pb2.Chunk],
         round: int,
+        *,
+        handed_over: asyncio.Event | None = None,
     ) -> None:
         """Deliver ``chunks`` to ``site``: a chunk refused as corrupted, or lost with a
-        broken stream, is sent again (:mod:`isthmus.inter.outbox`)."""
+        broken stream, is sent again (:mod:`isthmus.inter.outbox`). ``handed_over`` is
+        set once gRPC has taken the last chunk (or the first stream gave up)."""
+
+        def wrap(stream: AsyncIterator[wire_pb2.Chunk]) -> AsyncIterator[wire_pb2.Chunk]:
+            counted = self._on_the_wire(site, stream)
+            return counted if handed_over is None else _then_set(counted, handed_over)
+
         try:
             delivery = await send_reliably(
-                self.clients[site],
-                chunks,
-                deadline_s=self.deadline_s,
-                wrap=functools.partial(self._on_the_wire, site),
+                self.clients[site], chunks, deadline_s=self.deadline_s, wrap=wrap
             )
         except SendFailed as exc:
             raise RoundError(
@@ -781,6 +786,12 @@ class CrossSiteAllReduce:
         # Reduce-scatter: slice j streams to its owner sites[j], chunk by chunk,
         # while the contributions to this site's slice are decoded as they arrive.
         contributions = {s: self._expect(round, mine, s, b - a) for _, s in others}
+        # On every link the contributions go first, the results after: they share
+        # one connection, and a result queued ahead of a contribution would hold
+        # back the owner who needs that contribution for its own results, leaving
+        # its links idle near the end of the round. The link's total bytes are
+        # the same in either order.
+        handed_over = {s: asyncio.Event() for _, s in others}
         phase1 = [
             asyncio.ensure_future(
                 self._send(
@@ -793,6 +804,7 @@ class CrossSiteAllReduce:
                         lost=None if lost is None else lost[lo:hi],
                     ),
                     round,
+                    handed_over=handed_over[s],
                 )
             )
             for j, s in others
@@ -810,7 +822,10 @@ class CrossSiteAllReduce:
         queues: dict[str, asyncio.Queue[wire_pb2.Chunk | None]] = {
             s: asyncio.Queue() for _, s in others
         }
-        phase2 = [asyncio.ensure_future(self._send(s, _drain(queues[s]), round)) for _, s in others]
+        phase2 = [
+            asyncio.ensure_future(self._send(s, _drain(queues[s], after=handed_over[s]), round))
+            for _, s in others
+        ]
         try:
             # Reduce chunk by chunk: as soon as every site's chunk k of this slice is
             # here, chunk k of the result is reduced, encoded once and on its way to
@@ -904,10 +919,26 @@ def _codec_loss(
     torch.sub(values[span], codec.decode(encoded), out=lost[span])
 
 
-async def _drain(queue: asyncio.Queue[wire_pb2.Chunk | None]) -> AsyncIterator[wire_pb2.Chunk]:
-    """The chunks put on ``queue`` until None: one peer's all-gather stream."""
+async def _drain(
+    queue: asyncio.Queue[wire_pb2.Chunk | None], *, after: asyncio.Event
+) -> AsyncIterator[wire_pb2.Chunk]:
+    """The chunks put on ``queue`` until None, once ``after`` is set: one peer's
+    all-gather stream, behind its reduce-scatter stream."""
+    await after.wait()
     while (chunk := await queue.get()) is not None:
         yield chunk
+
+
+async def _then_set(
+    chunks: AsyncIterator[wire_pb2.Chunk], done: asyncio.Event
+) -> AsyncIterator[wire_pb2.Chunk]:
+    """``chunks``, then ``done`` set once the last was taken (or the stream ended early:
+    what is left waits for a new stream, and holding others back for it helps no one)."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        done.set()
 
 
 def _own_chunk(chunk: wire_pb2.Chunk, codec: Codec) -> ReceivedChunk:

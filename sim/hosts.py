@@ -42,6 +42,10 @@ NETNS_DIR = Path("/run/netns")
 DEFAULT_SUBNET = "10.213.0.0/16"
 # An owner file beside each namespace says which router made it.
 OWNER_DIR = Path("/run/isthmus")
+TCP_BUFFER_MAX = 32 * 2**20
+"""The hosts' TCP buffer limits by default: 1 Gbit/s x 250 ms, a long link at full rate."""
+MIN_TCP_RMEM_MAX = 64 * 1024
+"""A smaller receive buffer would hold back even a LAN."""
 
 
 class HostsUnavailable(RuntimeError):
@@ -109,9 +113,23 @@ def _open_tun(name: str) -> int:
 class Hosts:
     """Creates the hosts of a job's sites; :meth:`remove` undoes everything it made."""
 
-    def __init__(self, job: str, sites: list[str], *, subnet: str = DEFAULT_SUBNET) -> None:
+    def __init__(
+        self,
+        job: str,
+        sites: list[str],
+        *,
+        subnet: str = DEFAULT_SUBNET,
+        tcp_rmem_max: int = TCP_BUFFER_MAX,
+    ) -> None:
+        """``tcp_rmem_max``: the hosts' largest TCP receive buffer, which caps how much a
+        sender may have in flight to them (see :func:`tune_namespace`)."""
+        if tcp_rmem_max < MIN_TCP_RMEM_MAX:
+            raise ValueError(
+                f"tcp_rmem_max must be >= {MIN_TCP_RMEM_MAX} bytes, got {tcp_rmem_max}"
+            )
         self.job = job
         self.sites = list(sites)
+        self.tcp_rmem_max = tcp_rmem_max
         network = ipaddress.ip_network(subnet)
         if network.num_addresses < len(sites) + 2:
             raise ValueError(f"subnet {subnet} is too small for {len(sites)} hosts")
@@ -146,7 +164,7 @@ class Hosts:
         except BaseException:
             os.close(fd)
             raise
-        tune_namespace(netns)
+        tune_namespace(netns, tcp_rmem_max=self.tcp_rmem_max)
         return Host(site=site, netns=netns, device=device, address=address, fd=fd)
 
     def remove(self) -> None:
@@ -159,13 +177,18 @@ class Hosts:
         self.hosts.clear()
 
 
-def tune_namespace(netns: str) -> None:
+def tune_namespace(netns: str, *, tcp_rmem_max: int = TCP_BUFFER_MAX) -> None:
     """Settings that are per namespace: TCP buffer autotuning limits large enough for
     long fat links (32 MiB, about 1 Gbit/s x 250 ms). net.core.rmem_max and wmem_max
-    are global: raise them in the root namespace for explicit SO_RCVBUF/SO_SNDBUF."""
+    are global: raise them in the root namespace for explicit SO_RCVBUF/SO_SNDBUF.
+
+    ``tcp_rmem_max`` below that caps the window a host advertises, so a sender never
+    has more in flight to it than about that many bytes: sized to twice a link's
+    bandwidth-delay product, a queue shallower than one BDP no longer overflows
+    (BBR otherwise keeps up to 2 BDP in flight; README, "real TCP")."""
     for key, value in (
-        ("net.ipv4.tcp_rmem", "4096 131072 33554432"),
-        ("net.ipv4.tcp_wmem", "4096 16384 33554432"),
+        ("net.ipv4.tcp_rmem", f"4096 131072 {tcp_rmem_max}"),
+        ("net.ipv4.tcp_wmem", f"4096 16384 {TCP_BUFFER_MAX}"),
         ("net.ipv4.tcp_no_metrics_save", "1"),
         # Hosts talk IPv4 only; IPv6 would only add neighbour discovery noise.
         ("net.ipv6.conf.all.disable_ipv6", "1"),

@@ -111,6 +111,14 @@ def test_every_command_has_help(command):
         (("bench", "allreduce", "--codec", "int3"), "--codec: unknown codec 'int3'"),
         (("bench", "allreduce", "--idle-s", "-1"), "--idle-s: must be in [0, 3600]"),
         (("bench", "allreduce", "--queue-ms", "-5"), "--queue-ms: must be >= 0, got -5"),
+        (
+            ("bench", "allreduce", "--tcp-rmem-max", "2500000"),
+            "--tcp-rmem-max: sets the emulated hosts' TCP; add --hosts",
+        ),
+        (
+            ("bench", "allreduce", "--hosts", "--tcp-rmem-max", "1000"),
+            "--tcp-rmem-max: must be >= 65536 bytes, got 1000",
+        ),
         (("bench", "codec", "--size-mib", "0"), "--size-mib: must be > 0"),
     ],
 )

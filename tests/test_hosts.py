@@ -72,14 +72,14 @@ TOOL = textwrap.dedent(
 class Hosts:
     """``isthmus wan up --hosts`` of a job, and commands run inside its hosts."""
 
-    def __init__(self, tmp: Path, job_text: str) -> None:
+    def __init__(self, tmp: Path, job_text: str, *flags: str) -> None:
         self.job = tmp / "job.yaml"
         self.job.write_text(job_text)
         self.state = tmp / "state.json"
         self.tool = tmp / "tool.py"
         self.tool.write_text(TOOL)
         self.proc = subprocess.Popen(
-            [*ISTHMUS, "wan", "up", str(self.job), "--hosts", "--state", str(self.state)],
+            [*ISTHMUS, "wan", "up", str(self.job), "--hosts", "--state", str(self.state), *flags],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -182,6 +182,44 @@ def test_hosts_reach_each_other_only_through_the_links(tmp_path):
         out = hosts.stop()
     assert "link a<->b (up):" in out
     assert not {n for n in _namespaces() if n.startswith("isthmus-reach-")}
+
+
+def test_hosts_tcp_receive_buffer_is_set_by_the_flag(tmp_path):
+    default = Hosts(tmp_path, THREE.format(name="rmem"))
+    try:
+        assert default.run("a", "sysctl", "-n", "net.ipv4.tcp_rmem").stdout.split() == [
+            "4096",
+            "131072",
+            str(32 * 2**20),
+        ]
+    finally:
+        default.stop()
+    capped = Hosts(tmp_path, THREE.format(name="rmem"), "--tcp-rmem-max", "2500000")
+    try:
+        for site in "abc":
+            rmem = capped.run(site, "sysctl", "-n", "net.ipv4.tcp_rmem").stdout.split()
+            assert rmem == ["4096", "131072", "2500000"]
+        # Sending buffers keep their limit: the cap is on what a host lets arrive.
+        wmem = capped.run("a", "sysctl", "-n", "net.ipv4.tcp_wmem").stdout.split()
+        assert wmem[2] == str(32 * 2**20)
+    finally:
+        capped.stop()
+
+
+def test_tcp_receive_buffer_flag_is_checked(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text(THREE.format(name="rmemflag"))
+    for flags, expected in (
+        ((), "--tcp-rmem-max: sets the emulated hosts' TCP; add --hosts"),
+        (("--hosts",), "--tcp-rmem-max: must be >= 65536 bytes, got 1000"),
+    ):
+        result = subprocess.run(
+            [*ISTHMUS, "wan", "up", str(job), *flags, "--tcp-rmem-max", "1000"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert result.returncode == 2 and expected in result.stderr, result.stderr
 
 
 @pytest.mark.slow
