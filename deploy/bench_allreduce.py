@@ -11,6 +11,7 @@ the emulator's wire bytes, and the largest error against a float64 reference.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -97,6 +98,10 @@ def run_sites(
             def inside(site: str) -> list[str]:
                 return [*ISTHMUS, "wan", "exec", str(job), site, "--"] if hosts else []
 
+            # Each site gets its share of the cores, as `isthmus run` gives its ranks:
+            # more torch threads than that only spin against each other.
+            threads = max(1, (os.cpu_count() or 1) // sites)
+            env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
             workers = [
                 subprocess.Popen(
                     [
@@ -111,7 +116,8 @@ def run_sites(
                         *worker_flags,
                         "--out",
                         str(tmpdir / f"{name}.json"),
-                    ]
+                    ],
+                    env=env,
                 )
                 for name in names
             ]

@@ -12,11 +12,10 @@ links stand idle.
 
 :func:`keep_freed_memory` raises the mmap threshold to glibc's largest (32 MiB,
 above the largest chunk message) and stops the heap from being trimmed, so
-freed buffers are reused from the heap. The process keeps its peak heap
-instead of returning it; the peak itself does not grow. Measured with
-``isthmus bench allreduce --sites 2 --size-mib 64 --rtt-ms 20 --bandwidth-mbit
-1000`` (README, "The all-reduce"). Set ``ISTHMUS_KEEP_FREED_MEMORY=0`` to leave
-malloc as it is.
+freed buffers are reused from the heap: half the CPU of a chunk's way through
+a site (``benchmarks/chunk_path.py``). The process keeps its peak heap instead
+of returning it; the peak itself does not grow. Set
+``ISTHMUS_KEEP_FREED_MEMORY=0`` to leave malloc as it is.
 """
 
 from __future__ import annotations
