@@ -2,7 +2,8 @@
 
 It listens where the emulator's state file says its rank listens, dials its
 peers through the emulated links, runs ``--repeats`` all-reduces of a
-deterministic tensor and writes, as JSON, the seconds of each round, the
+deterministic tensor, each after a barrier (a one-value round), and writes, as
+JSON, the seconds of each round, the
 data-plane bytes it sent, its error against a float64 reference and a digest of
 its result (identical on every site, or the engine is wrong), the digest of
 every round (the same tensor each time, so the same digest: a corrupted chunk
@@ -65,10 +66,20 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         weights = {s: 1.0 for s in names}
         seconds, sent, digests, phases = [], [], [], []
         out = tensor
+        barrier = torch.zeros(1)
         for round in range(args.repeats + 1):  # round 0 warms up connections and windows
+            # Every site starts the round together, as the bound assumes (and as
+            # Gloo's baseline is timed, after dist.barrier()): a one-value round
+            # first. Otherwise a site that finished the last round early would
+            # start this one early, and wait, or send, while the others finish.
+            await engine.allreduce(barrier, round=2 * round, participants=names, weights=weights)
             start = time.perf_counter()
             out = await engine.allreduce(
-                tensor, round=round, participants=names, weights=weights, algorithm=args.algorithm
+                tensor,
+                round=2 * round + 1,
+                participants=names,
+                weights=weights,
+                algorithm=args.algorithm,
             )
             if round:
                 seconds.append(time.perf_counter() - start)

@@ -6,6 +6,9 @@ as the collective engine issue asks: the median seconds of a round, the best
 alpha-beta bound of any algorithm on the topology, efficiency = bound /
 measured, the data-plane bytes against the algorithm's theoretical volume,
 the emulator's wire bytes, and the largest error against a float64 reference.
+A round's time is the slowest site's, each site timing from the end of a
+barrier before the round (the bound assumes the sites start together; Gloo's
+baseline is timed the same way).
 """
 
 from __future__ import annotations
