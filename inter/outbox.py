@@ -80,7 +80,8 @@ class _Outbox:
         self.hopeless = False
         """A chunk was refused MAX_REFUSALS times."""
         self.last_progress = 0.0
-        """Loop time of the last acknowledgement (or of the stream's start)."""
+        """Loop time of the last acknowledgement, of the stream's start, or of the
+        moment chunks went out again after none were (whichever is latest)."""
 
     async def stream(self) -> AsyncIterator[wire_pb2.Chunk]:
         """The chunks not yet acknowledged, then the rest of the source."""
@@ -91,6 +92,11 @@ class _Outbox:
             chunk = await self._next()
             if chunk is None:
                 return
+            if not self.unacked:
+                # Nothing was out: the stall clock starts now, not when the stream
+                # opened. A stream may wait long for its first chunk (the results
+                # stream waits for the contributions), and that wait is no stall.
+                self.last_progress = asyncio.get_running_loop().time()
             self.unacked[_key(chunk)] = chunk
             yield chunk
 

@@ -170,6 +170,32 @@ def test_an_all_reduce_survives_bytes_flipped_on_the_wire():
 
 
 @pytest.mark.slow
+def test_a_stream_that_waits_for_its_first_chunk_is_not_taken_for_stalled():
+    """The results stream opens with the round and waits for the contributions;
+    its first chunk leaving after more than stall_s is no stall: the stream is
+    neither cancelled nor redialled (which would break the others on the channel)."""
+    from isthmus.inter.outbox import send_reliably
+
+    settings = TransportSettings(max_chunk_bytes=1024, stall_s=0.5)
+
+    async def late_chunks():
+        await asyncio.sleep(1.5)  # three stall periods before anything goes out
+        for chunk in encode_chunks(
+            parse_codec("none"), torch.randn(2000), round=0, shard=0, max_chunk_bytes=1024
+        ):
+            yield chunk
+
+    async def main():
+        # 300 ms round trips: the first acknowledgement comes back after the stall
+        # check has looked at the chunks out (it looks every stall_s / 4).
+        params = LinkParams.symmetric(rtt_ms=300)
+        async with _through_the_emulator(["a", "b"], params, settings=settings) as (members, _):
+            return await send_reliably(members["a"].clients["b"], late_chunks(), deadline_s=20)
+
+    delivery = asyncio.run(main())
+    assert delivery.broken_streams == 0 and delivery.resent_chunks == 0
+
+
 def test_a_connection_reset_mid_transfer_resumes_from_the_last_acknowledged_chunk():
     """The emulator tears every connection of the link down (RST) while the round's
     chunks are on the way, and refuses new ones for a while: the senders redial
