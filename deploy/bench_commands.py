@@ -120,14 +120,9 @@ def _allreduce(args: argparse.Namespace) -> int:
         raise UsageError(f"--codec: {exc}") from None
     hosts = args.hosts or args.vs_gloo
     if args.tcp_rmem_max is not None:
-        from isthmus.sim.hosts import MIN_TCP_RMEM_MAX
+        from isthmus.deploy.wan_hosts import check_tcp_rmem_max
 
-        if not hosts:
-            raise UsageError("--tcp-rmem-max: sets the emulated hosts' TCP; add --hosts")
-        if args.tcp_rmem_max < MIN_TCP_RMEM_MAX:
-            raise UsageError(
-                f"--tcp-rmem-max: must be >= {MIN_TCP_RMEM_MAX} bytes, got {args.tcp_rmem_max}"
-            )
+        check_tcp_rmem_max(args.tcp_rmem_max, hosts=hosts)
     if hosts:
         from isthmus.sim.hosts import HostsUnavailable, check_support
 

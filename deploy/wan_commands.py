@@ -269,14 +269,9 @@ def _up(args: argparse.Namespace) -> int:
         raise UsageError(f"--stats-every: must be >= 0 seconds, got {args.stats_every}")
     end_with_parent()  # started by `isthmus run`: stop when it is gone
     if args.tcp_rmem_max is not None:
-        from isthmus.sim.hosts import MIN_TCP_RMEM_MAX
+        from isthmus.deploy.wan_hosts import check_tcp_rmem_max
 
-        if not args.hosts:
-            raise UsageError("--tcp-rmem-max: sets the emulated hosts' TCP; add --hosts")
-        if args.tcp_rmem_max < MIN_TCP_RMEM_MAX:
-            raise UsageError(
-                f"--tcp-rmem-max: must be >= {MIN_TCP_RMEM_MAX} bytes, got {args.tcp_rmem_max}"
-            )
+        check_tcp_rmem_max(args.tcp_rmem_max, hosts=args.hosts)
     if args.hosts:
         from isthmus.deploy.wan_hosts import serve_hosts
 

@@ -23,6 +23,7 @@ from isthmus.deploy.jobfile import Job
 from isthmus.sim.control import ControlServer
 from isthmus.sim.faults import run_fault
 from isthmus.sim.hosts import (
+    MIN_TCP_RMEM_MAX,
     TCP_BUFFER_MAX,
     Hosts,
     HostsUnavailable,
@@ -33,6 +34,14 @@ from isthmus.sim.router import Router
 
 DEFAULT_PORT = 7100
 """Where rank 0 of a site listens on its host when the job file gives no address."""
+
+
+def check_tcp_rmem_max(value: int, *, hosts: bool) -> None:
+    """The ``--tcp-rmem-max`` flag of ``wan up`` and ``bench allreduce``, checked."""
+    if not hosts:
+        raise UsageError("--tcp-rmem-max: sets the emulated hosts' TCP; add --hosts")
+    if value < MIN_TCP_RMEM_MAX:
+        raise UsageError(f"--tcp-rmem-max: must be >= {MIN_TCP_RMEM_MAX} bytes, got {value}")
 
 
 def serve_hosts(
