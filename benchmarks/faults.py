@@ -12,7 +12,10 @@ processes run all-reduces of the same tensors, round after round, through
 A clean run first gives the reference result. Every round of the faulty runs
 must give a result bitwise equal to it, on every site: one applied corrupted
 chunk would change a round's digest. Runs repeat until the receivers refused
-``--chunks`` corrupted chunks between them.
+``--chunks`` corrupted chunks between them. No round may fail either (a chunk
+given up after MAX_REFUSALS refusals, a stream that never recovered): a failed
+run is reported with each site's error, and the most refusals any one chunk
+needed shows the margin left to that limit.
 
 ``partition``: an ``isthmus run`` of 3 sites (DiLoCo) whose link a-b is cut
 for ``--for-s`` seconds, packets black-holed or connections reset: the run must
@@ -46,9 +49,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy.bench_allreduce import run_sites
+from isthmus.deploy.bench_allreduce import SitesFailed, run_sites
 from isthmus.deploy.run_records import read_records
 from isthmus.deploy.site_kill import kill_after_rounds, loss_figures
+from isthmus.inter.outbox import MAX_REFUSALS
+
+MAX_FAILED_RUNS = 3
+"""Runs of ``corrupt`` that may fail before it stops: enough to see it was no fluke."""
 
 
 def _flags(args: argparse.Namespace, repeats: int, inject: float) -> list[str]:
@@ -78,19 +85,29 @@ def corrupt(args: argparse.Namespace) -> dict[str, Any]:
 
     refusals: Counter[str] = Counter()
     totals = Counter(rounds=0, applied=0, resent=0, broken=0, injected=0, flipped_bytes=0)
+    most_refusals = 0
+    failed_runs: list[dict[str, str]] = []
     started = time.monotonic()
-    while refusals["CHECKSUM_MISMATCH"] < args.chunks:
-        run = run_sites(
-            args.sites,
-            _flags(args, args.rounds_per_run, args.inject),
-            link=f"{{rtt_ms: {args.rtt_ms}, corrupt: {args.wire_corrupt}}}",
-        )
+    while refusals["CHECKSUM_MISMATCH"] < args.chunks and len(failed_runs) < MAX_FAILED_RUNS:
+        try:
+            run = run_sites(
+                args.sites,
+                _flags(args, args.rounds_per_run, args.inject),
+                link=f"{{rtt_ms: {args.rtt_ms}, corrupt: {args.wire_corrupt}}}",
+            )
+        except SitesFailed as exc:
+            # A round that fails (a chunk given up, a stream that never recovered) is
+            # no wrong result, but the faults must not stop a run either: counted.
+            failed_runs.append(exc.errors)
+            print(f"faults corrupt: a run failed: {exc}", file=sys.stderr, flush=True)
+            continue
         for result in run.results:
             refusals.update(result["refusals"])
             totals["applied"] += sum(d != expected for d in result["round_digests"])
             totals["resent"] += result["resent_chunks"]
             totals["broken"] += result["broken_streams"]
             totals["injected"] += result["corrupted_on_purpose"]
+            most_refusals = max(most_refusals, result["most_refusals"])
         totals["rounds"] += args.rounds_per_run + 1
         totals["flipped_bytes"] += sum(
             d["corrupted_bytes"] for link in run.wire["links"] for k, d in link.items() if "->" in k
@@ -98,7 +115,7 @@ def corrupt(args: argparse.Namespace) -> dict[str, Any]:
         print(
             f"faults corrupt: {totals['rounds']} rounds, "
             f"{refusals['CHECKSUM_MISMATCH']:,} corrupted chunks refused, "
-            f"{totals['applied']} rounds with a wrong result",
+            f"{totals['applied']} rounds with a wrong result, {len(failed_runs)} runs failed",
             file=sys.stderr,
             flush=True,
         )
@@ -118,6 +135,10 @@ def corrupt(args: argparse.Namespace) -> dict[str, Any]:
         "chunks_resent": totals["resent"],
         "streams_broken_or_stalled": totals["broken"],
         "rounds_with_a_wrong_result": totals["applied"],
+        "most_refusals_of_one_chunk": most_refusals,
+        "refusals_before_a_chunk_is_given_up": MAX_REFUSALS,
+        "runs": len(failed_runs) + totals["rounds"] // (args.rounds_per_run + 1),
+        "failed_runs": failed_runs,
         "seconds": round(time.monotonic() - started, 1),
     }
 
@@ -295,7 +316,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.fault == "corrupt":
         figures = corrupt(args)
-        ok = figures["rounds_with_a_wrong_result"] == 0
+        ok = figures["rounds_with_a_wrong_result"] == 0 and not figures["failed_runs"]
     elif args.fault == "kill":
         figures = kill(args)
         ok = figures["every_run_finished_with_the_same_model"]

@@ -17,13 +17,14 @@ import argparse
 import asyncio
 import hashlib
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from isthmus.deploy.addressing import load_state
-from isthmus.inter.allreduce import CrossSiteAllReduce
+from isthmus.inter.allreduce import CrossSiteAllReduce, RoundError
 from isthmus.inter.codecs import parse_codec
 from isthmus.inter.peer import Identity
 from isthmus.inter.transport import TransportSettings
@@ -106,6 +107,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "refusals": dict(engine.server.servicer.refusals),
         "resent_chunks": engine.resent_chunks,
         "broken_streams": engine.broken_streams,
+        "most_refusals": engine.most_refusals,
         "corrupted_on_purpose": engine.corrupted_on_purpose,
     }
 
@@ -142,7 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    result = asyncio.run(run(args))
+    try:
+        result = asyncio.run(run(args))
+    except RoundError as exc:
+        # Said once, plainly, and kept for the launcher to report (bench_allreduce).
+        Path(args.out).write_text(json.dumps({"error": str(exc)}))
+        print(f"allreduce_worker: site {args.site}: {exc}", file=sys.stderr)
+        return 1
     Path(args.out).write_text(json.dumps(result))
     return 0
 

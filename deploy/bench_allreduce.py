@@ -42,6 +42,14 @@ def bounds(*, sites: int, nbytes: float, rtt_ms: float, bandwidth_mbit: float) -
     return predict(nbytes, names, lambda a, b: cost)
 
 
+class SitesFailed(RuntimeError):
+    """Site processes of a run exited with an error; ``errors``: each one's, by site."""
+
+    def __init__(self, errors: dict[str, str]) -> None:
+        self.errors = errors
+        super().__init__("; ".join(f"{site}: {error}" for site, error in errors.items()))
+
+
 @dataclass
 class SiteRun:
     """What the site processes of one emulated all-reduce run reported."""
@@ -124,9 +132,14 @@ def run_sites(
                 )
                 for name in names
             ]
-            failed = [w.args for w in workers if w.wait(timeout=1800) != 0]
-            if failed:
-                raise RuntimeError(f"a site process failed: {failed[0]}")
+            codes = [w.wait(timeout=1800) for w in workers]
+            errors = {
+                name: _site_error(tmpdir / f"{name}.json", code)
+                for name, code in zip(names, codes, strict=True)
+                if code != 0
+            }
+            if errors:
+                raise SitesFailed(errors)
             seconds = time.monotonic() - started
             wire = ControlClient((host, int(port))).stats()
             if vs_gloo:
@@ -137,6 +150,14 @@ def run_sites(
                 gloo = {"median_s": statistics.median(data["seconds"]), "correct": data["ok"]}
         results = [json.loads((tmpdir / f"{n}.json").read_text()) for n in names]
     return SiteRun(results, wire, seconds, gloo)
+
+
+def _site_error(report: Path, code: int) -> str:
+    """What a failed site process said of its failure (its report), or its exit code."""
+    try:
+        return str(json.loads(report.read_text())["error"])
+    except (OSError, ValueError, KeyError):
+        return f"exited with code {code} (its log is above)"
 
 
 def run_allreduce_bench(

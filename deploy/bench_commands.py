@@ -98,7 +98,11 @@ def register(commands: Any) -> None:
 
 
 def _allreduce(args: argparse.Namespace) -> int:
-    from isthmus.deploy.bench_allreduce import format_allreduce_report, run_allreduce_bench
+    from isthmus.deploy.bench_allreduce import (
+        SitesFailed,
+        format_allreduce_report,
+        run_allreduce_bench,
+    )
     from isthmus.inter.codecs import CodecError, parse_codec
 
     if not 2 <= args.sites <= 8:
@@ -130,21 +134,25 @@ def _allreduce(args: argparse.Namespace) -> int:
             check_support()
         except HostsUnavailable as exc:
             raise UsageError(f"--hosts: {exc}") from None
-    results = run_allreduce_bench(
-        sites=args.sites,
-        size_mib=args.size_mib,
-        rtt_ms=args.rtt_ms,
-        bandwidth_mbit=args.bandwidth_mbit,
-        codec=args.codec,
-        repeats=args.repeats,
-        algorithm=args.algorithm,
-        hosts=hosts,
-        vs_gloo=args.vs_gloo,
-        idle_s=args.idle_s,
-        queue_ms=args.queue_ms,
-        tcp_rmem_max=args.tcp_rmem_max,
-        verbose=not args.json,
-    )
+    try:
+        results = run_allreduce_bench(
+            sites=args.sites,
+            size_mib=args.size_mib,
+            rtt_ms=args.rtt_ms,
+            bandwidth_mbit=args.bandwidth_mbit,
+            codec=args.codec,
+            repeats=args.repeats,
+            algorithm=args.algorithm,
+            hosts=hosts,
+            vs_gloo=args.vs_gloo,
+            idle_s=args.idle_s,
+            queue_ms=args.queue_ms,
+            tcp_rmem_max=args.tcp_rmem_max,
+            verbose=not args.json,
+        )
+    except SitesFailed as exc:
+        print(f"{args.prog}: a round failed: {exc}", file=sys.stderr)
+        return 1
     print(json.dumps(results, indent=2) if args.json else format_allreduce_report(results))
     return 0
 

@@ -30,8 +30,9 @@ import functools
 import logging
 import math
 import random
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -251,6 +252,8 @@ class CrossSiteAllReduce:
         self.resent_chunks = 0
         """Chunks sent again: refused as corrupted, or unanswered when a stream broke."""
         self.broken_streams = 0
+        self.most_refusals = 0
+        """The most times one chunk was refused before it passed (see MAX_REFUSALS)."""
         self.corrupt_payloads = corrupt_payloads
         self.corrupted_on_purpose = 0
         self._faults = random.Random(f"{identity.site}/{identity.rank}/{lane}")
@@ -403,7 +406,7 @@ class CrossSiteAllReduce:
         try:
             await asyncio.wait_for(incoming.done.wait(), max(0.0, remaining))
         except TimeoutError:
-            raise self._late(round, site) from None
+            raise self._late(round, site, incoming) from None
         finally:
             self._incoming.pop((round, shard, site), None)
         if incoming.error is not None:
@@ -411,11 +414,14 @@ class CrossSiteAllReduce:
         assert incoming.buffer is not None
         return incoming.buffer
 
-    def _late(self, round: int, site: str) -> RoundError:
+    def _late(self, round: int, site: str, incoming: _Incoming) -> RoundError:
+        # How far it got tells a dead peer (nothing) from a stuck chunk (all but one).
+        of = "?" if incoming.count is None else incoming.count
         return RoundError(
             site,
             f"round {round}: site {site!r} ({self.peers.get(site)}) did not deliver within "
-            f"{self.deadline_s:g} s; it is down, partitioned or slow",
+            f"{self.deadline_s:g} s ({len(incoming.seen)} of {of} chunks came); it is down, "
+            "partitioned or slow",
         )
 
     async def _wait_chunk(
@@ -431,7 +437,7 @@ class CrossSiteAllReduce:
             try:
                 await asyncio.wait_for(incoming.progress.wait(), max(0.0, remaining))
             except TimeoutError:
-                raise self._late(round, site) from None
+                raise self._late(round, site, incoming) from None
         if incoming.error is not None:
             raise incoming.error
 
@@ -503,6 +509,7 @@ class CrossSiteAllReduce:
             ) from None
         self.resent_chunks += delivery.resent_chunks
         self.broken_streams += delivery.broken_streams
+        self.most_refusals = max(self.most_refusals, delivery.most_refusals)
 
     async def _on_the_wire(
         self, site: str, chunks: AsyncIterator[wire_pb2.Chunk]
@@ -627,12 +634,17 @@ class CrossSiteAllReduce:
             asyncio.ensure_future(reduce_owned()),
             asyncio.ensure_future(self._send(succ, all_gather(), round)),
         ]
-        try:
+
+        async def collect() -> None:
             for t in range(n - 1):
                 segment = (i - t) % n
                 lo, hi = seg(segment)
                 out[lo:hi] = await self._wait_for(round, n + segment, pred, ag_in[t], deadline)
             await tasks[1]  # this site's own segment, reduced and decoded into ``out``
+
+        try:
+            # Every segment travels the whole ring: a send that fails dooms the round.
+            await _unless_a_send_fails(collect(), [tasks[0], tasks[2]])
             for t in range(n - 1):
                 self._incoming.pop((round, (i - t - 1) % n, pred), None)
         except BaseException:
@@ -772,7 +784,6 @@ class CrossSiteAllReduce:
         a, b = bounds[mine]
         others = [(j, s) for j, s in enumerate(sites) if s != me]
         sent: list[int] = []
-        received = 0
         # Error feedback: send this round's values plus what the codec lost last
         # time; a site left out (weight 0) sent nothing that counts, so its
         # residual waits for the next round it counts in.
@@ -826,7 +837,9 @@ class CrossSiteAllReduce:
             asyncio.ensure_future(self._send(s, _drain(queues[s], after=handed_over[s]), round))
             for _, s in others
         ]
-        try:
+        phases: dict[str, float] = {}
+
+        async def reduce_and_collect() -> None:
             # Reduce chunk by chunk: as soon as every site's chunk k of this slice is
             # here, chunk k of the result is reduced, encoded once and on its way to
             # every site (and decoded here from the same bytes), while later chunks
@@ -885,15 +898,15 @@ class CrossSiteAllReduce:
                     _own_chunk(result, self.codec).decode_into(out[a:b])
             for queue in queues.values():
                 queue.put_nowait(None)
-            phases = {"contributions": loop.time() - started}
+            phases["contributions"] = loop.time() - started
             for _, s in others:
                 self._incoming.pop((round, mine, s), None)
-                received += (b - a) * 4
             for j, s in others:
-                lo, hi = bounds[j]
                 await self._wait_for(round, n + j, s, results[s], deadline)
-                received += (hi - lo) * 4
             phases["results"] = loop.time() - started
+
+        try:
+            await _unless_a_send_fails(reduce_and_collect(), phase1)
         except BaseException:
             for task in (*phase1, *phase2):
                 task.cancel()
@@ -906,6 +919,8 @@ class CrossSiteAllReduce:
         )
         if lost is not None:
             self._residuals[feedback] = lost  # type: ignore[index]
+        # This site's slice from every other site, and every other slice's result.
+        received = sum((b - a + hi - lo) * 4 for j, _ in others for lo, hi in [bounds[j]])
         self.last = RoundStats(sum(sent), received, loop.time() - started, phases)
         return out.view_as(tensor)
 
@@ -917,6 +932,31 @@ def _codec_loss(
     encoded = to_encoded(chunk, chunk.payload)
     span = slice(chunk.offset, chunk.offset + encoded.count)
     torch.sub(values[span], codec.decode(encoded), out=lost[span])
+
+
+async def _unless_a_send_fails(
+    work: Coroutine[Any, Any, None], sends: Sequence[asyncio.Future[None]]
+) -> None:
+    """Run ``work``, unless one of ``sends`` fails first: then cancel it and raise that
+    failure. A chunk this round's result depends on that cannot be delivered (its
+    peer refused it again and again, or stayed away past the deadline) dooms the
+    round; saying so now, naming the link, beats waiting out the deadline for
+    results that cannot come and blaming the peer that waited for this site."""
+    task = asyncio.ensure_future(work)
+    watching: set[asyncio.Future[None]] = {task, *sends}
+    try:
+        while True:
+            done, watching = await asyncio.wait(watching, return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                return task.result()
+            for send in done:
+                error = None if send.cancelled() else send.exception()
+                if error is not None:
+                    raise error
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 async def _drain(

@@ -305,6 +305,26 @@ def test_bench_allreduce_runs_site_processes_over_the_emulator():
     assert 0 < report["efficiency"] <= 1.2
 
 
+@pytest.mark.slow
+def test_a_failed_round_in_a_site_process_is_reported_with_its_error():
+    """Every chunk corrupted after its checksum: each site gives a chunk up and its
+    round fails; the launcher reports each site's own error, not a traceback."""
+    from isthmus.deploy.bench_allreduce import SitesFailed, run_sites
+    from isthmus.inter.outbox import MAX_REFUSALS
+
+    flags = ["--size-mib", "0.05", "--chunk-kib", "16", "--repeats", "0"]
+    with pytest.raises(SitesFailed) as info:
+        run_sites(2, [*flags, "--deadline-s", "10", "--corrupt-payloads", "1.0"], link="{}")
+    errors = info.value.errors
+    assert sorted(errors) == ["site0", "site1"]
+    # A site whose round failed at once may have exited before the other said hello:
+    # that one then reports the peer it could not reach.
+    assert any(f"refused {MAX_REFUSALS} times" in e for e in errors.values()), errors
+    for site, error in errors.items():
+        other = "site1" if site == "site0" else "site0"
+        assert f"site {other!r}" in error
+
+
 def _run_ring(n_sites, n, codec="none"):
     async def main():
         names, members = await _group(n_sites, codec)

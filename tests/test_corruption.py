@@ -11,9 +11,10 @@ import random
 import pytest
 import torch
 
-from isthmus.inter.allreduce import CrossSiteAllReduce
+from isthmus.inter.allreduce import CrossSiteAllReduce, RoundError
 from isthmus.inter.chunks import ChunkError, encode_chunks, flip_payload_bit, verify
 from isthmus.inter.codecs import parse_codec
+from isthmus.inter.outbox import MAX_REFUSALS
 from isthmus.inter.peer import Identity
 from isthmus.inter.transport import TransportSettings
 from isthmus.proto import wire_pb2
@@ -142,6 +143,41 @@ def test_payloads_corrupted_after_their_checksum_are_resent_and_never_applied():
     assert corrupted > 100
     assert refused == corrupted  # every corrupted chunk refused ...
     assert resent == corrupted  # ... and sent again, once per refusal
+
+
+@pytest.mark.parametrize("algorithm", ["direct", "ring"])
+def test_a_chunk_that_is_never_accepted_fails_the_round_naming_the_link(algorithm):
+    """A sender whose every chunk is refused (it builds bad chunks) gives a chunk up
+    after MAX_REFUSALS refusals, and its round fails saying so at once: not by the
+    deadline, and not blaming the peer that waited for it."""
+    names = ["a", "b"]
+    inputs = _inputs(names)
+
+    async def main():
+        members = await _mesh(names)
+        members["a"].corrupt_payloads = 1.0
+        members["b"].deadline_s = 3.0  # b waits in vain for a's contribution
+        async with _connected(members):
+            return await asyncio.gather(
+                *[
+                    members[s].allreduce(
+                        inputs[s],
+                        round=0,
+                        participants=names,
+                        weights={"a": 1.0, "b": 1.0},
+                        algorithm=algorithm,
+                    )
+                    for s in names
+                ],
+                return_exceptions=True,
+            )
+
+    from_a, from_b = asyncio.run(main())
+    assert isinstance(from_a, RoundError) and from_a.site == "b"
+    assert f"refused {MAX_REFUSALS} times" in str(from_a)
+    assert "CHECKSUM" in str(from_a) or "checksum" in str(from_a)
+    assert isinstance(from_b, RoundError) and from_b.site == "a"
+    assert "0 of" in str(from_b)  # nothing of a's contribution ever passed
 
 
 @pytest.mark.slow
