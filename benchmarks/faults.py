@@ -14,8 +14,9 @@ must give a result bitwise equal to it, on every site: one applied corrupted
 chunk would change a round's digest. Runs repeat until the receivers refused
 ``--chunks`` corrupted chunks between them. No round may fail either (a chunk
 given up after MAX_REFUSALS refusals, a stream that never recovered): a failed
-run is reported with each site's error, and the most refusals any one chunk
-needed shows the margin left to that limit.
+run is reported with each site's error, and how many chunks were refused k
+times, by k, shows the margin left to that limit (a link that refuses at
+random gives a geometric tail).
 
 ``partition``: an ``isthmus run`` of 3 sites (DiLoCo) whose link a-b is cut
 for ``--for-s`` seconds, packets black-holed or connections reset: the run must
@@ -85,7 +86,7 @@ def corrupt(args: argparse.Namespace) -> dict[str, Any]:
 
     refusals: Counter[str] = Counter()
     totals = Counter(rounds=0, applied=0, resent=0, broken=0, injected=0, flipped_bytes=0)
-    most_refusals = 0
+    times_refused: Counter[int] = Counter()
     failed_runs: list[dict[str, str]] = []
     started = time.monotonic()
     while refusals["CHECKSUM_MISMATCH"] < args.chunks and len(failed_runs) < MAX_FAILED_RUNS:
@@ -107,7 +108,7 @@ def corrupt(args: argparse.Namespace) -> dict[str, Any]:
             totals["resent"] += result["resent_chunks"]
             totals["broken"] += result["broken_streams"]
             totals["injected"] += result["corrupted_on_purpose"]
-            most_refusals = max(most_refusals, result["most_refusals"])
+            times_refused.update({int(k): v for k, v in result["times_refused"].items()})
         totals["rounds"] += args.rounds_per_run + 1
         totals["flipped_bytes"] += sum(
             d["corrupted_bytes"] for link in run.wire["links"] for k, d in link.items() if "->" in k
@@ -135,7 +136,8 @@ def corrupt(args: argparse.Namespace) -> dict[str, Any]:
         "chunks_resent": totals["resent"],
         "streams_broken_or_stalled": totals["broken"],
         "rounds_with_a_wrong_result": totals["applied"],
-        "most_refusals_of_one_chunk": most_refusals,
+        "most_refusals_of_one_chunk": max(times_refused, default=0),
+        "chunks_by_times_refused": dict(sorted(times_refused.items())),
         "refusals_before_a_chunk_is_given_up": MAX_REFUSALS,
         "runs": len(failed_runs) + totals["rounds"] // (args.rounds_per_run + 1),
         "failed_runs": failed_runs,

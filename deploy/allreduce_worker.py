@@ -107,7 +107,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "refusals": dict(engine.server.servicer.refusals),
         "resent_chunks": engine.resent_chunks,
         "broken_streams": engine.broken_streams,
-        "most_refusals": engine.most_refusals,
+        "times_refused": dict(engine.times_refused),
         "corrupted_on_purpose": engine.corrupted_on_purpose,
     }
 

@@ -275,8 +275,7 @@ def _up(args: argparse.Namespace) -> int:
     if args.hosts:
         from isthmus.deploy.wan_hosts import serve_hosts
 
-        extra = {} if args.tcp_rmem_max is None else {"tcp_rmem_max": args.tcp_rmem_max}
-        return serve_hosts(job, state_path, write_json_atomic, **extra)
+        return serve_hosts(job, state_path, write_json_atomic, tcp_rmem_max=args.tcp_rmem_max)
     keep_freed_memory()  # the proxy's reads are buffers of 256 KiB: reuse them
     return asyncio.run(_serve_topology(job, state_path, args.host, args.stats_every))
 

@@ -45,13 +45,19 @@ def check_tcp_rmem_max(value: int, *, hosts: bool) -> None:
 
 
 def serve_hosts(
-    job: Job, state_path: Path, write_state: Any, *, tcp_rmem_max: int = TCP_BUFFER_MAX
+    job: Job, state_path: Path, write_state: Any, *, tcp_rmem_max: int | None = None
 ) -> int:
+    """Create the job's hosts and serve their links until stopped. ``tcp_rmem_max``:
+    the hosts' largest TCP receive buffer (``None``: :data:`TCP_BUFFER_MAX`)."""
     try:
         check_support()
     except HostsUnavailable as exc:
         raise UsageError(str(exc)) from None
-    hosts = Hosts(job.name, [s.name for s in job.sites], tcp_rmem_max=tcp_rmem_max)
+    hosts = Hosts(
+        job.name,
+        [s.name for s in job.sites],
+        tcp_rmem_max=TCP_BUFFER_MAX if tcp_rmem_max is None else tcp_rmem_max,
+    )
     try:
         made = hosts.create()
     except RuntimeError as exc:

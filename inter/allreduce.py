@@ -30,6 +30,7 @@ import functools
 import logging
 import math
 import random
+from collections import Counter
 from collections.abc import AsyncIterator, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -252,8 +253,8 @@ class CrossSiteAllReduce:
         self.resent_chunks = 0
         """Chunks sent again: refused as corrupted, or unanswered when a stream broke."""
         self.broken_streams = 0
-        self.most_refusals = 0
-        """The most times one chunk was refused before it passed (see MAX_REFUSALS)."""
+        self.times_refused: Counter[int] = Counter()
+        """Chunks refused k times before they passed, by k (see MAX_REFUSALS)."""
         self.corrupt_payloads = corrupt_payloads
         self.corrupted_on_purpose = 0
         self._faults = random.Random(f"{identity.site}/{identity.rank}/{lane}")
@@ -509,7 +510,7 @@ class CrossSiteAllReduce:
             ) from None
         self.resent_chunks += delivery.resent_chunks
         self.broken_streams += delivery.broken_streams
-        self.most_refusals = max(self.most_refusals, delivery.most_refusals)
+        self.times_refused.update(delivery.times_refused)
 
     async def _on_the_wire(
         self, site: str, chunks: AsyncIterator[wire_pb2.Chunk]

@@ -20,8 +20,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from isthmus.inter.peer import PeerClient, PeerError
 from isthmus.proto import wire_pb2
@@ -62,8 +63,10 @@ class Delivery:
     resent_chunks: int = 0
     broken_streams: int = 0
     """Streams that failed (a reset, a garbled frame) or stalled, and were replaced."""
-    most_refusals: int = 0
-    """The most times one chunk was refused (the margin left to MAX_REFUSALS)."""
+    times_refused: Counter[int] = field(default_factory=Counter)
+    """How many chunks were refused k times before they passed, by k: a link that
+    refuses at random gives a geometric tail, and its end is the margin left to
+    MAX_REFUSALS."""
 
 
 class SendFailed(Exception):
@@ -210,7 +213,7 @@ async def send_reliably(
                 continue
             if outbox.exhausted and not outbox.unacked:
                 delivery.resent_chunks = outbox.resent
-                delivery.most_refusals = max(outbox.refusals.values(), default=0)
+                delivery.times_refused.update(outbox.refusals.values())
                 return delivery
             if outbox.early and loop.time() < give_up:
                 outbox.early = False
