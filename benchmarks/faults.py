@@ -34,6 +34,9 @@ to finish the round under way). Medians over ``--repeats`` runs.
     python benchmarks/faults.py corrupt [--chunks 10000] [--json FILE]
     python benchmarks/faults.py partition [--for-s 30] [--json FILE]
     python benchmarks/faults.py kill [--after-rounds 5] [--repeats 3] [--json FILE]
+    python benchmarks/faults.py churn [--sites 4] [--minutes 10] [--kill-every-s 60]
+
+``churn``: goodput while a random site is killed every T seconds (see churn.py).
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+import churn as churn_benchmark
 
 from isthmus.deploy.bench_allreduce import SitesFailed, run_sites
 from isthmus.deploy.run_records import read_records
@@ -315,8 +320,14 @@ def main() -> int:
     )
     k.add_argument("--repeats", type=int, default=3, help="runs; medians are printed")
     k.add_argument("--json", type=Path, help="also write the figures here")
+    churn_benchmark.add_arguments(
+        commands.add_parser("churn", help="a random site killed every T s: goodput, agreement")
+    )
     args = parser.parse_args()
-    if args.fault == "corrupt":
+    if args.fault == "churn":
+        figures = churn_benchmark.churn(args)
+        ok = churn_benchmark.passed(figures)
+    elif args.fault == "corrupt":
         figures = corrupt(args)
         ok = figures["rounds_with_a_wrong_result"] == 0 and not figures["failed_runs"]
     elif args.fault == "kill":

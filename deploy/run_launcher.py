@@ -47,7 +47,9 @@ POLL_S = 0.25
 RESTART_AFTER_S = 2.0
 """With ``restart_lost``: how long after a site's loss it is started again."""
 MAX_RESTARTS = 3
-"""Restarts per site, so a site that keeps dying does not restart forever."""
+"""Restarts in a row of a site that never completed a round in between: one that
+keeps dying before it trains (a crash loop) is not restarted forever, while one
+that trains between losses (churn) is restarted every time."""
 
 
 class RunError(Exception):
@@ -78,6 +80,8 @@ class SiteState:
     last_step_t: float | None = None
     tokens_per_s: float = 0.0
     restarts: int = 0
+    restarts_in_a_row: int = 0
+    """Restarts since the site last completed a round (see MAX_RESTARTS)."""
     restart_at: float | None = None
     """``time.monotonic()`` at which a lost site is started again (None: not pending)."""
 
@@ -408,6 +412,7 @@ class Launcher:
                 if time.monotonic() >= site.restart_at:
                     site.restart_at = None
                     site.restarts += 1
+                    site.restarts_in_a_row += 1
                     site.status, site.reason = "rejoining", ""
                     self._start_site(site.name, rejoin=True)
                 continue
@@ -428,7 +433,7 @@ class Launcher:
                     return "failed"
                 # The other sites train on without it (the membership protocol).
                 _terminate(site.procs)
-                if self.restart_lost and site.restarts < MAX_RESTARTS:
+                if self.restart_lost and site.restarts_in_a_row < MAX_RESTARTS:
                     site.restart_at = time.monotonic() + RESTART_AFTER_S
                     running = True
                 continue
@@ -571,6 +576,7 @@ def _apply(site: SiteState, record: dict[str, Any]) -> None:
     elif kind == "state" and site.status not in ("failed", "lost"):
         site.status = record["state"]
     elif kind == "round":
+        site.restarts_in_a_row = 0  # it trains: a later loss is churn, not a crash loop
         site.outer_steps = record["outer_steps"]
         site.wan_bytes_sent = record["wan_bytes_sent"]
         site.wan_bytes_sent_to = record["wan_bytes_sent_to"]
