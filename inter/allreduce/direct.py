@@ -94,6 +94,9 @@ class DirectRound:
         self.result_sends: list[asyncio.Future[None]] = []
 
     async def run(self) -> tuple[torch.Tensor, RoundStats]:
+        """Open the buffers and start every stream, then reduce this site's slice
+        and collect the others' results; a send that fails first fails the round.
+        The round is over here once the result is in: its last sends outlive it."""
         loop = asyncio.get_running_loop()
         self.expect_contributions()
         self.send_contributions()

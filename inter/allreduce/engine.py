@@ -94,7 +94,7 @@ class CrossSiteAllReduce:
         self.clients: dict[str, PeerClient] = {}
         self.inbox = Inbox()
         self.outgoing = Outgoing(self.clients, lane=lane, chunk_filter=chunk_filter)
-        self.feedback = ErrorFeedback()
+        self.error_feedback = ErrorFeedback()
         self.last: RoundStats | None = None
         self._warned_ring = False
 
@@ -131,10 +131,10 @@ class CrossSiteAllReduce:
         between rounds (with a lossy codec, resuming without them would differ).
         ``copy=False``: the residual tensors themselves, a snapshot all the same,
         since a round replaces a vector's residual and never changes it in place."""
-        return self.feedback.state(copy=copy)
+        return self.error_feedback.state(copy=copy)
 
     def load_feedback_state(self, residuals: Mapping[str, torch.Tensor]) -> None:
-        self.feedback.load_state(residuals)
+        self.error_feedback.load_state(residuals)
 
     async def connect(self, *, lenient: bool = False) -> None:
         """Open a session with every peer (handshake checks job, protocol, layout).
@@ -280,7 +280,7 @@ class CrossSiteAllReduce:
                 flat,
                 inbox=self.inbox,
                 outgoing=self.outgoing,
-                feedback=self.feedback,
+                feedback=self.error_feedback,
                 key=feedback,
             )
         return out.view_as(tensor)

@@ -82,6 +82,8 @@ class RingRound:
         return chunk_ranges(self.size(k), self.per_chunk)
 
     async def run(self) -> tuple[torch.Tensor, RoundStats]:
+        """Both phases' streams to the successor and the reduction of this site's
+        segment run at once; the round is over here once every segment is in."""
         r, n, succ = self.round, self.n, self.succ
         tasks = [
             asyncio.ensure_future(
