@@ -21,6 +21,7 @@ import torch
 
 import isthmus
 from isthmus.deploy.jobfile import free_port_blocks
+from isthmus.inter.allocator import keep_freed_memory
 from isthmus.intra.data import Dataset, ShardSpec, stdlib_corpus
 from isthmus.intra.model import GPT, config_for, lm_loss
 
@@ -31,6 +32,7 @@ def main() -> int:
     parser.add_argument("--block", type=int, default=10, help="steps per alternation")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    keep_freed_memory()  # as the launchers do for their ranks (see isthmus.inter.allocator)
     with tempfile.TemporaryDirectory() as tmp:
         (base,) = free_port_blocks("127.0.0.1", [1])
         job = Path(tmp, "job.yaml")

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from isthmus.deploy.addressing import load_state
-from isthmus.inter.allreduce import CrossSiteAllReduce, RoundError
+from isthmus.inter.allocator import keep_freed_memory
+from isthmus.inter.allreduce import CorruptPayloads, CrossSiteAllReduce, RoundError
 from isthmus.inter.codecs import parse_codec
 from isthmus.inter.peer import Identity
 from isthmus.inter.transport import TransportSettings
@@ -50,6 +51,10 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     # Every link as configured: the same on every site, so "auto" agrees everywhere.
     cost = LinkCost.of(bandwidth_mbit=args.bandwidth_mbit, rtt_ms=args.rtt_ms)
     settings = TransportSettings(max_chunk_bytes=int(args.chunk_kib * 1024), stall_s=args.stall_s)
+    # A fault for the fault benchmark, seeded by site, rank and lane.
+    corrupter = (
+        CorruptPayloads(args.corrupt_payloads, seed=f"{me}/0/0") if args.corrupt_payloads else None
+    )
     engine = CrossSiteAllReduce(
         identity,
         peers,
@@ -57,7 +62,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         settings=settings,
         deadline_s=args.deadline_s,
         link_costs=lambda a, b: cost,
-        corrupt_payloads=args.corrupt_payloads,
+        chunk_filter=corrupter,
     )
     await engine.start(host, int(port))
     count = int(args.size_mib * 2**20 / 4)
@@ -108,7 +113,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "resent_chunks": engine.resent_chunks,
         "broken_streams": engine.broken_streams,
         "times_refused": dict(engine.times_refused),
-        "corrupted_on_purpose": engine.corrupted_on_purpose,
+        "corrupted_on_purpose": corrupter.corrupted if corrupter else 0,
     }
 
 
@@ -144,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
+    keep_freed_memory()  # this process is a data path: reuse chunk buffers (see allocator)
     try:
         result = asyncio.run(run(args))
     except RoundError as exc:

@@ -43,6 +43,7 @@ from isthmus.deploy.orphan import end_with_parent
 from isthmus.deploy.run_control import SiteControl, apply_settings, membership_for
 from isthmus.deploy.run_records import RecordWriter, parameter_digest, write_json_atomic
 from isthmus.deploy.site_errors import run_site_main
+from isthmus.inter.allocator import keep_freed_memory
 from isthmus.inter.join import SiteRuntime, start_site
 from isthmus.inter.member_rounds import MemberRounds
 from isthmus.inter.membership import LeftTheRun
@@ -647,7 +648,10 @@ def main(argv: list[str] | None = None) -> int:
 def train_until_stopped(
     run_dir: Path, site: str, resume_round: int | None = None, rejoin: bool = False
 ) -> int:
-    """:func:`train`, ending cleanly on SIGTERM (143); SIGUSR1 makes the site leave."""
+    """:func:`train`, ending cleanly on SIGTERM (143); SIGUSR1 makes the site leave.
+    This owns the process (the rank of ``isthmus run`` and of ``isthmus site``), so
+    it makes the process-wide choices: signals, and malloc tuned for the data path."""
+    keep_freed_memory()  # chunk buffers are reused, not faulted in anew (see allocator)
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGUSR1, _on_sigusr1)
     end_with_parent()

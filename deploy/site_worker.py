@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from isthmus.deploy.addressing import load_state
 from isthmus.deploy.jobfile import Job, load_job
 from isthmus.deploy.site_errors import run_site_main
+from isthmus.inter.allocator import keep_freed_memory
 from isthmus.inter.join import start_site
 from isthmus.intra.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from isthmus.intra.data import Dataset, ShardSpec, stdlib_corpus
@@ -238,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-dir", help="checkpoint each site under DIR/SITE; resume")
     parser.add_argument("--checkpoint-every", type=int, default=1, metavar="STEPS")
     args = parser.parse_args(argv)
+    keep_freed_memory()  # this process carries chunks: reuse their buffers (see allocator)
     report = run(args)
     Path(args.out, f"{args.site}-{report['rank']}.json").write_text(json.dumps(report))
     return 0

@@ -16,6 +16,12 @@ freed buffers are reused from the heap: half the CPU of a chunk's way through
 a site (``benchmarks/chunk_path.py``). The process keeps its peak heap instead
 of returning it; the peak itself does not grow. Set
 ``ISTHMUS_KEEP_FREED_MEMORY=0`` to leave malloc as it is.
+
+The setting is process-wide and cannot be undone, so no library call makes it
+(starting a peer server leaves malloc alone): whoever owns the process does,
+once, at its start: the rank worker of ``isthmus run`` and ``isthmus site``,
+the site and all-reduce workers, the WAN proxy, the benchmarks that start
+peers. A script of one's own that carries chunks may call it too.
 """
 
 from __future__ import annotations

@@ -25,7 +25,6 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from isthmus.inter.allocator import keep_freed_memory
 from isthmus.inter.chunks import ChunkError, ReceivedChunk, verify
 from isthmus.inter.tls import certified_sites
 from isthmus.inter.transport import TransportSettings
@@ -332,8 +331,9 @@ class PeerServer:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Listen on ``host:port`` (0: a free port); return the port. Names the address
-        when it cannot be bound."""
-        keep_freed_memory()  # chunk buffers are reused, not faulted in anew (see allocator)
+        when it cannot be bound. Leaves malloc as it is: a process that carries
+        chunks should call :func:`isthmus.inter.allocator.keep_freed_memory` first
+        (the launchers do), a process-wide choice that is not a library's to make."""
         tls = self.settings.tls
         try:
             if tls is None:

@@ -33,7 +33,7 @@ from isthmus.deploy.jobfile import (
     JobFileError,
     parse_job,
 )
-from isthmus.inter.allreduce import _Incoming
+from isthmus.inter.allreduce import Incoming
 from isthmus.inter.chunks import checksum
 from isthmus.inter.peer import Identity, PeerServicer
 from isthmus.inter.settings import SETTING_NAMES
@@ -165,7 +165,7 @@ def chunk_messages(draw: st.DrawFn) -> wire_pb2.Chunk:
 def chunk_target(chunk: wire_pb2.Chunk, buffer_values: int | None) -> wire_pb2.Ack:
     """Hand ``chunk`` to a peer service whose engine waits for ``buffer_values``
     values from the sender (None: not yet in the round, so the chunk waits)."""
-    incoming = _Incoming()
+    incoming = Incoming()
     if buffer_values is not None:
         incoming.open(buffer_values)
     me = Identity(job="fuzz", site="a", rank=0)

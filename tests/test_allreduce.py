@@ -16,14 +16,21 @@ from isthmus.inter.transport import TransportSettings
 JOB = "allreduce-test"
 
 
-async def _group(n_sites: int, codec: str = "none", deadline_s: float = 30.0):
+async def _group(n_sites: int, codec: str = "none", deadline_s: float = 30.0, filter_for=None):
+    """Connected engines ``site0`` ... ; ``filter_for(name)``: each one's chunk filter."""
     names = [f"site{i}" for i in range(n_sites)]
     members = {}
     ports = {}
     for name in names:
         identity = Identity(job=JOB, site=name, rank=0, layout_fingerprint="L")
         # Peers are filled in once every server has its port.
-        member = CrossSiteAllReduce(identity, {}, codec=parse_codec(codec), deadline_s=deadline_s)
+        member = CrossSiteAllReduce(
+            identity,
+            {},
+            codec=parse_codec(codec),
+            deadline_s=deadline_s,
+            chunk_filter=None if filter_for is None else filter_for(name),
+        )
         ports[name] = await member.start("127.0.0.1", 0)
         members[name] = member
     for name, member in members.items():
@@ -120,18 +127,18 @@ def test_on_every_link_the_contributions_go_before_the_results():
     n_sites, n = 3, 30_000
 
     async def main():
-        names, members = await _group(n_sites)
-        handed = {name: [] for name in names}
-        for name, member in members.items():
+        handed = {f"site{i}": [] for i in range(n_sites)}
+
+        def recording(name):
+            def record(site, chunk):
+                handed[name].append((site, chunk.shard))
+                return chunk
+
+            return record
+
+        names, members = await _group(n_sites, filter_for=recording)
+        for member in members.values():
             member.settings = TransportSettings(max_chunk_bytes=4096)  # ~10 chunks a slice
-            original = member._on_the_wire
-
-            async def recording(site, chunks, original=original, log=handed[name]):
-                async for chunk in original(site, chunks):
-                    log.append((site, chunk.shard))
-                    yield chunk
-
-            member._on_the_wire = recording
         inputs = _inputs(names, n)
         weights = {s: 1.0 for s in names}
         try:
@@ -174,7 +181,7 @@ def test_a_nan_contribution_from_a_peer_is_refused_naming_the_site():
                 torch.ones(10), round=0, participants=names, weights=w
             )
             chunks = encode_chunks(codec, bad, round=0, shard=0, max_chunk_bytes=1 << 20)
-            sneak = members["site1"]._send("site0", chunks, 0)
+            sneak = members["site1"].outgoing.send("site0", chunks, round=0, deadline_s=5)
             results = await asyncio.gather(owner, sneak, return_exceptions=True)
         finally:
             await _close(members)
@@ -256,7 +263,7 @@ def test_after_a_failed_round_the_survivors_go_on_without_the_lost_site():
             )
             # The survivors keep nothing of the failed round (the lost site, which
             # never entered a round, still holds what was sent to it).
-            leftovers = {k for s in survivors for k in members[s]._incoming if k[0] == 0}
+            leftovers = {k for s in survivors for k in members[s].inbox.buffers if k[0] == 0}
         finally:
             await _close(members)
         return failed, ok, leftovers
@@ -531,10 +538,10 @@ def test_a_round_ends_when_its_result_is_in_and_its_last_sends_finish_after():
                         for s in names
                     )
                 )
-                pending = {s: len(members[s]._deliveries) for s in names}
+                pending = {s: len(members[s].outgoing.deliveries) for s in names}
                 for member in members.values():
                     await member.flush(10.0)
-                after = {s: len(members[s]._deliveries) for s in names}
+                after = {s: len(members[s].outgoing.deliveries) for s in names}
                 failed = {s: members[s].failed_deliveries for s in names}
                 phases = {s: members[s].last.phases for s in names}
             finally:
@@ -566,11 +573,11 @@ def test_a_send_that_fails_after_its_round_is_logged_and_one_that_hangs_is_given
             raise RoundError("b", "round 3: sending to site 'b' failed: peer is unreachable")
 
         hangs = asyncio.ensure_future(asyncio.sleep(3600))
-        engine._outlive(3, [("b", asyncio.ensure_future(fails())), ("c", hangs)])
+        engine.outgoing.outlive(3, [("b", asyncio.ensure_future(fails())), ("c", hangs)])
         await asyncio.sleep(0.05)
         failed = engine.failed_deliveries
         await engine.flush(0.05)
-        left = len(engine._deliveries)
+        left = len(engine.outgoing.deliveries)
         await engine.close()
         return failed, left, hangs.cancelled()
 

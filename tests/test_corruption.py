@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from isthmus.inter.allreduce import CrossSiteAllReduce, RoundError
+from isthmus.inter.allreduce import CorruptPayloads, CrossSiteAllReduce, RoundError
 from isthmus.inter.chunks import ChunkError, encode_chunks, flip_payload_bit, verify
 from isthmus.inter.codecs import parse_codec
 from isthmus.inter.outbox import MAX_REFUSALS
@@ -54,12 +54,19 @@ def test_flip_payload_bit_changes_exactly_one_bit_and_keeps_the_checksum():
         verify(bad, bad.payload)
 
 
-async def _mesh(names, settings=SMALL_CHUNKS, **engine):
-    """Started engines for ``names``, each dialling the others directly on loopback."""
+async def _mesh(names, settings=SMALL_CHUNKS, filter_for=None):
+    """Started engines for ``names``, each dialling the others directly on loopback;
+    ``filter_for(name)``: each one's chunk filter."""
     members = {}
     for name in names:
         identity = Identity(job=JOB, site=name, rank=0, layout_fingerprint="L")
-        members[name] = CrossSiteAllReduce(identity, {}, settings=settings, deadline_s=60, **engine)
+        members[name] = CrossSiteAllReduce(
+            identity,
+            {},
+            settings=settings,
+            deadline_s=60,
+            chunk_filter=None if filter_for is None else filter_for(name),
+        )
         await members[name].start("127.0.0.1", 0)
     for name, member in members.items():
         member.peers = {o: f"127.0.0.1:{members[o].server.port}" for o in names if o != name}
@@ -128,16 +135,17 @@ def test_payloads_corrupted_after_their_checksum_are_resent_and_never_applied():
     names = ["a", "b", "c"]
     inputs = _inputs(names)
     expected = _clean_result(names, inputs)
+    corrupters = {name: CorruptPayloads(0.3, seed=f"{name}/0/0") for name in names}
 
     async def main():
-        async with _connected(await _mesh(names, corrupt_payloads=0.3)) as members:
+        async with _connected(await _mesh(names, filter_for=corrupters.get)) as members:
             return await _rounds(members, inputs, 3), members
 
     results, members = asyncio.run(main())
     for outs in results:
         for out in outs:
             assert torch.equal(out, expected)
-    corrupted = sum(m.corrupted_on_purpose for m in members.values())
+    corrupted = sum(c.corrupted for c in corrupters.values())
     refused = sum(m.server.servicer.refusals["CHECKSUM_MISMATCH"] for m in members.values())
     resent = sum(m.resent_chunks for m in members.values())
     assert corrupted > 100
@@ -154,8 +162,8 @@ def test_a_chunk_that_is_never_accepted_fails_the_round_naming_the_link(algorith
     inputs = _inputs(names)
 
     async def main():
-        members = await _mesh(names)
-        members["a"].corrupt_payloads = 1.0
+        corrupt_all = {"a": CorruptPayloads(1.0, seed="a/0/0")}  # only a: all of its chunks
+        members = await _mesh(names, filter_for=corrupt_all.get)
         members["b"].deadline_s = 3.0  # b waits in vain for a's contribution
         async with _connected(members):
             return await asyncio.gather(

@@ -29,6 +29,7 @@ import torch
 import isthmus
 from isthmus.deploy.jobfile import free_port_blocks
 from isthmus.deploy.site_errors import run_site_main
+from isthmus.inter.allocator import keep_freed_memory
 from isthmus.intra.data import Dataset, ShardSpec, stdlib_corpus
 from isthmus.intra.model import GPT, config_for, lm_loss
 from isthmus.intra.schedule import SCHEDULES, learning_rate_at
@@ -197,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    keep_freed_memory()  # a process of its own that carries chunks: reuse their buffers
     site = isthmus.join(args.job, site=args.site)
     torch.manual_seed(args.seed)  # the same initial model on every site
     model = GPT(config_for("tiny"))

@@ -1,0 +1,338 @@
+"""The engine: one rank's end of the cross-site all-reduce, and the rounds it runs.
+
+It owns the peer lifecycle (a server, or a share of one; a session per peer;
+closing with the last sends flushed) and the bookkeeping of rounds (which
+rounds run, which chunks are kept, the stats of the last one). Each round it
+checks the caller's arguments once, picks the algorithm and hands it a
+:class:`~.rounds.Round`: the direct algorithm (:mod:`.direct`) or the ring
+(:mod:`.ring`), which move the chunks through the engine's incoming buffers
+(:mod:`.incoming`) and its sends (:mod:`.sending`).
+
+The caller decides which sites take part and with what weights (the strategy
+seals that decision for the round); the engine never decides membership. A
+contribution that is not finite, or of the wrong size, is refused with an
+error naming the site; a peer that does not deliver by the deadline fails the
+round with an error naming the site and its address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from isthmus.inter.allreduce.direct import direct_allreduce
+from isthmus.inter.allreduce.feedback import ErrorFeedback
+from isthmus.inter.allreduce.incoming import Inbox
+from isthmus.inter.allreduce.ring import ring_allreduce
+from isthmus.inter.allreduce.rounds import Round, RoundError, RoundStats, all_finite, slice_bounds
+from isthmus.inter.allreduce.sending import ChunkFilter, Outgoing
+from isthmus.inter.chunks import ReceivedChunk
+from isthmus.inter.codecs import Codec
+from isthmus.inter.peer import Identity, PeerClient, PeerError, PeerServer
+from isthmus.inter.transport import TransportSettings
+from isthmus.sim.cost import LinkLookup, choose
+
+log = logging.getLogger(__name__)
+
+LENIENT_HELLO_S = 5.0
+"""How long a lenient connect waits for each peer's handshake."""
+FLUSH_ON_CLOSE_S = 20.0
+"""How long :meth:`CrossSiteAllReduce.close` waits for the acknowledgements of chunks
+sent by rounds that are over here (a peer may still need them to finish its round)."""
+ALGORITHMS = ("direct", "ring", "auto")
+
+
+class CrossSiteAllReduce:
+    """One rank's end of the all-reduce with its counterparts in the other sites."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        peers: Mapping[str, str],
+        *,
+        codec: Codec | None = None,
+        settings: TransportSettings | None = None,
+        deadline_s: float = 60.0,
+        link_costs: LinkLookup | None = None,
+        uplink_bytes_per_s: Mapping[str, float] | None = None,
+        lane: int = 0,
+        server: PeerServer | None = None,
+        chunk_filter: ChunkFilter | None = None,
+    ) -> None:
+        """``peers``: site -> address of this rank's counterpart there. ``link_costs``
+        (the same on every site: configured, or measured and sealed by the strategy)
+        lets ``algorithm="auto"`` pick the algorithm the cost model predicts fastest.
+
+        ``lane`` and ``server``: a rank that owns several lanes (see
+        :mod:`isthmus.inter.lanes`) runs one engine per lane on one shared server,
+        which hands each engine the chunks of its lane; ``peers`` are then the
+        lane's counterparts. Without ``server`` the engine runs its own.
+
+        ``chunk_filter``: applied to each outgoing chunk after its checksum, for
+        faults in tests and the fault benchmark (see :mod:`.faults`); None, the
+        default, sends chunks as they are."""
+        self.link_costs = link_costs
+        self.uplink_bytes_per_s = dict(uplink_bytes_per_s or {})
+        self.last_algorithm: str | None = None
+        self.identity = identity
+        self.peers = dict(peers)
+        self.codec = codec or Codec()
+        """What this rank encodes from the next round on (a round keeps its own)."""
+        self.settings = settings or TransportSettings()
+        self.deadline_s = deadline_s
+        self.lane = lane
+        self._owns_server = server is None
+        if server is None:
+            sites = {identity.site, *self.peers}
+            server = PeerServer(identity, sites, self.receive, settings=self.settings)
+        self.server = server
+        self.clients: dict[str, PeerClient] = {}
+        self.inbox = Inbox()
+        self.outgoing = Outgoing(self.clients, lane=lane, chunk_filter=chunk_filter)
+        self.error_feedback = ErrorFeedback()
+        self.last: RoundStats | None = None
+        self._warned_ring = False
+
+    # The sends' counters, read by telemetry, the benchmarks and the tests.
+    @property
+    def bytes_sent_to(self) -> dict[str, int]:
+        """Payload bytes sent to each site over this engine's life (per link)."""
+        return self.outgoing.bytes_sent_to
+
+    @property
+    def resent_chunks(self) -> int:
+        """Chunks sent again: refused as corrupted, or unanswered when a stream broke."""
+        return self.outgoing.resent_chunks
+
+    @property
+    def broken_streams(self) -> int:
+        return self.outgoing.broken_streams
+
+    @property
+    def times_refused(self) -> Counter[int]:
+        """Chunks refused k times before they passed, by k (see MAX_REFUSALS)."""
+        return self.outgoing.times_refused
+
+    @property
+    def failed_deliveries(self) -> int:
+        """Sends that failed after their round was over here (each logged)."""
+        return self.outgoing.failed_deliveries
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        return await self.server.start(host, port)
+
+    def feedback_state(self, *, copy: bool = True) -> dict[str, torch.Tensor]:
+        """The error-feedback residuals, per vector: part of a checkpoint taken
+        between rounds (with a lossy codec, resuming without them would differ).
+        ``copy=False``: the residual tensors themselves, a snapshot all the same,
+        since a round replaces a vector's residual and never changes it in place."""
+        return self.error_feedback.state(copy=copy)
+
+    def load_feedback_state(self, residuals: Mapping[str, torch.Tensor]) -> None:
+        self.error_feedback.load_state(residuals)
+
+    async def connect(self, *, lenient: bool = False) -> None:
+        """Open a session with every peer (handshake checks job, protocol, layout).
+        ``lenient``: a peer that does not answer within ``LENIENT_HELLO_S``, or
+        refuses, is kept without a handshake (a site rejoining a run where others may
+        be down, or not know it yet: the first exchange with it tries again)."""
+        for site, address in self.peers.items():
+            client = self._client(site, address)
+            try:
+                if lenient:
+                    client.deadline_s = min(self.deadline_s, LENIENT_HELLO_S)
+                await client.hello()
+            except PeerError as exc:
+                if not lenient:
+                    await client.close()
+                    raise RoundError(site, f"site {site!r}: {exc}") from None
+                # A site added to the job is refused until the others have heard of
+                # it; a real mismatch is refused again at the first exchange.
+                log.warning("site %r does not answer yet (%s); going on without it", site, exc)
+            finally:
+                client.deadline_s = self.deadline_s
+            self.clients[site] = client
+
+    def add_peer(self, site: str, address: str) -> None:
+        """A site added to the job while it runs: its session opens with the first
+        exchange (it is not a participant of any round before a view makes it one)."""
+        if site in self.clients:
+            return
+        self.peers[site] = address
+        self.clients[site] = self._client(site, address)
+
+    def _client(self, site: str, address: str) -> PeerClient:
+        return PeerClient(
+            self.identity,
+            address,
+            settings=self.settings,
+            deadline_s=self.deadline_s,
+            peer_site=site,
+        )
+
+    async def close(self) -> None:
+        await self.flush(FLUSH_ON_CLOSE_S)
+        for client in self.clients.values():
+            await client.close()
+        if self._owns_server:
+            await self.server.stop()
+        self.outgoing.shutdown()
+
+    async def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until the chunks of rounds that are over here are acknowledged (or
+        their delivery failed, which is logged); after ``timeout_s``, stop waiting
+        and cancel the rest, naming them."""
+        await self.outgoing.flush(timeout_s)
+
+    def receive(self, chunk: ReceivedChunk) -> None:
+        """Take a verified chunk of this engine's lane from the server; raise
+        :class:`ChunkError` to refuse one that no round can use."""
+        self.inbox.receive(chunk)
+
+    def skip_to(self, round: int) -> None:
+        """The next round is ``round`` or later: chunks of earlier rounds are dropped
+        (those of rounds still running stay until they end)."""
+        self.inbox.skip_to(round)
+
+    async def allreduce(
+        self,
+        tensor: torch.Tensor,
+        *,
+        round: int,
+        participants: Sequence[str],
+        weights: Mapping[str, float],
+        algorithm: str = "direct",
+        feedback: str | None = None,
+    ) -> torch.Tensor:
+        """The weighted average of ``tensor`` over ``participants`` (this site among them).
+
+        ``feedback``: error feedback for a lossy codec, keyed by this name (one per
+        vector the caller sends again and again, e.g. ``"model"`` or a fragment's
+        name): what the codec lost of this site's contribution is added to the
+        next contribution under the same key, so the losses do not accumulate
+        over rounds. The direct algorithm only (the ring says once that it is off);
+        nothing to do with ``none``.
+
+        ``algorithm``: ``direct`` (full mesh: every site owns a slice; a value is
+        encoded twice), ``ring`` (each site talks to its successor only; partial
+        sums are re-encoded at every hop, so a value is encoded up to S times), or
+        ``auto`` (the one :mod:`isthmus.sim.cost` predicts fastest on ``link_costs``)."""
+        # Several rounds may be in flight at once (gradient buckets, overlapped
+        # fragments): the inbox keeps the chunks of every round from the oldest
+        # one running on.
+        self.inbox.enter(round)
+        try:
+            return await self._run_round(
+                tensor,
+                round=round,
+                participants=participants,
+                weights=weights,
+                algorithm=algorithm,
+                feedback=feedback,
+            )
+        finally:
+            self.inbox.leave(round)
+
+    async def _run_round(
+        self,
+        tensor: torch.Tensor,
+        *,
+        round: int,
+        participants: Sequence[str],
+        weights: Mapping[str, float],
+        algorithm: str,
+        feedback: str | None,
+    ) -> torch.Tensor:
+        """One round of :meth:`allreduce`: check, plan, run the algorithm, keep its stats."""
+        algorithm = self._pick_algorithm(algorithm, tensor, participants)
+        self.last_algorithm = algorithm
+        sites = sorted(participants)
+        self._check_participants(round, sites, weights)
+        flat = self._own_values(tensor, round)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        plan = Round(
+            number=round,
+            sites=sites,
+            me=self.identity.site,
+            weights=weights,
+            bounds=slice_bounds(flat.numel(), len(sites)),
+            codec=self.codec,
+            max_chunk_bytes=self.settings.max_chunk_bytes,
+            started=started,
+            deadline=started + self.deadline_s,
+            deadline_s=self.deadline_s,
+            addresses=self.peers,
+        )
+        if algorithm == "ring" and len(sites) > 1:
+            self._say_feedback_is_off(round, feedback)
+            out, self.last = await ring_allreduce(
+                plan, flat, inbox=self.inbox, outgoing=self.outgoing
+            )
+        else:
+            out, self.last = await direct_allreduce(
+                plan,
+                flat,
+                inbox=self.inbox,
+                outgoing=self.outgoing,
+                feedback=self.error_feedback,
+                key=feedback,
+            )
+        return out.view_as(tensor)
+
+    def _pick_algorithm(
+        self, algorithm: str, tensor: torch.Tensor, participants: Sequence[str]
+    ) -> str:
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {algorithm!r}; use direct, ring or auto")
+        if algorithm != "auto":
+            return algorithm
+        if self.link_costs is None:
+            raise ValueError("algorithm 'auto' needs link costs: pass link_costs=...")
+        return choose(
+            tensor.numel() * 4,
+            sorted(participants),
+            self.link_costs,
+            self.uplink_bytes_per_s,
+        )
+
+    def _check_participants(
+        self, round: int, sites: list[str], weights: Mapping[str, float]
+    ) -> None:
+        me = self.identity.site
+        if me not in sites:
+            raise ValueError(f"participants {sites} must include this site {me!r}")
+        unknown = [s for s in sites if s != me and s not in self.clients]
+        if unknown:
+            raise ValueError(f"no session with {unknown}; call connect() first")
+        bad = [s for s in sites if not (math.isfinite(weights.get(s, -1)) and weights[s] >= 0)]
+        if bad:
+            raise ValueError(f"every participant needs a finite weight >= 0; missing or bad: {bad}")
+        if not any(weights[s] > 0 for s in sites):
+            raise ValueError(f"round {round}: no participant has a weight > 0")
+
+    def _own_values(self, tensor: torch.Tensor, round: int) -> torch.Tensor:
+        """``tensor`` as one flat float32 vector, refused if not finite: this site's
+        own NaN must never reach the others."""
+        if tensor.dtype != torch.float32:
+            raise ValueError(f"expected a float32 tensor, got {tensor.dtype}")
+        flat = tensor.detach().reshape(-1).contiguous()
+        if not all_finite(flat):
+            bad = int((~torch.isfinite(flat)).sum())
+            raise RoundError(
+                self.identity.site,
+                f"round {round}: this site's own tensor holds {bad} NaN/Inf values; not sent",
+            )
+        return flat
+
+    def _say_feedback_is_off(self, round: int, feedback: str | None) -> None:
+        if feedback is not None and self.codec.name != "none" and not self._warned_ring:
+            # The ring re-encodes partial sums at every hop: a site's own loss
+            # is not separable from the others'. Say so once, do not fail.
+            log.warning("round %d: error feedback is off with the ring algorithm", round)
+            self._warned_ring = True

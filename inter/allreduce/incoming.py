@@ -1,0 +1,219 @@
+"""Incoming buffers: the chunks peers send, kept per (round, shard, site) until a round takes them.
+
+Chunks may arrive before this rank has entered their round (a faster peer):
+they wait, encoded, until the round opens the buffer and gives it its size
+(:meth:`Incoming.open`); from then on each chunk is decoded straight into it
+as it lands, checked for NaN/Inf, and a waiter is woken. The :class:`Inbox`
+holds every buffer of one engine and decides which chunks are worth keeping:
+those of rounds below the oldest one running are stragglers of rounds that
+are over (nobody waits for them), and those too far ahead are refused, so a
+peer out of step cannot fill memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from isthmus.inter.allreduce.rounds import Round, RoundError, all_finite
+from isthmus.inter.chunks import ChunkError, ReceivedChunk
+from isthmus.proto import wire_pb2
+
+MAX_ROUNDS_AHEAD = 16
+"""How many rounds past its own a rank holds chunks for. Peers are at most a round
+or two ahead (every round needs every participant); more is a peer out of step."""
+
+BufferKey = tuple[int, int, str]
+"""(round, shard, site)."""
+
+
+class Incoming:
+    """The chunks of one (round, shard, site) arriving into one buffer.
+
+    Chunks may arrive before this rank has entered the round (a faster peer):
+    they wait, encoded, until :meth:`open` gives the buffer its size."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+        self.pending: list[ReceivedChunk] = []
+        self.seen: set[int] = set()
+        self.count: int | None = None
+        self.done = asyncio.Event()
+        self.progress = asyncio.Event()
+        """Set whenever a chunk lands (waiters clear it before waiting)."""
+        self.error: RoundError | None = None
+        self.kept: dict[int, ReceivedChunk] = {}
+        """With ``keep``: the chunks themselves, to forward them unchanged (ring)."""
+        self._keep = False
+
+    def open(self, size: int, *, keep: bool = False, into: torch.Tensor | None = None) -> None:
+        """Give the chunks a buffer of ``size`` values: ``into`` (where the caller wants
+        them, e.g. their place in the round's output: no copy after), or a new one."""
+        self._keep = keep
+        if into is not None and into.numel() != size:
+            raise ValueError(f"buffer of {into.numel()} values for a shard of {size}")
+        self.buffer = torch.empty(size, dtype=torch.float32) if into is None else into
+        for chunk in self.pending:
+            self._place(chunk)
+        self.pending.clear()
+
+    def add(self, chunk: ReceivedChunk) -> None:
+        if self.count is not None and chunk.count != self.count:
+            raise ChunkError(
+                wire_pb2.WRONG_SHAPE,
+                f"chunk {chunk.index} says the shard has {chunk.count} chunks, earlier "
+                f"chunks said {self.count}",
+            )
+        if chunk.index in self.seen or self.error is not None:
+            return  # a re-sent chunk already placed
+        self.count = chunk.count
+        if self.buffer is None:
+            self.pending.append(chunk)
+        else:
+            self._place(chunk)
+        self.seen.add(chunk.index)
+        self.progress.set()
+        if len(self.seen) == self.count:
+            self.done.set()
+
+    def _place(self, chunk: ReceivedChunk) -> None:
+        assert self.buffer is not None
+        if self._keep:
+            self.kept[chunk.index] = chunk
+        try:
+            values = chunk.decode_into(self.buffer)
+        except ChunkError as exc:
+            self._fail(RoundError(chunk.site, f"round {chunk.round}: site {chunk.site!r}: {exc}"))
+            return
+        if not all_finite(values):
+            bad = int((~torch.isfinite(values)).sum())
+            self._fail(
+                RoundError(
+                    chunk.site,
+                    f"round {chunk.round}: site {chunk.site!r} sent {bad} NaN/Inf values; refused",
+                )
+            )
+
+    def _fail(self, error: RoundError) -> None:
+        self.error = error
+        self.progress.set()
+        self.done.set()
+
+
+class Inbox:
+    """Every incoming buffer of one engine, and which rounds' chunks it keeps."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[BufferKey, Incoming] = {}
+        self._active: list[int] = []
+        """Rounds running now (a list: a round may run twice at once only by
+        mistake, and then both must finish before it is forgotten)."""
+        self._next_floor = 0
+
+    def enter(self, round: int) -> None:
+        """``round`` starts. Several rounds may be in flight at once (gradient
+        buckets, overlapped fragments); chunks of rounds below the oldest one
+        running are stragglers of rounds that are over: nobody waits for them."""
+        self._active.append(round)
+        self._next_floor = max(self._next_floor, round + 1)
+        self._drop_below_floor()
+
+    def leave(self, round: int) -> None:
+        self._active.remove(round)
+
+    def skip_to(self, round: int) -> None:
+        """The next round is ``round`` or later: chunks of earlier rounds are dropped
+        (those of rounds still running stay until they end)."""
+        self._next_floor = max(self._next_floor, round)
+        self._drop_below_floor()
+
+    def floor(self) -> int:
+        """The oldest round whose chunks are still wanted."""
+        return min(self._active) if self._active else self._next_floor
+
+    def _drop_below_floor(self) -> None:
+        floor = self.floor()
+        for key in [k for k in self.buffers if k[0] < floor]:
+            del self.buffers[key]
+
+    def receive(self, chunk: ReceivedChunk) -> None:
+        """Take a verified chunk; raise :class:`ChunkError` to refuse one that no
+        round can use."""
+        floor = self.floor()
+        if chunk.round < floor:
+            return  # a straggler of a round that is over: nobody waits for it
+        if chunk.round > floor + MAX_ROUNDS_AHEAD:
+            # Chunks of rounds not yet open are held until they open: bound how far
+            # ahead, so a peer out of step (or a bad round number) cannot fill memory.
+            raise ChunkError(
+                wire_pb2.ROUND_AHEAD,
+                f"chunk of round {chunk.round}, but this site is at round {floor}; more "
+                f"than {MAX_ROUNDS_AHEAD} rounds ahead; send it again later",
+            )
+        key = (chunk.round, chunk.shard, chunk.site)
+        self.buffers.setdefault(key, Incoming()).add(chunk)
+
+    def expect(
+        self,
+        round: int,
+        shard: int,
+        site: str,
+        size: int,
+        *,
+        keep: bool = False,
+        into: torch.Tensor | None = None,
+    ) -> Incoming:
+        """The buffer for ``site``'s chunks of ``shard``, opened for ``size`` values
+        (with those that came early already in place)."""
+        incoming = self.buffers.setdefault((round, shard, site), Incoming())
+        incoming.open(size, keep=keep, into=into)
+        return incoming
+
+    def forget(self, round: int, shard: int, site: str) -> None:
+        self.buffers.pop((round, shard, site), None)
+
+    async def wait_for(
+        self, round: Round, shard: int, site: str, incoming: Incoming
+    ) -> torch.Tensor:
+        """Until every chunk of ``incoming`` is in place; then forget it and return
+        its buffer. Raises the round's error, or :class:`RoundError` by the deadline."""
+        remaining = round.deadline - asyncio.get_running_loop().time()
+        try:
+            await asyncio.wait_for(incoming.done.wait(), max(0.0, remaining))
+        except TimeoutError:
+            raise late(round, site, incoming) from None
+        finally:
+            self.forget(round.number, shard, site)
+        if incoming.error is not None:
+            raise incoming.error
+        assert incoming.buffer is not None
+        return incoming.buffer
+
+
+async def wait_chunk(round: Round, site: str, incoming: Incoming, index: int) -> None:
+    """Until chunk ``index`` from ``site`` is in place (or the round fails)."""
+    loop = asyncio.get_running_loop()
+    while index not in incoming.seen or incoming.buffer is None:
+        if incoming.error is not None:
+            raise incoming.error
+        incoming.progress.clear()
+        remaining = round.deadline - loop.time()
+        try:
+            await asyncio.wait_for(incoming.progress.wait(), max(0.0, remaining))
+        except TimeoutError:
+            raise late(round, site, incoming) from None
+    if incoming.error is not None:
+        raise incoming.error
+
+
+def late(round: Round, site: str, incoming: Incoming) -> RoundError:
+    """The error of a peer that did not deliver by the deadline. How far it got
+    tells a dead peer (nothing) from a stuck chunk (all but one)."""
+    of = "?" if incoming.count is None else incoming.count
+    return RoundError(
+        site,
+        f"round {round.number}: site {site!r} ({round.addresses.get(site)}) did not deliver "
+        f"within {round.deadline_s:g} s ({len(incoming.seen)} of {of} chunks came); it is "
+        "down, partitioned or slow",
+    )
