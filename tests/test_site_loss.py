@@ -150,7 +150,7 @@ sites:
 wan:
   default: {rtt_ms: 20, bandwidth_mbit: 200}
   faults:
-    - {at_s: 20, link: [a, c], action: partition, for_s: 18, mode: blackhole}
+    - {at_round: 4, link: [a, c], action: partition, for_rounds: 4, rounds_of: b, mode: blackhole}
 train:
   strategy: async
   steps: 300
@@ -172,9 +172,13 @@ def test_an_async_site_that_misses_its_round_has_its_pseudo_gradient_applied_lat
     late_contributions: stale its missed round's pseudo-gradient goes into its
     next contribution, at half weight. Every site ends with the same model.
 
-    The timing: the link is cut 20 s into the run (about 11 s of training), c is
-    left out about 8 s later, and the link heals 10 s after that, so c is back
-    with most of a and b's 300 steps still to go, on a fast machine or a slow one."""
+    The timing comes from training, not the clock, so it holds on a fast machine
+    or a slow one: the link is cut once a site has completed round 4 (of 60), and
+    heals once b has completed 4 more. b cannot complete those without c's share
+    until c is left out (the round's deadline), so the cut outlasts the deadline,
+    and it heals with about 50 of a and b's rounds to go. (It was cut at 20 s and
+    healed at 38 s: on a loaded machine the cut could fall before training, and
+    on a fast one a and b could finish before the heal.)"""
     job = tmp_path / "job.yaml"
     job.write_text(CUT_OFF)
     out = tmp_path / "run"
