@@ -24,15 +24,31 @@ sites:
 SITE_C
 wan:
   default: {rtt_ms: 20, bandwidth_mbit: 200}
+FAULTS
 train: {strategy: STRATEGY, steps: 150, sync_every: 5, warmup_steps: 2, min_sites: QUORUM}
 """
 
+HOLD_UNTIL_C_IS_BACK = """\
+  faults:
+    - {at_round: 4, rounds_of: c, link: [a, b], action: brownout, changes: {rtt_ms: 500},
+       for_rounds: 2}
+"""
+"""From c's round 4 (when the test kills it) until c has completed two more rounds
+(at most one of them before it died: it is killed as it records its fourth), the
+survivors' link takes 500 ms a round trip: their rounds have a floor of network
+time, so they cannot finish before c is back, however fast the machine.
+Without it, a and b on a fast machine took their last 130 steps in about as long
+as c's restart took (2 s, then a new process), and c found everyone done."""
 
-def job_text(*, sites: int, quorum: int, strategy: str = "diloco") -> str:
+
+def job_text(
+    *, sites: int, quorum: int, strategy: str = "diloco", hold_until_c_is_back: bool = False
+) -> str:
     return (
         JOB.replace("SITE_C", "  - {name: c, ranks: 1}" if sites == 3 else "")
         .replace("QUORUM", str(quorum))
         .replace("STRATEGY", strategy)
+        .replace("FAULTS\n", HOLD_UNTIL_C_IS_BACK if hold_until_c_is_back else "")
     )
 
 
@@ -71,7 +87,7 @@ def run_with_fault(tmp_path, text: str, victim: str, *flags: str, **fault):
 def test_a_killed_site_is_left_out_then_rejoins_and_every_site_ends_with_the_same_model(
     tmp_path, strategy
 ):
-    text = job_text(sites=3, quorum=2, strategy=strategy)
+    text = job_text(sites=3, quorum=2, strategy=strategy, hold_until_c_is_back=True)
     out, summary, figures = run_with_fault(tmp_path, text, "c", "--restart-lost")
     assert summary["status"] == "finished"
     sites = summary["sites"]
