@@ -172,11 +172,12 @@ def validate_fault(fault: Fault, site_names: list[str]) -> None:
             "action", f"unknown fault {fault.action!r}; use one of {', '.join(FAULT_ACTIONS)}"
         )
     if (fault.at_s is None) == (fault.at_round is None):
+        both = fault.at_s is not None
         raise LinkConfigError(
-            "at_s" if fault.at_s is not None else "at_round",
-            "give one of at_s (seconds after the emulator started) or at_round "
-            "(once a site has completed that many rounds), not "
-            + ("both" if fault.at_s is not None else "neither"),
+            "at_s",
+            ("give one of at_s" if both else "give at_s")
+            + " (seconds after the emulator started) or at_round (once a site has "
+            "completed that many rounds)" + (", not both" if both else ""),
         )
     if fault.at_s is not None and fault.at_s < 0:
         raise LinkConfigError("at_s", f"must be >= 0 seconds after start, got {fault.at_s}")

@@ -389,3 +389,18 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "deploy" / "examples").
 def test_shipped_examples_are_valid(path):
     job = load_job(path)
     assert len(job.sites) >= 2 and job.wan is not None
+
+
+def test_a_fault_built_in_python_needs_one_start_and_one_end():
+    from isthmus.sim.link import LinkConfigError
+    from isthmus.sim.topology import Fault, validate_fault
+
+    with pytest.raises(LinkConfigError, match=r"give at_s \(seconds after the emulator started\)"):
+        validate_fault(Fault(link=("a", "b"), action="partition"), ["a", "b"])
+    with pytest.raises(LinkConfigError, match="not both"):
+        validate_fault(
+            Fault(at_round=1, link=("a", "b"), action="corrupt", rate=0.1, for_s=1, for_rounds=1),
+            ["a", "b"],
+        )
+    with pytest.raises(LinkConfigError, match="whole number of rounds"):
+        validate_fault(Fault(at_round=True, link=("a", "b"), action="partition"), ["a", "b"])
