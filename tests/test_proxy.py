@@ -237,19 +237,25 @@ def test_settings_change_while_traffic_flows(probe, two_sites):
 
 
 def test_scheduled_partition_happens_and_heals(probe, two_sites):
+    """Bytes sent while the link is cut arrive after the heal. The test follows the
+    link's own events (times on this process's monotonic clock), not sleeps, so a
+    loaded machine that runs the test thread late cannot make it send too early or
+    too late."""
     fault = Fault(at_s=0.3, link=("a", "b"), action="partition", for_s=0.8)
     with two_sites(probe.address, LinkParams.symmetric(rtt_ms=2), faults=(fault,)) as wan:
         address = wan.dial_address("a", "b")
         with socket.create_connection(address, timeout=10) as sock:
             sock.sendall(b"e")
-            time.sleep(0.5)
-            start = time.monotonic()
+            assert _events_once(wan, 1) == ["cut (blackhole)"]
+            sent = time.monotonic()
             sock.sendall(b"ping")
             assert sock.recv(4) == b"ping"
-            waited = time.monotonic() - start
-        events = wan.call(lambda e: [what for _, what in e.link("a", "b").events])
-    assert 0.3 <= waited <= 2.0
-    assert events[:2] == ["cut (blackhole)", "heal"]
+            received = time.monotonic()
+        (cut, cut_what), (heal, heal_what) = wan.call(lambda e: e.link("a", "b").events[:2])
+    assert (cut_what, heal_what) == ("cut (blackhole)", "heal")
+    assert heal - cut >= 0.8
+    assert cut <= sent < heal <= received  # held while cut, delivered after the heal
+    assert received - heal <= 1.5
 
 
 def _events_once(wan, count: int, timeout_s: float = 10.0) -> list[str]:
@@ -313,12 +319,13 @@ def test_scheduled_brownout_reverts(probe, two_sites):
     fault = Fault(at_s=0.0, link=("a", "b"), action="brownout", for_s=0.5, changes={"rtt_ms": 80})
     with two_sites(probe.address, LinkParams.symmetric(rtt_ms=4), faults=(fault,)) as wan:
         address = wan.dial_address("a", "b")
-        time.sleep(0.1)
-        during = wan.call(lambda e: e.link("a", "b").params.rtt_ms)
-        time.sleep(0.8)
+        # The link's events, not a sleep: the test thread may run late on a busy machine.
+        events = _events_once(wan, 2)
+        (applied, _), (reverted, _) = wan.call(lambda e: e.link("a", "b").events[:2])
         after = wan.call(lambda e: e.link("a", "b").params.rtt_ms)
         assert measure_rtt_ms(address, count=2)
-    assert during == 80 and after == 4
+    assert events == ["set {'delay_ms': 40.0}", "set {'delay_ms': 2.0}"]
+    assert reverted - applied >= 0.5 and after == 4
 
 
 def test_slow_receiver_backpressures_the_sender_with_bounded_memory(two_sites):
@@ -381,7 +388,11 @@ def test_unreachable_upstream_closes_the_client_and_is_counted(two_sites):
 def test_flap_cuts_and_heals_repeatedly(probe, two_sites):
     fault = Fault(at_s=0.0, link=("a", "b"), action="flap", for_s=1.0, period_s=0.4, down_s=0.1)
     with two_sites(probe.address, LinkParams.symmetric(rtt_ms=2), faults=(fault,)) as wan:
-        time.sleep(1.3)
+        # Until the emulator's own clock is past the flap's end (a sleep of the test
+        # thread could end before it on a busy machine).
+        deadline = time.monotonic() + 30
+        while wan.stats()["uptime_s"] < 1.3 and time.monotonic() < deadline:
+            time.sleep(0.05)
         events = wan.call(lambda e: [what for _, what in e.link("a", "b").events])
         assert measure_rtt_ms(wan.dial_address("a", "b"), count=2)
     assert events.count("cut (blackhole)") == 3
