@@ -46,8 +46,10 @@ def describe_job(job: Job) -> str:
             p = topology.link_params(a, b)
             lines.append(f"  link {a}<->{b}: {describe_link(p.a_to_b, p.rtt_ms)}")
         for f in job.wan.faults:
-            lasting = f" for {f.for_s:g} s" if f.for_s else ""
-            lines.append(f"  fault at {f.at_s:g} s: {f.action} {f.link[0]}<->{f.link[1]}{lasting}")
+            lasting = f" {f.describe_length()}" if f.describe_length() else ""
+            lines.append(
+                f"  fault at {f.describe_start()}: {f.action} {f.link[0]}<->{f.link[1]}{lasting}"
+            )
     settings = ", ".join(f"{k}={v}" for k, v in job.train.to_dict().items())
     lines.append(f"  train: {settings}")
     return "\n".join(lines)

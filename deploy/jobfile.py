@@ -17,6 +17,7 @@ Shape (every section but ``name`` and ``sites`` is optional)::
         - {between: [us-east, eu-west], rtt_ms: 75, jitter_ms: 2, loss: 0.001}
       faults:
         - {at_s: 30, link: [us-east, eu-west], action: partition, for_s: 10}
+        - {at_round: 4, link: [us-east, eu-west], action: partition, for_rounds: 2}
     train: {strategy: diloco, steps: 600, sync_every: 50, codec: int8}
     control: {broker: mqtt://broker.example:1883}     # else an embedded broker
     tune: {target_utilization: 0.9, codecs: [none, int8], online: true}   # isthmus tune
@@ -71,7 +72,20 @@ CONTROL_KEYS = ("broker", "username", "password", "password_env", "tls", "wait_s
 TLS_KEYS = ("ca", "cert", "key")
 SITE_KEYS = ("name", "ranks", "nodes", "address", "advertise", "uplink_mbit", "parallel")
 WAN_KEYS = ("default", "links", "faults")
-FAULT_KEYS = ("at_s", "link", "action", "for_s", "mode", "period_s", "down_s", "rate", "changes")
+FAULT_KEYS = (
+    "at_s",
+    "at_round",
+    "link",
+    "action",
+    "for_s",
+    "for_rounds",
+    "rounds_of",
+    "mode",
+    "period_s",
+    "down_s",
+    "rate",
+    "changes",
+)
 
 
 class JobFileError(ValueError):
@@ -717,12 +731,15 @@ class _Validator:
             entry = self.mapping(entry, path, FAULT_KEYS)
             if entry is None:
                 continue
-            missing = [k for k in ("at_s", "link", "action") if k not in entry]
+            missing = [k for k in ("link", "action") if k not in entry]
+            if "at_s" not in entry and "at_round" not in entry:
+                missing.insert(0, "at_s or at_round")
             if missing:
                 self.fail(
                     path,
                     f"missing {', '.join(repr(m) for m in missing)}; "
-                    "e.g. {at_s: 30, link: [a, b], action: partition, for_s: 10}",
+                    "e.g. {at_s: 30, link: [a, b], action: partition, for_s: 10} or "
+                    "{at_round: 4, link: [a, b], action: partition, for_rounds: 3}",
                 )
                 continue
             pair = self.pair(entry["link"], f"{path}.link", names)
@@ -732,13 +749,29 @@ class _Validator:
             bad = False
             for key in ("at_s", "for_s", "period_s", "down_s", "rate"):
                 value = entry.get(key)
-                if key == "at_s" and value is None:
+                if key == "at_s" and value is None and "at_s" in entry:
                     self.fail(f"{path}.at_s", "must be a number of seconds from the start")
                     bad = True
                 elif value is not None and not _is_number(value):
                     self.fail(f"{path}.{key}", f"must be a number, got {value!r}")
                     bad = True
                 numbers[key] = value
+            for key in ("at_round", "for_rounds"):
+                value = entry.get(key)
+                if key in entry and not (
+                    isinstance(value, int) and not isinstance(value, bool) and value >= 1
+                ):
+                    hint = " (round 1 is the first round completed)" if value == 0 else ""
+                    self.fail(
+                        f"{path}.{key}",
+                        f"must be a whole number of rounds >= 1, got {value!r}{hint}",
+                    )
+                    bad = True
+                numbers[key] = value
+            rounds_of = entry.get("rounds_of")
+            if rounds_of is not None and not isinstance(rounds_of, str):
+                self.fail(f"{path}.rounds_of", f"must be a site's name, got {_kind(rounds_of)}")
+                bad = True
             changes = entry.get("changes") or {}
             if not isinstance(changes, dict):
                 self.fail(
@@ -749,9 +782,12 @@ class _Validator:
                 continue
             fault = Fault(
                 at_s=numbers["at_s"],
+                at_round=numbers["at_round"],
                 link=pair,
                 action=str(entry["action"]),
                 for_s=numbers["for_s"],
+                for_rounds=numbers["for_rounds"],
+                rounds_of=rounds_of,
                 mode=str(entry.get("mode", "blackhole")),
                 period_s=numbers["period_s"],
                 down_s=numbers["down_s"],

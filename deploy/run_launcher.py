@@ -268,6 +268,11 @@ class Launcher:
         self.tensorboard: Any = None
         self.tuner: Any = None
         self._pids: dict[str, list[int]] = {}
+        # Faults that start or end at a round wait on the rounds the launcher reports.
+        self._reports_progress = job.wan is not None and any(
+            f.at_round is not None or f.for_rounds is not None for f in job.wan.faults
+        )
+        self._reported: dict[str, int] = {}
 
     # -- start ---------------------------------------------------------------------
     def start(self) -> None:
@@ -381,6 +386,7 @@ class Launcher:
         try:
             while True:
                 self._read_records()
+                self._report_progress()
                 self._poll_links()
                 self._poll_tuner()
                 if self._stop_signal is not None:
@@ -456,6 +462,21 @@ class Launcher:
                 if self.tensorboard is not None:
                     self.tensorboard.add(record)
         self._metrics.flush()
+
+    def _report_progress(self) -> None:
+        """Tell the emulator the rounds each site has completed, when they change."""
+        if not self._reports_progress or self.emulator_control is None:
+            return
+        rounds = {name: site.outer_steps for name, site in self.state.sites.items()}
+        if rounds == self._reported:
+            return
+        from isthmus.sim.control import ControlError
+
+        try:
+            self.emulator_control.progress(rounds)
+        except ControlError:  # the emulator is gone; the process check reports it
+            return
+        self._reported = rounds
 
     def _poll_links(self) -> None:
         if self.emulator_control is None or time.monotonic() - self._last_link_poll < 1.0:

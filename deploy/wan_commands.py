@@ -316,7 +316,7 @@ async def _serve_topology(job: Job, state_path: Path, host: str, stats_every: fl
         await emulator.start()
     except OSError as exc:
         raise UsageError(str(exc.strerror)) from None
-    control = ControlServer(emulator, host="127.0.0.1")
+    control = ControlServer(emulator, host="127.0.0.1", progress=emulator.progress)
     control_address = await control.start()
     state = {
         "version": STATE_VERSION,

@@ -21,7 +21,7 @@ from typing import Any
 from isthmus.deploy.cli import UsageError
 from isthmus.deploy.jobfile import Job
 from isthmus.sim.control import ControlServer
-from isthmus.sim.faults import run_fault
+from isthmus.sim.faults import Progress, run_fault
 from isthmus.sim.hosts import (
     MIN_TCP_RMEM_MAX,
     TCP_BUFFER_MAX,
@@ -136,11 +136,14 @@ class _ControlThread:
         self.address = future.result(timeout=30)
 
     async def _start(self) -> tuple[str, int]:
-        self.server = ControlServer(self.router)
+        progress = Progress()
+        self.server = ControlServer(self.router, progress=progress)
         address = await self.server.start()
         started_at = asyncio.get_running_loop().time()
         self.tasks = [
-            asyncio.ensure_future(run_fault(f, self.router.link(*f.link), started_at=started_at))
+            asyncio.ensure_future(
+                run_fault(f, self.router.link(*f.link), started_at=started_at, progress=progress)
+            )
             for f in self.router.topology.faults
         ]
         return address

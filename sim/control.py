@@ -8,6 +8,12 @@
     {"op": "cut", "link": ["us-east", "eu-west"], "mode": "reset"}
     {"op": "stats"}
     {"ok": true, "stats": {...}}
+    {"op": "progress", "rounds": {"us-east": 4, "eu-west": 3}}
+    {"ok": true, "progress": {"us-east": 4, "eu-west": 3}}
+
+``progress`` reports the rounds each site has completed (``isthmus run``'s
+launcher sends it as the sites record rounds); faults that start or end at a
+round (``at_round``, ``for_rounds``) wait on it.
 
 It listens on loopback only and has no authentication: anyone who can open a
 loopback connection on the machine can change the emulated links.
@@ -20,7 +26,7 @@ import json
 import socket
 from typing import Any, Protocol
 
-from isthmus.sim.faults import ControllableLink
+from isthmus.sim.faults import ControllableLink, Progress
 from isthmus.sim.link import LinkConfigError
 
 MAX_REQUEST_BYTES = 64 * 1024
@@ -37,8 +43,18 @@ class Controllable(Protocol):
 class ControlServer:
     """Serves control requests for ``emulator`` on ``host`` (a free port by default)."""
 
-    def __init__(self, emulator: Controllable, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        emulator: Controllable,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        progress: Progress | None = None,
+    ) -> None:
+        """``progress``: where ``progress`` requests go (the emulator's fault
+        schedule waits on it); without one they are refused."""
         self.emulator = emulator
+        self.progress = progress
         self._host, self._port = host, port
         self._server: asyncio.Server | None = None
         self.address: tuple[str, int] | None = None
@@ -78,6 +94,8 @@ class ControlServer:
         try:
             if op == "stats":
                 return {"ok": True, "stats": self.emulator.stats()}
+            if op == "progress":
+                return self._progress(request)
             link = self._link(request)
             if op == "set":
                 changes = request.get("changes")
@@ -89,11 +107,31 @@ class ControlServer:
             elif op == "heal":
                 link.heal()
             else:
-                return {"ok": False, "error": f"unknown op {op!r}; use set, cut, heal or stats"}
+                ops = "set, cut, heal, stats or progress"
+                return {"ok": False, "error": f"unknown op {op!r}; use {ops}"}
             return {"ok": True, "link": link.stats()}
         except (KeyError, ValueError, LinkConfigError, TypeError) as exc:
             message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
             return {"ok": False, "error": message}
+
+    def _progress(self, request: dict[str, Any]) -> dict[str, Any]:
+        if self.progress is None:
+            return {"ok": False, "error": "this emulator takes no progress reports"}
+        rounds = request.get("rounds")
+        if not (
+            isinstance(rounds, dict)
+            and all(
+                isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+                for k, v in rounds.items()
+            )
+        ):
+            return {
+                "ok": False,
+                "error": "'rounds' must map sites to rounds completed, e.g. {\"us-east\": 4}",
+            }
+        for site, done in rounds.items():
+            self.progress.report(site, done)
+        return {"ok": True, "progress": self.progress.as_dict()}
 
     def _link(self, request: dict[str, Any]) -> ControllableLink:
         pair = request.get("link")
@@ -150,3 +188,7 @@ class ControlClient:
 
     def stats(self) -> dict[str, Any]:
         return self.request(op="stats")["stats"]
+
+    def progress(self, rounds: dict[str, int]) -> dict[str, int]:
+        """Report the rounds each site has completed; returns what the emulator holds."""
+        return self.request(op="progress", rounds=rounds)["progress"]

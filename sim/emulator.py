@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from isthmus.sim.faults import run_fault
+from isthmus.sim.faults import Progress, run_fault
 from isthmus.sim.precise_timers import PreciseTimers
 from isthmus.sim.proxy import LinkRuntime, Listener
 from isthmus.sim.topology import Topology
@@ -56,6 +56,8 @@ class Emulator:
         self._listeners: dict[tuple[str, str, int], tuple[Listener, tuple[str, int]]] = {}
         self._fault_tasks: list[asyncio.Task[None]] = []
         self._started_at: float | None = None
+        self.progress = Progress()
+        """The sites' rounds, as reported; what round-triggered faults wait on."""
 
     # -- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:
@@ -86,7 +88,11 @@ class Emulator:
             raise
         self._started_at = loop.time()
         self._fault_tasks = [
-            asyncio.ensure_future(run_fault(f, self.link(*f.link), started_at=self._started_at))
+            asyncio.ensure_future(
+                run_fault(
+                    f, self.link(*f.link), started_at=self._started_at, progress=self.progress
+                )
+            )
             for f in self.topology.faults
         ]
 

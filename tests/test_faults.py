@@ -1,5 +1,9 @@
 """Faults on real processes over the emulator: a link cut for a while holds the
-run up, and the run goes on when it heals, with the same model on every site."""
+run up, and the run goes on when it heals, with the same model on every site.
+
+The cut falls at a point of training (``at_round``), not at a time: a cut on a
+clock (it was ``at_s: 20``) fell before training started when the machine was
+loaded and the sites started late, and nothing was held up."""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ sites:
 wan:
   default: {rtt_ms: 20, bandwidth_mbit: 200}
   faults:
-    - {at_s: 20, link: [a, b], action: partition, for_s: 8, mode: MODE}
+    - {at_round: 3, link: [a, b], action: partition, for_s: 8, mode: MODE}
 train: {strategy: diloco, steps: STEPS, sync_every: 5, warmup_steps: 2}
 """
 

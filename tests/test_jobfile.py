@@ -61,6 +61,25 @@ def test_the_issue_example_is_accepted():
     assert link.rtt_ms == 75 and link.a_to_b.bandwidth_mbit == 500 and link.a_to_b.jitter_ms == 2
 
 
+def test_a_fault_may_start_and_end_at_rounds_and_at_s_still_works():
+    job = parse_job(
+        "name: x\nsites: [{name: a}, {name: b}, {name: c}]\nwan:\n  faults:\n"
+        "    - {at_round: 4, rounds_of: b, link: [a, c], action: partition, for_rounds: 3}\n"
+        "    - {at_round: 2, link: [a, b], action: partition, for_s: 8, mode: reset}\n"
+        "    - {at_s: 20, link: [b, c], action: flap, for_rounds: 2, period_s: 2, down_s: 1}\n"
+    )
+    first, second, third = job.wan.faults
+    assert (first.at_s, first.at_round, first.rounds_of, first.for_rounds) == (None, 4, "b", 3)
+    assert (first.describe_start(), first.describe_length()) == (
+        "round 4 of b",
+        "for 3 rounds of b",
+    )
+    assert (second.at_round, second.rounds_of, second.for_s) == (2, None, 8)
+    assert (second.describe_start(), second.describe_length()) == ("round 2", "for 8 s")
+    assert (third.at_s, third.at_round, third.for_rounds) == (20, None, 2)
+    assert third.describe_start() == "20 s"
+
+
 def test_minimal_job_gets_defaults():
     job = parse_job("name: x\nsites: [{name: a}, {name: b}]\n")
     assert [s.ranks for s in job.sites] == [1, 1]
@@ -166,6 +185,46 @@ def test_egress_overrides_one_direction():
         (
             "name: x\nsites: [{name: a}, {name: b}]\nwan:\n  faults: [{at_s: 1, link: [a, b], action: brownout, changes: {loss: 3}}]\n",
             "wan.faults[0].changes.loss: must be a fraction",
+        ),
+        (
+            "name: x\nsites: [{name: a}, {name: b}]\nwan:\n  faults: [{link: [a, b], action: partition}]\n",
+            "wan.faults[0]: missing 'at_s or at_round'",
+        ),
+        (
+            "name: x\nsites: [{name: a}, {name: b}]\nwan:\n  faults: [{at_s: 1, at_round: 2, link: [a, b], action: partition}]\n",
+            "wan.faults[0].at_s: give one of at_s (seconds after the emulator started) or at_round",
+        ),
+        (
+            "name: x\nsites: [{name: a}, {name: b}]\nwan:\n  faults: [{at_round: 0, link: [a, b], action: partition}]\n",
+            "wan.faults[0].at_round: must be a whole number of rounds >= 1, got 0 (round 1 is the first",
+        ),
+        (
+            "name: x\nsites: [{name: a}, {name: b}]\nwan:\n  faults: [{at_round: 2.5, link: [a, b], action: partition}]\n",
+            "wan.faults[0].at_round: must be a whole number of rounds >= 1, got 2.5",
+        ),
+        (
+            "name: x\nsites: [{name: a}, {name: b}]\nwan:\n  faults: [{at_round: 2, link: [a, b], action: partition, for_s: 3, for_rounds: 2}]\n",
+            "wan.faults[0].for_rounds: give one of for_s (seconds) or for_rounds (rounds), not both",
+        ),
+        (
+            "name: x\nsites: [{name: a}, {name: b}]\nwan:\n  faults: [{at_round: 2, link: [a, b], action: partition, for_rounds: -1}]\n",
+            "wan.faults[0].for_rounds: must be a whole number of rounds >= 1",
+        ),
+        (
+            "name: x\nsites: [{name: a}, {name: b}]\nwan:\n  faults: [{at_round: 2, rounds_of: c, link: [a, b], action: partition}]\n",
+            "wan.faults[0].rounds_of: unknown site 'c'; sites: a, b",
+        ),
+        (
+            "name: x\nsites: [{name: a}, {name: b}]\nwan:\n  faults: [{at_s: 2, rounds_of: a, link: [a, b], action: partition, for_s: 1}]\n",
+            "wan.faults[0].rounds_of: names whose rounds at_round or for_rounds count",
+        ),
+        (
+            "name: x\nsites: [{name: a}, {name: b}]\nwan:\n  faults: [{at_round: 2, rounds_of: [a], link: [a, b], action: partition}]\n",
+            "wan.faults[0].rounds_of: must be a site's name",
+        ),
+        (
+            "name: x\nsites: [{name: a}, {name: b}]\nwan:\n  faults: [{at_round: 2, link: [a, b], action: flap, period_s: 2, down_s: 1}]\n",
+            "wan.faults[0].for_s: a flap needs for_s or for_rounds",
         ),
         (
             "name: x\nsites: [{name: a}]\ntrain: {strategy: dilco}\n",
@@ -330,3 +389,18 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "deploy" / "examples").
 def test_shipped_examples_are_valid(path):
     job = load_job(path)
     assert len(job.sites) >= 2 and job.wan is not None
+
+
+def test_a_fault_built_in_python_needs_one_start_and_one_end():
+    from isthmus.sim.link import LinkConfigError
+    from isthmus.sim.topology import Fault, validate_fault
+
+    with pytest.raises(LinkConfigError, match=r"give at_s \(seconds after the emulator started\)"):
+        validate_fault(Fault(link=("a", "b"), action="partition"), ["a", "b"])
+    with pytest.raises(LinkConfigError, match="not both"):
+        validate_fault(
+            Fault(at_round=1, link=("a", "b"), action="corrupt", rate=0.1, for_s=1, for_rounds=1),
+            ["a", "b"],
+        )
+    with pytest.raises(LinkConfigError, match="whole number of rounds"):
+        validate_fault(Fault(at_round=True, link=("a", "b"), action="partition"), ["a", "b"])

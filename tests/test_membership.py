@@ -251,7 +251,9 @@ def test_a_member_that_completed_the_round_is_not_waited_for():
 
 
 def test_without_the_others_reports_the_round_is_run_again_once_the_wait_is_over():
-    a, published = leader_a(SITES, min_sites=2, settle_s=0.2)
+    # The wait runs on a timer thread: 1 s, not 0.2 s, so a busy machine that pauses
+    # this thread between the report and the first check cannot let it end first.
+    a, published = leader_a(SITES, min_sites=2, settle_s=1.0)
     a.report(rounds=7, engine_round=12)
     a.on_status("c", online(training(7, 12)))
     a.on_status("b", online(Report(phase="stuck", rounds=7, engine_round=12)))

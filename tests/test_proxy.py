@@ -237,31 +237,95 @@ def test_settings_change_while_traffic_flows(probe, two_sites):
 
 
 def test_scheduled_partition_happens_and_heals(probe, two_sites):
+    """Bytes sent while the link is cut arrive after the heal. The test follows the
+    link's own events (times on this process's monotonic clock), not sleeps, so a
+    loaded machine that runs the test thread late cannot make it send too early or
+    too late."""
     fault = Fault(at_s=0.3, link=("a", "b"), action="partition", for_s=0.8)
     with two_sites(probe.address, LinkParams.symmetric(rtt_ms=2), faults=(fault,)) as wan:
         address = wan.dial_address("a", "b")
         with socket.create_connection(address, timeout=10) as sock:
             sock.sendall(b"e")
-            time.sleep(0.5)
-            start = time.monotonic()
+            assert _events_once(wan, 1) == ["cut (blackhole)"]
+            sent = time.monotonic()
             sock.sendall(b"ping")
             assert sock.recv(4) == b"ping"
-            waited = time.monotonic() - start
+            received = time.monotonic()
+        (cut, cut_what), (heal, heal_what) = wan.call(lambda e: e.link("a", "b").events[:2])
+    assert (cut_what, heal_what) == ("cut (blackhole)", "heal")
+    assert heal - cut >= 0.8
+    assert cut <= sent < heal <= received  # held while cut, delivered after the heal
+    assert received - heal <= 1.5
+
+
+def _events_once(wan, count: int, timeout_s: float = 10.0) -> list[str]:
+    """The link's events, once it has ``count`` of them (or the bound is up)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
         events = wan.call(lambda e: [what for _, what in e.link("a", "b").events])
-    assert 0.3 <= waited <= 2.0
-    assert events[:2] == ["cut (blackhole)", "heal"]
+        if len(events) >= count or time.monotonic() > deadline:
+            return events
+        time.sleep(0.02)
+
+
+def test_a_fault_at_a_round_waits_for_training_to_reach_it_and_heals_rounds_later(probe, two_sites):
+    """``at_round: 2, rounds_of: b, for_rounds: 2``: nothing happens on a clock;
+    the cut comes when b reports its second round, the heal at its fourth."""
+    fault = Fault(at_round=2, rounds_of="b", link=("a", "b"), action="partition", for_rounds=2)
+    with two_sites(probe.address, LinkParams.symmetric(rtt_ms=2), faults=(fault,)) as wan:
+        report = lambda site, n: wan.call(lambda e: e.progress.report(site, n))  # noqa: E731
+        report("a", 5)  # another site's rounds do not count
+        report("b", 1)
+        assert _events_once(wan, 1, timeout_s=0.5) == []
+        report("b", 2)
+        assert _events_once(wan, 1) == ["cut (blackhole)"]
+        report("b", 3)
+        report("a", 9)
+        assert _events_once(wan, 2, timeout_s=0.5) == ["cut (blackhole)"]
+        report("b", 4)
+        assert _events_once(wan, 2) == ["cut (blackhole)", "heal"]
+        assert measure_rtt_ms(wan.dial_address("a", "b"), count=2)
+
+
+def test_a_fault_at_a_round_of_any_site_lasts_for_seconds(probe, two_sites):
+    fault = Fault(at_round=3, link=("a", "b"), action="partition", for_s=0.3, mode="reset")
+    with two_sites(probe.address, LinkParams.symmetric(rtt_ms=2), faults=(fault,)) as wan:
+        wan.call(lambda e: e.progress.report("b", 2))
+        assert _events_once(wan, 1, timeout_s=0.5) == []
+        wan.call(lambda e: e.progress.report("a", 3))
+        assert _events_once(wan, 2) == ["cut (reset)", "heal"]
+        (cut, _), (heal, _) = wan.call(lambda e: e.link("a", "b").events[:2])
+    assert heal - cut >= 0.3
+
+
+def test_progress_reaches_the_emulator_through_its_control_service():
+    from isthmus.sim.control import ControlServer
+    from isthmus.sim.faults import Progress
+
+    progress = Progress()
+    server = ControlServer(object(), progress=progress)  # type: ignore[arg-type]
+    answer = server.handle(b'{"op": "progress", "rounds": {"a": 3, "b": 1}}')
+    assert answer == {"ok": True, "progress": {"a": 3, "b": 1}}
+    # Counts only grow: a late report changes nothing.
+    server.handle(b'{"op": "progress", "rounds": {"a": 2}}')
+    assert (progress.rounds("a"), progress.rounds("b"), progress.rounds()) == (3, 1, 3)
+    bad = server.handle(b'{"op": "progress", "rounds": {"a": "3"}}')
+    assert not bad["ok"] and "'rounds' must map sites to rounds completed" in bad["error"]
+    refused = ControlServer(object()).handle(b'{"op": "progress", "rounds": {}}')  # type: ignore[arg-type]
+    assert refused == {"ok": False, "error": "this emulator takes no progress reports"}
 
 
 def test_scheduled_brownout_reverts(probe, two_sites):
     fault = Fault(at_s=0.0, link=("a", "b"), action="brownout", for_s=0.5, changes={"rtt_ms": 80})
     with two_sites(probe.address, LinkParams.symmetric(rtt_ms=4), faults=(fault,)) as wan:
         address = wan.dial_address("a", "b")
-        time.sleep(0.1)
-        during = wan.call(lambda e: e.link("a", "b").params.rtt_ms)
-        time.sleep(0.8)
+        # The link's events, not a sleep: the test thread may run late on a busy machine.
+        events = _events_once(wan, 2)
+        (applied, _), (reverted, _) = wan.call(lambda e: e.link("a", "b").events[:2])
         after = wan.call(lambda e: e.link("a", "b").params.rtt_ms)
         assert measure_rtt_ms(address, count=2)
-    assert during == 80 and after == 4
+    assert events == ["set {'delay_ms': 40.0}", "set {'delay_ms': 2.0}"]
+    assert reverted - applied >= 0.5 and after == 4
 
 
 def test_slow_receiver_backpressures_the_sender_with_bounded_memory(two_sites):
@@ -324,7 +388,11 @@ def test_unreachable_upstream_closes_the_client_and_is_counted(two_sites):
 def test_flap_cuts_and_heals_repeatedly(probe, two_sites):
     fault = Fault(at_s=0.0, link=("a", "b"), action="flap", for_s=1.0, period_s=0.4, down_s=0.1)
     with two_sites(probe.address, LinkParams.symmetric(rtt_ms=2), faults=(fault,)) as wan:
-        time.sleep(1.3)
+        # Until the emulator's own clock is past the flap's end (a sleep of the test
+        # thread could end before it on a busy machine).
+        deadline = time.monotonic() + 30
+        while wan.stats()["uptime_s"] < 1.3 and time.monotonic() < deadline:
+            time.sleep(0.05)
         events = wan.call(lambda e: [what for _, what in e.link("a", "b").events])
         assert measure_rtt_ms(wan.dial_address("a", "b"), count=2)
     assert events.count("cut (blackhole)") == 3

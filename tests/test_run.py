@@ -157,11 +157,13 @@ def test_a_small_job_end_to_end(tmp_path):
 
 @pytest.mark.slow
 def test_time_budgeted_rounds_end_every_site_at_the_same_round(tmp_path):
-    # Site b (two ranks, an in-site average every step) is the slower one here. Rounds
-    # short enough for several before a ends: on a fast machine a takes its 40 steps
-    # in about 2 s (1.5 s rounds gave it one).
+    # Site b (two ranks, an in-site average every step) is the slower one here. A
+    # round's length is a time, so the run must last several of them on any machine:
+    # 40 steps took 2 s on a fast one (1.5 s rounds gave one; 0.4 s rounds gave 5,
+    # and 2 on a machine twice as fast). 80 steps: about 4 s there, 2 s on a machine
+    # twice as fast (5 rounds); a loaded machine makes more, shorter rounds.
     text = SMALL_JOB.replace("sync_every: 4,", "sync_every: 1000, round_seconds: 0.4,")
-    job = write_job(tmp_path, steps=40, text=text)
+    job = write_job(tmp_path, steps=80, text=text)
     out = tmp_path / "run"
     done = isthmus("run", str(job), "--out", str(out), cwd=tmp_path)
     assert done.returncode == 0, done.stderr + explain(out)
@@ -169,8 +171,8 @@ def test_time_budgeted_rounds_end_every_site_at_the_same_round(tmp_path):
     assert sites["a"]["param_sha256"] == sites["b"]["param_sha256"]
     assert sites["a"]["outer_steps"] == sites["b"]["outer_steps"] >= 2
     # The first site to take all its steps ended the run for both.
-    assert max(s["inner_steps"] for s in sites.values()) == 40
-    assert all(0 < s["inner_steps"] <= 40 for s in sites.values())
+    assert max(s["inner_steps"] for s in sites.values()) == 80
+    assert all(0 < s["inner_steps"] <= 80 for s in sites.values())
 
 
 @pytest.mark.slow

@@ -24,15 +24,31 @@ sites:
 SITE_C
 wan:
   default: {rtt_ms: 20, bandwidth_mbit: 200}
+FAULTS
 train: {strategy: STRATEGY, steps: 150, sync_every: 5, warmup_steps: 2, min_sites: QUORUM}
 """
 
+HOLD_UNTIL_C_IS_BACK = """\
+  faults:
+    - {at_round: 4, rounds_of: c, link: [a, b], action: brownout, changes: {rtt_ms: 500},
+       for_rounds: 2}
+"""
+"""From c's round 4 (when the test kills it) until c has completed two more rounds
+(at most one of them before it died: it is killed as it records its fourth), the
+survivors' link takes 500 ms a round trip: their rounds have a floor of network
+time, so they cannot finish before c is back, however fast the machine.
+Without it, a and b on a fast machine took their last 130 steps in about as long
+as c's restart took (2 s, then a new process), and c found everyone done."""
 
-def job_text(*, sites: int, quorum: int, strategy: str = "diloco") -> str:
+
+def job_text(
+    *, sites: int, quorum: int, strategy: str = "diloco", hold_until_c_is_back: bool = False
+) -> str:
     return (
         JOB.replace("SITE_C", "  - {name: c, ranks: 1}" if sites == 3 else "")
         .replace("QUORUM", str(quorum))
         .replace("STRATEGY", strategy)
+        .replace("FAULTS\n", HOLD_UNTIL_C_IS_BACK if hold_until_c_is_back else "")
     )
 
 
@@ -71,7 +87,7 @@ def run_with_fault(tmp_path, text: str, victim: str, *flags: str, **fault):
 def test_a_killed_site_is_left_out_then_rejoins_and_every_site_ends_with_the_same_model(
     tmp_path, strategy
 ):
-    text = job_text(sites=3, quorum=2, strategy=strategy)
+    text = job_text(sites=3, quorum=2, strategy=strategy, hold_until_c_is_back=True)
     out, summary, figures = run_with_fault(tmp_path, text, "c", "--restart-lost")
     assert summary["status"] == "finished"
     sites = summary["sites"]
@@ -150,7 +166,7 @@ sites:
 wan:
   default: {rtt_ms: 20, bandwidth_mbit: 200}
   faults:
-    - {at_s: 20, link: [a, c], action: partition, for_s: 18, mode: blackhole}
+    - {at_round: 4, link: [a, c], action: partition, for_rounds: 4, rounds_of: b, mode: blackhole}
 train:
   strategy: async
   steps: 300
@@ -172,9 +188,13 @@ def test_an_async_site_that_misses_its_round_has_its_pseudo_gradient_applied_lat
     late_contributions: stale its missed round's pseudo-gradient goes into its
     next contribution, at half weight. Every site ends with the same model.
 
-    The timing: the link is cut 20 s into the run (about 11 s of training), c is
-    left out about 8 s later, and the link heals 10 s after that, so c is back
-    with most of a and b's 300 steps still to go, on a fast machine or a slow one."""
+    The timing comes from training, not the clock, so it holds on a fast machine
+    or a slow one: the link is cut once a site has completed round 4 (of 60), and
+    heals once b has completed 4 more. b cannot complete those without c's share
+    until c is left out (the round's deadline), so the cut outlasts the deadline,
+    and it heals with about 50 of a and b's rounds to go. (It was cut at 20 s and
+    healed at 38 s: on a loaded machine the cut could fall before training, and
+    on a fast one a and b could finish before the heal.)"""
     job = tmp_path / "job.yaml"
     job.write_text(CUT_OFF)
     out = tmp_path / "run"
