@@ -123,6 +123,10 @@ class AsyncDiLoCo(LocalSteps):
         if self._flight is not None:
             state["site"] = self._flight.site_state
             state["in_flight"] = {"sent": self._flight.sent, "anchor": self._flight.anchor}
+        elif self._resume is not None:
+            # Loaded and not sent again yet (that is at the next step): the site's
+            # state is already the one from before it.
+            state["in_flight"] = self._resume
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -134,6 +134,10 @@ class StreamingDiLoCo(LocalSteps):
                 "due": flight.due,
                 "sent": flight.sent,
             }
+        if self._resume is not None:
+            # Loaded and not started again yet (that is at the next step): the site's
+            # state is already the one from before it.
+            state["in_flight"] = self._resume
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
