@@ -45,7 +45,6 @@ from isthmus.deploy.run_records import RecordWriter, parameter_digest, write_jso
 from isthmus.deploy.site_errors import run_site_main
 from isthmus.inter.allocator import keep_freed_memory
 from isthmus.inter.join import SiteRuntime, start_site
-from isthmus.inter.member_rounds import MemberRounds
 from isthmus.inter.membership import LeftTheRun
 from isthmus.inter.settings import TrainSettings
 from isthmus.inter.strategies import AsyncDiLoCo, DiLoCo, Strategy, StreamingDiLoCo, Sync
@@ -290,10 +289,9 @@ def _train(
     if resumed:
         records.write("resume", round=resume_round, step=start_step)
     if rejoin:
-        assert isinstance(strategy, MemberRounds)
         records.write("state", state="rejoining")
         start_step = strategy.rejoin()
-        pulled = strategy.caught_up[-1]
+        pulled = strategy.member.caught_up[-1]
         records.write(
             "rejoin",
             round=pulled.rounds,
@@ -307,7 +305,7 @@ def _train(
         batches = _batches(job, settings, site, dataset, start_step)
         first = next(batches)
     # Views from the first on; pulls after the rejoin's own (recorded just above).
-    views_seen = (0, len(getattr(strategy, "caught_up", [])))
+    views_seen = (0, len(strategy.member.caught_up))
 
     tokens = int(resumed.get("tokens", 0))
     compute_s = float(resumed.get("compute_s", 0.0))
@@ -320,8 +318,8 @@ def _train(
     left = False
     step = start_step
     while step < settings.steps:
-        if _leave_requested and isinstance(strategy, MemberRounds) and not strategy.leave_requested:
-            strategy.leave_requested = True  # acted on at the next round
+        if _leave_requested and not strategy.member.leave_requested:
+            strategy.member.leave_requested = True  # acted on at the next round
             records.write("state", state="leaving")
         x, y = first if step == start_step else next(batches)
         step_started = time.perf_counter()
@@ -433,7 +431,7 @@ def _train(
                 path=str(path.relative_to(run_dir)),
                 seconds=time.perf_counter() - saved,
             )
-        if isinstance(strategy, MemberRounds) and strategy.inner_steps != step + 1:
+        if strategy.inner_steps != step + 1:
             # This site fell behind (cut off, left out) and pulled the others' state:
             # go on from their step, with the batches of that step.
             step = start_step = steps_done = strategy.inner_steps
@@ -566,7 +564,7 @@ def _write_views(
             donor=view.donor,
             reason=view.reason,
         )
-    caught_up = getattr(strategy, "caught_up", [])
+    caught_up = strategy.member.caught_up
     for pull in caught_up[pulls:]:
         records.write(
             "catch_up",

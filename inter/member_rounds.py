@@ -17,9 +17,12 @@ among the members of the view that holds for it (see
 * every rank of a site agrees on the view, on each round's outcome and on every
   catch-up, so the ranks never part ways.
 
-:class:`MemberRounds` is that machinery, shared by the strategies; each says
-what its global state is (:meth:`MemberRounds._global_state`) and how to take
-it in (:meth:`MemberRounds._load_global_state`).
+:class:`MemberRounds` is that machinery: an object every strategy holds (as
+torchft's strategies hold a Manager), built in the strategy's ``__init__`` with
+what only the strategy knows: what its global state is and how to take it in.
+It is apart from the strategies because it is the same for all of them: how a
+view is entered and agreed on by a site's ranks, how a failed round is run
+again, how the state is pulled and served.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -103,71 +106,82 @@ the global state for this round, so it has nothing of its own to send. Raises on
 
 
 class MemberRounds:
-    """The membership side of a strategy (a mixin before :class:`Strategy`).
+    """The rounds of one strategy under membership views, held by the strategy.
 
-    Subclasses call :meth:`_init_member_rounds` and implement
-    :meth:`_global_state`, :meth:`_load_global_state` and :meth:`_state_bytes`.
-    ``self.rounds`` counts completed rounds; change it (and anything
-    :meth:`_global_state` reads) only under ``self._state_lock``, since the peer
-    service serves the state from its own thread."""
+    The strategy gives it what it cannot know itself: how to wait visibly
+    (``blocking``, the strategy's span recorder) and its global state, to serve
+    to a catching-up peer (``global_state``), to take in from a donor
+    (``load_global_state``) and its size (``state_bytes``). ``rounds`` counts
+    completed rounds; change it (and anything ``global_state`` reads) only under
+    ``lock``, since the peer service serves the state from its own thread.
+    Without a membership (``site.membership`` None) it only counts rounds.
 
-    site: SiteRuntime
-    inner_steps: int
-    _blocking: Callable[[str], AbstractContextManager[None]]
+    Build it last in a strategy's ``__init__``: from then on a peer may pull the
+    strategy's state through it."""
 
-    def _init_member_rounds(self, rejoin_timeout_s: float) -> None:
+    def __init__(
+        self,
+        site: SiteRuntime,
+        *,
+        layouts: Mapping[str, Layout],
+        timeout_s: float,
+        blocking: Callable[[str], AbstractContextManager[None]],
+        global_state: Callable[[], dict[str, Any]],
+        load_global_state: Callable[[dict[str, Any], str], None],
+        state_bytes: Callable[[], int],
+    ) -> None:
+        self.site = site
+        """This rank's runtime: the engine's round numbers, the peers, the loop."""
+        self.membership: Membership | None = site.membership
+        self._layouts = dict(layouts)
+        """Every site's layout (the job's), for weights and for a donor's shares."""
+        self._blocking = blocking
+        self._global_state = global_state
+        self._load_global_state = load_global_state
+        self._state_bytes = state_bytes
         self.rounds = 0
         """Rounds completed: what membership views count."""
         self.caught_up: list[CatchUp] = []
         """Each time this site pulled the global state from a peer (a rejoin, a round
         it fell behind), newest last: for records."""
-        self.member_timeout_s = rejoin_timeout_s
+        self.timeout_s = timeout_s
         """How long a site waits for a usable membership view (quorum, readmission)
         before it gives up with :class:`MembershipError`."""
         self.leave_requested = False
         """Set (on any rank) to leave the run: at the next round this site asks the
         leader to let it go, and stops when the view without it begins."""
         self._leaving = False
-        self._entered_epoch = 0
-        self._state_lock = threading.Lock()
+        self.epoch = 0
+        """The epoch of the last view this site entered."""
+        self.lock = threading.Lock()
         self._served: tuple[int, str, bytes] | None = None
         self._newcomer_dp: dict[str, int] = {}
         """Sites taken in that the job file does not name -> their data-parallel ranks."""
-        site = self.site
-        if site.membership is not None:
+        if self.membership is not None:
             site.endpoint.server.servicer.state_provider = self.state_after
-            site.membership.probe = self._unreachable
-            site.membership.take_in = self._take_in_site
+            self.membership.probe = self._unreachable
+            self.membership.take_in = self._take_in_site
 
-    # -- what each strategy says about its state -----------------------------------
-    def _global_state(self) -> dict[str, Any]:
-        """(State lock held.) What a catching-up site needs to go on from this one
-        after ``self.rounds`` rounds; may raise :class:`StateUnavailable`
-        (STATE_NOT_READY) while it is not yet consistent."""
-        raise NotImplementedError
+    def state_dict(self) -> dict[str, Any]:
+        """The round count and the view entered, for a checkpoint between rounds."""
+        return {"rounds": self.rounds, "epoch": self.epoch}
 
-    def _load_global_state(self, state: dict[str, Any], donor: str) -> None:
-        """(State lock held.) Take in what :meth:`_global_state` gave on ``donor``;
-        raise :class:`MembershipError` if it cannot be this site's."""
-        raise NotImplementedError
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rounds = int(state["rounds"])
+        self.epoch = int(state["epoch"])
 
-    def _state_bytes(self) -> int:
-        """About how many bytes :meth:`_global_state` serialises to (a transfer larger
-        than this, with room for framing, is refused)."""
-        raise NotImplementedError
+    def forget_served(self) -> None:
+        """(Lock held.) Drop the serialised state kept for peers: it is a round old."""
+        self._served = None
 
     # -- a round under the view that holds for it ----------------------------------
-    @property
-    def membership(self) -> Membership | None:
-        return self.site.membership
-
-    def _as_member(self, attempt: Attempt, *, engine_rounds: int = 1) -> bool:
+    def as_member(self, attempt: Attempt, *, engine_rounds: int = 1) -> bool:
         """Run the round after ``self.rounds`` under the view that holds for it: run it
         again under the next view when it fails or is abandoned, after pulling the
         global state first where the view says so. ``engine_rounds``: how many
         engine rounds one attempt uses (the next view's numbers start above them).
         Returns whether this site caught up for this round. The caller counts the
-        round and then calls :meth:`_report_round_done`."""
+        round and then calls :meth:`report_done`."""
         site = self.site
         membership = self.membership
         assert membership is not None
@@ -213,12 +227,12 @@ class MemberRounds:
             membership.report(phase="leaving")
             log.warning("site %s: leaving the run at the next round, as asked", self.site.name)
 
-    def _open_round(self, *, engine_rounds: int = 1) -> tuple[View, bool]:
+    def open_round(self, *, engine_rounds: int = 1) -> tuple[View, bool]:
         """For a round whose exchange starts before it is completed (async,
         streaming): enter the view the round after ``self.rounds`` runs under,
         pulling the global state first where it says so (then this site's model
         is the pulled global one). Returns ``(view, caught_up)``; start the exchange
-        under ``view`` and complete it with :meth:`_complete_as_member`."""
+        under ``view`` and complete it with :meth:`complete`."""
         membership = self.membership
         assert membership is not None
         self._leave_if_asked()
@@ -226,34 +240,40 @@ class MemberRounds:
         membership.report(rounds=self.rounds, engine_round=self.site.engine_round + engine_rounds)
         return view, caught_up
 
-    def _complete_as_member(
+    def complete(
         self,
         early: EarlyExchange,
         restart: Callable[[View, bool], PendingAverage],
         apply: Callable[[StepReport, bool], None],
     ) -> bool:
         """Complete the round whose exchange ``early`` started under the view
-        :meth:`_open_round` gave: wait for it, unless a newer view holds for the
+        :meth:`open_round` gave: wait for it, unless a newer view holds for the
         round or it fails; then run it again with ``restart(view, caught_up)``
-        under the next view (see :meth:`_as_member`). ``apply(report, caught_up)``
+        under the next view (see :meth:`as_member`). ``apply(report, caught_up)``
         applies the average and counts the round. Returns whether this site caught
-        up (pulled the state) while completing it."""
+        up (pulled the state) while completing it. Without a membership it waits
+        for the exchange and applies it."""
+        if self.membership is None:
+            assert early.pending is not None
+            with self._blocking("syncing"):
+                apply(early.pending.wait(), False)
+            return False
 
         def attempt(view: View, caught_up: bool) -> None:
             pending = early.take(view, caught_up) or restart(view, caught_up)
             try:
                 with self._blocking("syncing"):
-                    report = pending.wait(abort=self._abandoned())
+                    report = pending.wait(abort=self.abandoned())
             except BaseException:
                 pending.discard()
                 raise
             apply(report, caught_up)
 
-        caught_up = self._as_member(attempt)
-        self._report_round_done()
+        caught_up = self.as_member(attempt)
+        self.report_done()
         return caught_up
 
-    def _abandoned(self) -> Callable[[], bool]:
+    def abandoned(self) -> Callable[[], bool]:
         """For :meth:`PendingAverage.wait`: whether the round under way (after
         ``self.rounds``, as now) must be run again under a newer view."""
         membership = self.membership
@@ -261,7 +281,7 @@ class MemberRounds:
         rounds = self.rounds
         return lambda: membership.newer_view(rounds) is not None
 
-    def _report_round_done(self) -> None:
+    def report_done(self) -> None:
         """Tell the others this site completed its rounds so far (after counting)."""
         membership = self.membership
         assert membership is not None
@@ -272,12 +292,12 @@ class MemberRounds:
             unreachable=(),
         )
 
-    def _member_weights(self, view: View, tokens_per_step: int) -> dict[str, float]:
+    def weights(self, view: View, tokens_per_step: int) -> dict[str, float]:
         """Per-site weights, fixed by the layout, for a round under ``view``: tokens per
         step times the site's data-parallel ranks (a site added after the start as it
         describes itself), and 0 for a site that catches up at this round (it has
         nothing of its own to send). Every member derives the same from the view."""
-        dp = {s.name: s.layout.dp for s in self.site.job.sites} | self._newcomer_dp
+        dp = {name: layout.dp for name, layout in self._layouts.items()} | self._newcomer_dp
         first = self.rounds == view.start_round
         weights = {
             m: 0.0 if first and m in view.catch_up else float(tokens_per_step * dp.get(m, 1))
@@ -296,9 +316,9 @@ class MemberRounds:
         while True:
             with self._blocking("waiting"):
                 view = membership.view_for(
-                    self.rounds, timeout_s=self.member_timeout_s, on_wait=self._say_waiting
+                    self.rounds, timeout_s=self.timeout_s, on_wait=self._say_waiting
                 )
-            if self.site.site.ranks == 1:
+            if self.site.layout.size == 1:
                 return view
             epochs = torch.tensor([-view.epoch, view.epoch], dtype=torch.int64)
             dist.all_reduce(epochs, op=dist.ReduceOp.MAX, group=self.site.wait_group)
@@ -306,7 +326,7 @@ class MemberRounds:
             if lowest == highest:
                 return view
             if view.epoch < highest:
-                membership.wait_for_newer(view.epoch, self.member_timeout_s)
+                membership.wait_for_newer(view.epoch, self.timeout_s)
 
     def _enter_view(self) -> tuple[View, bool]:
         """The view this round runs under, entered: a new one moves the engine to its
@@ -317,7 +337,7 @@ class MemberRounds:
         caught_up = False
         while True:
             view = self._agreed_view()
-            if view.epoch == self._entered_epoch:
+            if view.epoch == self.epoch:
                 return view, caught_up
             problem = ""
             try:
@@ -347,7 +367,7 @@ class MemberRounds:
                 continue
             if view.engine_round > site.engine_round:
                 site.skip_to_round(view.engine_round)
-            self._entered_epoch = view.epoch
+            self.epoch = view.epoch
             membership.report(conflict=None)
             return view, caught_up
 
@@ -356,10 +376,10 @@ class MemberRounds:
         membership = self.membership
         assert membership is not None
         with self._blocking("waiting"):
-            if membership.wait_for_newer(view.epoch, self.member_timeout_s) is None:
+            if membership.wait_for_newer(view.epoch, self.timeout_s) is None:
                 raise MembershipError(
                     f"site {self.site.name}: {what} and no new membership view came within "
-                    f"{self.member_timeout_s:g} s"
+                    f"{self.timeout_s:g} s"
                 )
 
     def _unreachable(self, sites: Sequence[str]) -> list[str]:
@@ -395,7 +415,7 @@ class MemberRounds:
     def _site_any(self, flag: bool) -> bool:
         """Whether ``flag`` is set on any rank of the site (a collective when it has
         several)."""
-        if self.site.site.ranks == 1:
+        if self.site.layout.size == 1:
             return flag
         value = torch.tensor([int(flag)], dtype=torch.int64)
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.site.wait_group)
@@ -409,7 +429,7 @@ class MemberRounds:
         """Pull the global state after ``view.start_round`` rounds from the view's donor."""
         site = self.site
         assert view.donor is not None
-        donor_layout = site.job.site(view.donor).layout
+        donor_layout = self._layouts[view.donor]
         if not state_transferable(donor_layout, site.layout):
             raise MembershipError(
                 f"site {site.name}: the state is pulled rank by rank, from the donor's rank "
@@ -419,7 +439,7 @@ class MemberRounds:
             )
         with self._blocking("waiting"):
             fetched = site.loop.run(self._fetch_while_others_train(view))
-        with self._state_lock:
+        with self.lock:
             self._load_global_state(fetched.state, view.donor)
             self._served = None
         self.caught_up.append(
@@ -452,7 +472,7 @@ class MemberRounds:
             fetch_state(
                 self.site.client_for(view.donor),
                 view.start_round,
-                deadline_s=self.member_timeout_s,
+                deadline_s=self.timeout_s,
                 max_bytes=expected + (1 << 20) + expected // 10,
             )
         )
@@ -474,7 +494,7 @@ class MemberRounds:
         peer pulls; see :mod:`isthmus.inter.state_transfer`). Called from the peer
         service's thread: the state only changes under the lock, and the round after
         this one cannot finish before the peer that asks for it has caught up."""
-        with self._state_lock:
+        with self.lock:
             if self.rounds < rounds:
                 raise StateUnavailable(
                     wire_pb2.STATE_NOT_READY,

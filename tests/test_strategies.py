@@ -108,6 +108,34 @@ def test_bad_settings_are_refused_at_construction(kwargs, field):
     assert info.value.field == field
 
 
+@pytest.mark.parametrize(
+    ("strategy", "kwargs"),
+    [
+        ("sync", {"error_feedback": "yes"}),
+        ("diloco", {"outer_momentum": 1.0}),
+        ("diloco", {"round_seconds": 0}),
+        ("diloco", {"codec": "int3"}),
+        ("async", {"late_contributions": "late"}),
+        ("async", {"staleness_weight": 0}),
+        ("streaming", {"fragments": 0}),
+        ("streaming", {"alpha": 1.5}),
+    ],
+)
+def test_a_strategy_refuses_a_setting_as_the_job_file_does(strategy, kwargs):
+    """The same rule and the same message from ``isthmus.DiLoCo(...)`` as from a job
+    file's ``train:`` section: one definition of each setting."""
+    from isthmus.inter.settings import SettingError, TrainSettings
+    from isthmus.inter.strategies import AsyncDiLoCo, DiLoCo, StreamingDiLoCo, Sync
+
+    classes = {"sync": Sync, "diloco": DiLoCo, "async": AsyncDiLoCo, "streaming": StreamingDiLoCo}
+    with pytest.raises(SettingError) as from_job:
+        TrainSettings(strategy=strategy, **kwargs)
+    model = GPT(config_for("tiny"))
+    with pytest.raises(SettingError) as from_api:
+        classes[strategy](None, model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+    assert str(from_api.value) == str(from_job.value)
+
+
 @pytest.mark.parametrize("norm", [0, -1.0, float("nan"), "1"])
 def test_a_bad_gradient_norm_limit_is_refused(norm):
     from isthmus.inter.settings import SettingError

@@ -1,0 +1,282 @@
+"""Streaming DiLoCo: DiLoCo in fragments that sync at staggered steps, overlapped.
+
+The model is cut into ``fragments`` parts (strided over its numbered blocks,
+:mod:`isthmus.inter.fragments`); each part's exchange starts at its own offset
+in the round and overlaps ``overlap_steps`` inner steps, so the link carries a
+fraction of the model at a time and the training seldom waits on it. The
+averaged fragment is merged into the local parameters with a mixing factor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from isthmus.inter.codecs import Codec
+from isthmus.inter.fragments import assign_fragments, count_blocks, sync_offsets
+from isthmus.inter.hierarchical import PendingAverage, StepReport
+from isthmus.inter.join import SiteRuntime
+from isthmus.inter.member_rounds import EarlyExchange
+from isthmus.inter.membership import View
+from isthmus.inter.settings import SettingError
+from isthmus.inter.strategies.base import static_weights, validated
+from isthmus.inter.strategies.local_steps import LocalSteps
+
+
+class StreamingDiLoCo(LocalSteps):
+    """Streaming DiLoCo (Douillard et al., 2025): DiLoCo in ``fragments`` parts that
+    sync at staggered steps, each exchange overlapping ``overlap_steps`` inner steps,
+    the result merged into the local parameters with mixing factor ``alpha``
+    (``local = alpha * local + (1 - alpha) * global``).
+
+    Lower-precision codecs (e.g. ``int4``) suit it: values are decoded and
+    accumulated in float32. All sites take the same number of inner steps between
+    exchanges, so the weights come from the layout (tokens per step times ranks).
+
+    With a membership (``site.membership``), each fragment's exchange is a round
+    (see :mod:`isthmus.inter.member_rounds`): it starts under the view that holds
+    for it and, if that view is replaced or a member is lost while it is in
+    flight, it is run again when it is due, from the pseudo-gradient this site
+    sent. The schedule fixes at which step round ``r`` starts, so a site that
+    catches up needs only the outer state and the round count.
+    """
+
+    def __init__(
+        self,
+        site: SiteRuntime,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        *,
+        sync_every: int = 50,
+        fragments: int = 2,
+        overlap_steps: int = 0,
+        alpha: float = 0.5,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        codec: str | Codec = "none",
+        error_feedback: bool = False,
+        tokens_per_step: int = 1,
+        outer_device: str = "cpu",
+        rejoin_timeout_s: float = 600.0,
+    ) -> None:
+        # The general rules first (the checks below rely on them), then what only a
+        # strategy holding the model can check.
+        validated(
+            "streaming",
+            codec,
+            sync_every=sync_every,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            error_feedback=error_feedback,
+            fragments=fragments,
+            overlap_steps=overlap_steps,
+            alpha=alpha,
+        )
+        self.fragments = fragments
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        blocks = count_blocks(names)
+        if fragments > max(1, blocks):
+            raise SettingError(
+                "fragments",
+                f"{fragments} fragments, but the model has {blocks} layers (numbered blocks); "
+                f"use fragments <= {max(1, blocks)}",
+            )
+        if fragments > sync_every:
+            raise SettingError(
+                "fragments", f"{fragments} fragments cannot sync within sync_every={sync_every}"
+            )
+        if not (isinstance(overlap_steps, int) and 0 <= overlap_steps < sync_every / fragments):
+            raise SettingError(
+                "overlap_steps",
+                f"must be an integer in [0, sync_every / fragments) = [0, "
+                f"{sync_every / fragments:g}) so one fragment's exchange ends before the next "
+                f"starts, got {overlap_steps!r}",
+            )
+        super().__init__(
+            site,
+            model,
+            inner_optimizer,
+            sync_every=sync_every,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            codec=codec,
+            tokens_per_step=tokens_per_step,
+            outer_device=outer_device,
+            error_feedback=error_feedback,
+        )
+        self.overlap_steps = overlap_steps
+        self.alpha = float(alpha)
+        assignment = assign_fragments(names, fragments)
+        self.members = [[i for i, f in enumerate(assignment) if f == p] for p in range(fragments)]
+        self.offsets = sync_offsets(sync_every, fragments)
+        self.weights = static_weights(self.layouts, tokens_per_step)
+        self._in_flight: list[_FragmentExchange] = []
+        """At most one: an exchange ends before the next one starts."""
+        self._started_at = [0] * fragments
+        """The inner step at which each fragment's last exchange started."""
+        self._resume: dict[str, Any] | None = None
+        """An exchange a checkpoint caught in flight, to start again (see
+        :meth:`load_state_dict`)."""
+        self.member = self._hold_member_rounds(rejoin_timeout_s)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Also what is in flight: the fragment's pseudo-gradient, and the site's
+        round counter and error feedback as they were when it started (a resumed
+        run starts it again from there)."""
+        state = {**super().state_dict(), "started_at": list(self._started_at)}
+        for flight in self._in_flight:
+            state["site"] = flight.site_state
+            state["in_flight"] = {
+                "fragment": flight.fragment,
+                "due": flight.due,
+                "sent": flight.sent,
+            }
+        if self._resume is not None:
+            # Loaded and not started again yet (that is at the next step): the site's
+            # state is already the one from before it.
+            state["in_flight"] = self._resume
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from :meth:`state_dict`; an exchange it caught in flight starts again
+        at the next step, with the values and round number it had."""
+        super().load_state_dict(state)
+        self._started_at = [int(step) for step in state["started_at"]]
+        self._resume = state.get("in_flight")
+
+    def round_start(self, rounds: int) -> tuple[int, int]:
+        """``(fragment, inner step)`` at which round ``rounds`` (counted from 0) starts:
+        fragments take turns in order, each at its offset in every period."""
+        period, fragment = divmod(rounds, self.fragments)
+        return fragment, period * self.sync_every + self.offsets[fragment]
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.inner_steps += 1
+        if self._resume is not None:
+            resumed, self._resume = self._resume, None
+            self._start(int(resumed["fragment"]), resumed)
+        for flight in list(self._in_flight):
+            if flight.due <= self.inner_steps and self._complete(flight):
+                return  # caught up: this site now stands where that round started
+        position = (self.inner_steps - 1) % self.sync_every + 1
+        for fragment, offset in enumerate(self.offsets):
+            if offset == position and self._start(fragment):
+                return
+
+    def _start(self, fragment: int, resumed: dict[str, Any] | None = None) -> bool:
+        """Start the fragment's exchange (and complete it at once without overlap),
+        or the one a checkpoint caught in flight (``resumed``). Returns whether this
+        site caught up (its step changed)."""
+        view = None
+        if self.member.membership is not None:
+            view, _ = self.member.open_round()
+            # A site that caught up to the round goes on with its fragment and step.
+            fragment = self.member.rounds % self.fragments
+        site_state = self.site.state_dict(copy=False)
+        with self._blocking("syncing"):  # host work on the training thread
+            if resumed is None:
+                self._started_at[fragment] = self.inner_steps
+                deltas = self.outer.pseudo_gradients(self.members[fragment])
+                due = self.inner_steps + self.overlap_steps
+            else:
+                deltas, due = list(resumed["sent"]), int(resumed["due"])
+            pending = self._exchange_in_view(
+                deltas, self.weights, vector=f"fragment{fragment}", view=view
+            )
+        flight = _FragmentExchange(
+            due,
+            fragment,
+            deltas,
+            EarlyExchange(pending, view.epoch if view is not None else 0),
+            site_state,
+        )
+        if self.overlap_steps == 0:
+            return self._complete(flight)
+        self._in_flight.append(flight)
+        return False
+
+    def _complete(self, flight: _FragmentExchange) -> bool:
+        """Wait for the fragment's exchange and merge it; returns whether this site
+        caught up meanwhile (then it stands at the step the round started)."""
+        self._in_flight = [f for f in self._in_flight if f is not flight]
+
+        def apply(report: StepReport, caught_up: bool) -> None:
+            self._account(report)
+            with self.member.lock:
+                self.outer.step(flight.sent, self.members[flight.fragment], mix=self.alpha)
+                self.outer_steps += 1
+                self.member.rounds += 1
+
+        def restart(view: View, caught_up: bool) -> PendingAverage:
+            if caught_up:
+                # The pulled state may be a round or more past this flight's: the
+                # round to run is the next one of the schedule, with nothing of this
+                # site's (its model is the pulled global one).
+                flight.fragment = self.member.rounds % self.fragments
+                flight.sent = self.outer.pseudo_gradients(self.members[flight.fragment])
+            return self._exchange_in_view(
+                flight.sent, self.weights, vector=f"fragment{flight.fragment}", view=view
+            )
+
+        return self.member.complete(flight.early, restart, apply)
+
+    def _global_state(self) -> dict[str, Any]:
+        return {"outer_steps": self.outer_steps, "outer": self.outer.state_dict()}
+
+    def _load_global_state(self, state: dict[str, Any], donor: str) -> None:
+        self._load_outer_state(state, donor)
+        _, self.inner_steps = self.round_start(self.member.rounds)
+        for earlier in range(
+            max(0, self.member.rounds - self.fragments + 1), self.member.rounds + 1
+        ):
+            fragment, step = self.round_start(earlier)
+            self._started_at[fragment] = step
+
+    def rejoin(self) -> int:
+        """For a site that (re)starts while the others train: wait to be admitted, pull
+        the global state, and start the round it was admitted at (with nothing of its
+        own to send). Returns the inner step to train on from, the same as the others'."""
+        self._start(0)
+        return self.inner_steps
+
+    def finish(self) -> None:
+        """Complete what is in flight, then one exchange of every parameter (no
+        mixing), so every site ends with the same, global, parameters."""
+        for flight in list(self._in_flight):
+            self._complete(flight)
+        # A fragment exchanged at the last step with no mixing already holds the
+        # global parameters exactly: leave it (an outer step on its zero
+        # pseudo-gradient would still move it, by momentum). Every other one is
+        # exchanged once more and reset to the global parameters.
+        done = {
+            f
+            for f, step in enumerate(self._started_at)
+            if step == self.inner_steps and self.alpha == 0
+        }
+        everything = [i for f, members in enumerate(self.members) if f not in done for i in members]
+        if not everything:
+            return
+        with self._blocking("syncing"):
+            deltas = self.outer.pseudo_gradients(everything)
+        if self.member.membership is None:
+            with self._blocking("syncing"):
+                self._account(self._exchange(deltas, self.weights, vector="final").wait())
+                self.outer.step(deltas, everything)
+            return
+        self._final_round(deltas, everything, self.weights)
+
+
+@dataclass
+class _FragmentExchange:
+    due: int
+    """The inner step at which it is completed."""
+    fragment: int
+    sent: list[torch.Tensor]
+    """This site's pseudo-gradient of the fragment (the average, once completed)."""
+    early: EarlyExchange
+    site_state: dict[str, Any]
+    """The site's round counter and error feedback before it started: a checkpoint
+    that catches it in flight goes back to them."""
