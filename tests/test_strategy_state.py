@@ -156,3 +156,20 @@ def test_a_strategy_state_round_trips_and_training_goes_on_identically(name, ste
     _assert_same(strategy.state_dict(), fresh.state_dict())
     for mine, theirs in zip(model.parameters(), fresh_model.parameters(), strict=True):
         assert torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize("name", ["sync", "diloco"])
+def test_a_checkpoint_from_before_the_rounds_were_held_apart_still_loads(name):
+    """Checkpoints written before kept DiLoCo's rounds and epoch at the top level
+    and Sync's not at all (its rounds were its outer steps)."""
+    strategy, model, optimizer = _build(name)
+    _train(model, optimizer, range(6))
+    strategy.member.rounds, strategy.member.epoch = 2, 1
+    state = strategy.state_dict()
+    old = {k: v for k, v in state.items() if k != "member"}
+    if name == "diloco":
+        old.update(rounds=2, epoch=1)
+    fresh, _, _ = _build(name)
+    fresh.load_state_dict(old)
+    expected = {"rounds": 2, "epoch": 1} if name == "diloco" else {"rounds": 6, "epoch": 0}
+    assert fresh.member.state_dict() == expected

@@ -257,7 +257,13 @@ class Strategy:
         self.wan_bytes_sent = int(state["wan_bytes_sent"])
         self.wan_bytes_received = int(state["wan_bytes_received"])
         self.site.load_state_dict(state["site"])
-        self.member.load_state_dict(state["member"])
+        # Checkpoints written before the rounds were held apart kept them at the top
+        # level (and Sync not at all: its rounds were its outer steps).
+        member = state.get("member") or {
+            "rounds": state.get("rounds", state["outer_steps"]),
+            "epoch": state.get("epoch", 0),
+        }
+        self.member.load_state_dict(member)
 
     def rejoin(self) -> int:
         """For a site that (re)starts while the others train: wait to be admitted, pull
