@@ -26,11 +26,11 @@ from typing import Any
 
 from isthmus.deploy.bench_wan import wan_up
 from isthmus.deploy.gloo_baseline import time_on_hosts
-from isthmus.deploy.jobfile import free_ports
+from isthmus.job.link import DirectionParams
+from isthmus.job.ports import free_ports
 from isthmus.sim.control import ControlClient
 from isthmus.sim.cost import LinkCost, predict
 from isthmus.sim.hosts import TCP_BUFFER_MAX
-from isthmus.sim.link import DirectionParams
 
 ISTHMUS = [sys.executable, "-m", "isthmus"]
 
@@ -91,7 +91,7 @@ def run_sites(
             ports = free_ports("127.0.0.1", sites)
             lines += [
                 f"  - {{name: {n}, address: '127.0.0.1:{p}'}}"
-                for n, (_, p) in zip(names, ports, strict=True)
+                for n, p in zip(names, ports, strict=True)
             ]
         lines += ["wan:", f"  default: {link}"]
         job.write_text("\n".join(lines) + "\n")

@@ -20,9 +20,10 @@ from typing import Any
 import torch
 
 from isthmus.inter.codecs import parse_codec
+from isthmus.job.basics import CODECS
 
 SPECS = (
-    *("none", "fp16", "bf16", "int8", "int4", "int2"),
+    *CODECS,
     *("none+zstd", "bf16+zstd", "int8+zstd", "int4+zstd", "int2+zstd"),
 )
 

@@ -23,9 +23,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from isthmus.deploy.jobfile import free_ports
+from isthmus.job.link import DirectionParams
+from isthmus.job.ports import free_port
 from isthmus.sim.jitter import JitterSampler
-from isthmus.sim.link import DirectionParams
 from isthmus.sim.probe import (
     ProbeServer,
     measure_one_way_ms,
@@ -73,7 +73,8 @@ def wan_up(
 @contextmanager
 def proxy_process(upstream: tuple[str, int], *flags: str) -> Iterator[tuple[tuple[str, int], int]]:
     """Run ``isthmus wan proxy`` until the block ends; yield (listen address, pid)."""
-    ((host, port),) = free_ports("127.0.0.1", 1)
+    host = "127.0.0.1"
+    port = free_port(host)
     cmd = [
         sys.executable,
         "-m",

@@ -15,8 +15,8 @@ import logging
 import threading
 from typing import Any
 
-from isthmus.deploy.jobfile import free_ports
-from isthmus.inter.control import Broker
+from isthmus.job.broker import Broker
+from isthmus.job.ports import free_port
 
 
 class EmbeddedBroker:
@@ -24,7 +24,7 @@ class EmbeddedBroker:
 
     def __init__(self, host: str = "127.0.0.1", port: int | None = None) -> None:
         self.host = host
-        self.port = port or free_ports(host, 1)[0][1]
+        self.port = port or free_port(host)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="isthmus-broker", daemon=True

@@ -7,6 +7,7 @@ from typing import Any
 
 from isthmus.deploy.cli import add_command
 from isthmus.deploy.jobfile import Job, load_job
+from isthmus.sim.topology import Topology
 
 
 def register(commands: Any) -> None:
@@ -41,7 +42,7 @@ def describe_job(job: Job) -> str:
     if job.wan is None:
         lines.append("  wan: none (real network; peers dial each site's advertised address)")
     else:
-        topology = job.topology({s.name: [("127.0.0.1", 1)] * s.ranks for s in job.sites})
+        topology = Topology.for_job(job, {s.name: [("127.0.0.1", 1)] * s.ranks for s in job.sites})
         for a, b in topology.pairs():
             p = topology.link_params(a, b)
             lines.append(f"  link {a}<->{b}: {describe_link(p.a_to_b, p.rtt_ms)}")

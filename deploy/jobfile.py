@@ -26,23 +26,19 @@ Shape (every section but ``name`` and ``sites`` is optional)::
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
-import os
 import re
-import socket
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from isthmus.inter.control import Broker
-from isthmus.inter.settings import SETTING_NAMES, SettingError, TrainSettings
-from isthmus.inter.tls import SiteTls
-from isthmus.intra.layout import Layout, LayoutError, check_sites
 from isthmus.intra.model import SIZES
-from isthmus.sim.link import (
+from isthmus.job.basics import is_number
+from isthmus.job.broker import Broker
+from isthmus.job.faults import Fault, validate_fault
+from isthmus.job.layout import Layout, LayoutError, check_sites
+from isthmus.job.link import (
     DIRECTION_FIELDS,
     LINK_FIELDS,
     DirectionParams,
@@ -50,9 +46,11 @@ from isthmus.sim.link import (
     LinkParams,
     link_changes_to_direction,
 )
+from isthmus.job.model import ControlSpec, Job, SiteSpec, TlsSpec, WanSpec
+from isthmus.job.ports import free_port_blocks
+from isthmus.job.settings import SETTING_NAMES, SettingError, TrainSettings
+from isthmus.job.tune import LIVE_SYNC_EVERY, TUNE_KEYS, TuneError, TuneSettings
 from isthmus.sim.presets import PRESETS
-from isthmus.sim.topology import Fault, Site, Topology, validate_fault
-from isthmus.sim.tuner import LIVE_SYNC_EVERY, TUNE_KEYS, TuneError, TuneSettings
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 TOP_LEVEL_KEYS = (
@@ -88,197 +86,6 @@ class JobFileError(ValueError):
             where = f"{self.source}:{line}" if line else self.source
             out.append(f"{where}: {path}: {message}" if path else f"{where}: {message}")
         return out
-
-
-@dataclass(frozen=True, kw_only=True)
-class SiteSpec:
-    """One site of the job."""
-
-    name: str
-    ranks: int = 1
-    nodes: int = 1
-    """Machines the site's ranks run on, ``ranks / nodes`` each (``isthmus site``
-    starts torchrun with this layout, and checks the one torchrun reports)."""
-    address: tuple[str, int] | None = None
-    """Where rank 0's peer service listens; rank r listens on port + r (on its node)."""
-    advertise: tuple[tuple[str, int], ...] | None = None
-    """The addresses peers dial (NAT, port forwarding, load balancers): one for rank 0
-    (rank r is port + r) or one per rank (a site on several nodes). Default: address."""
-    uplink_mbit: float | None = None
-    """Emulation only: cap on the site's total WAN egress, and on its ingress."""
-    parallel: Layout | None = None
-    """The job file's ``parallel:`` degrees; see :attr:`layout`."""
-
-    @property
-    def layout(self) -> Layout:
-        """How the site's ranks split model and data; by default all data-parallel."""
-        return self.parallel or Layout.for_ranks(self.ranks)
-
-    def listen_addresses(self) -> list[tuple[str, int]] | None:
-        if self.address is None:
-            return None
-        host, port = self.address
-        return [(host, port + r) for r in range(self.ranks)]
-
-    def dial_addresses(self) -> list[tuple[str, int]] | None:
-        """Where peers reach each rank without emulation."""
-        if self.advertise is not None and len(self.advertise) == self.ranks:
-            return list(self.advertise)
-        base = self.advertise[0] if self.advertise else self.address
-        if base is None:
-            return None
-        host, port = base
-        return [(host, port + r) for r in range(self.ranks)]
-
-    @property
-    def ranks_per_node(self) -> int:
-        return self.ranks // self.nodes
-
-
-@dataclass(frozen=True, kw_only=True)
-class WanSpec:
-    """Emulated links: a default for every pair, overrides, and a fault schedule."""
-
-    default: LinkParams
-    overrides: dict[frozenset[str], tuple[tuple[str, str], LinkParams]] = field(
-        default_factory=dict
-    )
-    faults: tuple[Fault, ...] = ()
-
-
-@dataclass(frozen=True, kw_only=True)
-class ControlSpec:
-    """The job file's ``control:`` section: which MQTT broker, and how to log in."""
-
-    broker: Broker
-    wait_s: float = 3.0
-    """How long a site waits for the broker at start before failing, naming it."""
-    password_env: str | None = None
-    """The environment variable holding the password (kept out of the job file)."""
-
-    def broker_for(self, site: str | None) -> Broker:
-        """The broker with this site's login: ``{site}`` in the username, and in the
-        client certificate's paths, is the site's name (one login per site, for a
-        per-site ACL); without a site (``isthmus config set``, the online tuner) it is
-        ``operator``, whose certificate ``isthmus certs --broker`` makes."""
-        who = site or "operator"
-        username = self.broker.username
-        if username and site:
-            username = username.replace("{site}", site)
-        password = self.broker.password
-        if self.password_env:
-            password = os.environ.get(self.password_env, password)
-        cert, key = (
-            None if path is None else path.replace("{site}", who)
-            for path in (self.broker.tls_cert, self.broker.tls_key)
-        )
-        return dataclasses.replace(
-            self.broker, username=username, password=password, tls_cert=cert, tls_key=key
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
-class TlsSpec:
-    """The job file's ``tls:`` section: mutual TLS between sites (the data plane).
-
-    ``cert`` and ``key`` may hold ``{site}``, replaced by each site's name; paths
-    are relative to the job file. Only the files of the site being started must
-    exist where it runs."""
-
-    ca: str
-    cert: str
-    key: str
-    base: Path
-
-    def for_site(self, job: str, site: str) -> SiteTls:
-        def path(template: str) -> Path:
-            return self.base / template.replace("{site}", site)
-
-        return SiteTls.load(job, site, path(self.ca), path(self.cert), path(self.key))
-
-
-@dataclass(frozen=True, kw_only=True)
-class Job:
-    """A validated job file."""
-
-    name: str
-    sites: tuple[SiteSpec, ...]
-    train: TrainSettings
-    wan: WanSpec | None = None
-    seed: int = 0
-    model: str = "tiny"
-    """A built-in model size (:data:`isthmus.intra.model.SIZES`) or ``package.module:function``."""
-    data: str = "stdlib"
-    """``stdlib`` (the built-in corpus), an absolute path to a text or ``.pt`` token file,
-    or ``package.module:function``."""
-    control: ControlSpec | None = None
-    """The control plane's broker; None: ``isthmus run`` starts an embedded one."""
-    tune: TuneSettings = field(default_factory=TuneSettings)
-    """What ``isthmus tune`` aims for, and ``isthmus run``'s online H controller."""
-    tls: TlsSpec | None = None
-    """Mutual TLS between sites; None: plaintext (emulated runs, trusted networks)."""
-    source: str = "<job>"
-    raw: dict[str, Any] = field(default_factory=dict, repr=False)
-
-    def site(self, name: str) -> SiteSpec:
-        for site in self.sites:
-            if site.name == name:
-                return site
-        raise KeyError(f"no site {name!r} in job {self.name!r}; sites: {self.site_names()}")
-
-    def site_names(self) -> str:
-        return ", ".join(s.name for s in self.sites)
-
-    def topology(self, listen: dict[str, list[tuple[str, int]]]) -> Topology:
-        """The emulated topology, with ``listen[site]`` the real address of each rank."""
-        wan = self.wan or WanSpec(default=LinkParams())
-        sites = [
-            Site(name=s.name, listen=tuple(listen[s.name]), uplink_mbit=s.uplink_mbit)
-            for s in self.sites
-        ]
-        return Topology.full_mesh(
-            sites, default=wan.default, overrides=wan.overrides, faults=wan.faults, seed=self.seed
-        )
-
-    def rank_addresses(self, host: str = "127.0.0.1") -> dict[str, list[tuple[str, int]]]:
-        """Where every rank listens: the job file's address, or a free port on ``host``."""
-        return {s.name: s.listen_addresses() or free_ports(host, s.ranks) for s in self.sites}
-
-
-def free_ports(host: str, count: int) -> list[tuple[str, int]]:
-    """``count`` ports free on ``host`` now, where outgoing connections do not take
-    them (:func:`isthmus.intra.launch.free_ports`)."""
-    from isthmus.intra.launch import free_ports as pick
-
-    return [(host, port) for port in pick(host, count)]
-
-
-def free_port_blocks(host: str, sizes: list[int]) -> list[int]:
-    """A base port per entry of ``sizes`` such that ``base .. base + size - 1`` are
-    all free now and no two blocks overlap: a site's rank r listens on base + r."""
-    bases: list[int] = []
-    taken: set[int] = set()
-    for size in sizes:
-        for _ in range(100):
-            ((_, base),) = free_ports(host, 1)
-            block = set(range(base, base + size))
-            if base + size <= 65536 and not block & taken and _all_free(host, block):
-                bases.append(base)
-                taken |= block
-                break
-        else:
-            raise RuntimeError(f"no block of {size} free ports found on {host}")
-    return bases
-
-
-def _all_free(host: str, ports: set[int]) -> bool:
-    for port in ports:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                return False
-    return True
 
 
 class _Loader(yaml.SafeLoader):
@@ -507,7 +314,7 @@ class _Validator:
         address = self.address(raw.get("address"), f"{path}.address", ranks if ok else 1)
         advertise = self.advertised(raw.get("advertise"), f"{path}.advertise", ranks if ok else 1)
         uplink = raw.get("uplink_mbit")
-        if uplink is not None and not (_is_number(uplink) and uplink > 0):
+        if uplink is not None and not (is_number(uplink, finite=False) and uplink > 0):
             self.fail(f"{path}.uplink_mbit", f"must be a positive number of Mbit/s, got {uplink!r}")
             ok = False
         layout = None
@@ -735,7 +542,7 @@ class _Validator:
                 if key == "at_s" and value is None:
                     self.fail(f"{path}.at_s", "must be a number of seconds from the start")
                     bad = True
-                elif value is not None and not _is_number(value):
+                elif value is not None and not is_number(value, finite=False):
                     self.fail(f"{path}.{key}", f"must be a number, got {value!r}")
                     bad = True
                 numbers[key] = value
@@ -805,7 +612,7 @@ class _Validator:
         if password_env is not None and not isinstance(password_env, str):
             self.fail("control.password_env", f"must be a variable name, got {_kind(password_env)}")
         wait_s = raw.get("wait_s", 3.0)
-        if not (_is_number(wait_s) and wait_s > 0):
+        if not (is_number(wait_s, finite=False) and wait_s > 0):
             self.fail("control.wait_s", f"must be a number of seconds > 0, got {wait_s!r}")
             wait_s = 3.0
         try:
@@ -926,10 +733,6 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
 def _kind(value: Any) -> str:
     if value is None:
         return "nothing"
@@ -952,3 +755,20 @@ def _bad_name(value: Any) -> str:
         f"must be 1-63 letters, digits, '-', '_' or '.', starting with a letter or digit "
         f"(it names topics and files), got {value!r}"
     )
+
+
+# The job's dataclasses are the job model's (isthmus.job.model) and ports are picked
+# by isthmus.job.ports; the names stay importable from here.
+__all__ = [
+    "ControlSpec",
+    "Job",
+    "JobFileError",
+    "SiteSpec",
+    "TlsSpec",
+    "WanSpec",
+    "free_port_blocks",
+    "load_job",
+    "load_yaml",
+    "parse_address",
+    "parse_job",
+]

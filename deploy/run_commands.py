@@ -18,7 +18,7 @@ from isthmus.deploy.run_launcher import (
     resume_point,
 )
 from isthmus.deploy.run_records import write_json_atomic
-from isthmus.inter.settings import STRATEGIES
+from isthmus.job.settings import STRATEGIES
 
 EXIT_CODES = {"finished": 0, "failed": 1, "interrupted": 130}
 

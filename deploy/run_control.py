@@ -22,8 +22,8 @@ from isthmus.deploy.run_launcher import survives_site_loss
 from isthmus.inter import newcomers
 from isthmus.inter.control import Broker, ControlPlane
 from isthmus.inter.membership import Membership
-from isthmus.inter.settings import TrainSettings
 from isthmus.inter.strategies import Strategy, StreamingDiLoCo, Sync
+from isthmus.job.settings import TrainSettings
 
 log = logging.getLogger("isthmus.control")
 

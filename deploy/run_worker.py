@@ -46,7 +46,6 @@ from isthmus.deploy.site_errors import run_site_main
 from isthmus.inter.join import SiteRuntime, start_site
 from isthmus.inter.member_rounds import MemberRounds
 from isthmus.inter.membership import LeftTheRun
-from isthmus.inter.settings import TrainSettings
 from isthmus.inter.strategies import AsyncDiLoCo, DiLoCo, Strategy, StreamingDiLoCo, Sync
 from isthmus.intra.checkpoint import checkpoint_path, load_checkpoint, load_extra, save_checkpoint
 from isthmus.intra.data import Dataset, ShardSpec, load_corpus
@@ -56,7 +55,8 @@ from isthmus.intra.parallelize import GPT_PLAN, ModelPlan, SiteModel
 from isthmus.intra.plugins import DataContext, load_callable, load_model
 from isthmus.intra.process_group import SiteError, launcher_rank
 from isthmus.intra.schedule import learning_rate_at
-from isthmus.sim.tuner import LIVE_SYNC_EVERY
+from isthmus.job.settings import TrainSettings
+from isthmus.job.tune import LIVE_SYNC_EVERY
 
 EVAL_BATCHES = 8
 """Held-out batches of 16 sequences (or samples) for each evaluation."""

@@ -23,6 +23,7 @@ from isthmus.sim.perf_model import (
     step_seconds_from_flops,
     uniform_links,
 )
+from isthmus.sim.topology import Topology
 
 ENGINE_EFFICIENCY = 0.88
 """The direct all-reduce's measured fraction of its bound (``isthmus bench allreduce``,
@@ -282,7 +283,7 @@ def _sites(job: Job | None, args: argparse.Namespace) -> list[str]:
 
 
 def _job_links(job: Job, sites: list[str]) -> dict[frozenset[str], LinkCost]:
-    topology = job.topology({s.name: [("127.0.0.1", 1)] * s.ranks for s in job.sites})
+    topology = Topology.for_job(job, {s.name: [("127.0.0.1", 1)] * s.ranks for s in job.sites})
     links = {}
     for a, b in topology.pairs():
         params = topology.link_params(a, b)

@@ -16,9 +16,9 @@ from isthmus.deploy.jobfile import JobFileError
 from isthmus.inter.allreduce import RoundError
 from isthmus.inter.membership import MembershipError
 from isthmus.inter.peer import PeerError
-from isthmus.inter.settings import SettingError
-from isthmus.intra.layout import LayoutError
 from isthmus.intra.process_group import SiteError
+from isthmus.job.layout import LayoutError
+from isthmus.job.settings import SettingError
 
 
 def run_site_main(main: Callable[[], int], prog: str) -> int:

@@ -20,9 +20,9 @@ from isthmus.deploy.job_commands import describe_link
 from isthmus.deploy.jobfile import Job, load_job, load_yaml, parse_address
 from isthmus.deploy.orphan import end_with_parent
 from isthmus.inter.allocator import keep_freed_memory
+from isthmus.job.link import LinkConfigError, LinkParams
 from isthmus.sim.control import ControlClient, ControlError, ControlServer
 from isthmus.sim.emulator import BackgroundEmulator, Emulator
-from isthmus.sim.link import LinkConfigError, LinkParams
 from isthmus.sim.presets import PRESETS
 from isthmus.sim.topology import Site, Topology
 
@@ -311,7 +311,7 @@ def _refuse_a_second_emulator(state_path: Path) -> None:
 async def _serve_topology(job: Job, state_path: Path, host: str, stats_every: float) -> int:
     stop = _stop_on_signals()
     ranks = job.rank_addresses(host)
-    emulator = Emulator(job.topology(ranks), host=host)
+    emulator = Emulator(Topology.for_job(job, ranks), host=host)
     try:
         await emulator.start()
     except OSError as exc:

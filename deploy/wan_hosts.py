@@ -31,6 +31,7 @@ from isthmus.sim.hosts import (
     netns_name,
 )
 from isthmus.sim.router import Router
+from isthmus.sim.topology import Topology
 
 DEFAULT_PORT = 7100
 """Where rank 0 of a site listens on its host when the job file gives no address."""
@@ -69,7 +70,7 @@ def serve_hosts(
             s.name: [(made[s.name].address, ports[s.name] + r) for r in range(s.ranks)]
             for s in job.sites
         }
-        router = Router(job.topology(listen), made)
+        router = Router(Topology.for_job(job, listen), made)
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, lambda *_: router.stop())
         control = _ControlThread(router, job)

@@ -20,8 +20,8 @@ import json
 import socket
 from typing import Any, Protocol
 
+from isthmus.job.link import LinkConfigError
 from isthmus.sim.faults import ControllableLink
-from isthmus.sim.link import LinkConfigError
 
 MAX_REQUEST_BYTES = 64 * 1024
 

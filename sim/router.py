@@ -26,10 +26,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from isthmus.job.link import DirectionParams
 from isthmus.sim import gso
 from isthmus.sim.direction import DirectionModel, LinkModel
 from isthmus.sim.hosts import Host
-from isthmus.sim.link import DirectionParams
 from isthmus.sim.timerfd import TimerFD
 from isthmus.sim.topology import Topology
 
