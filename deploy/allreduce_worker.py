@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from isthmus.deploy.addressing import load_state
 from isthmus.inter.allreduce import CrossSiteAllReduce, RoundError
 from isthmus.inter.codecs import parse_codec
 from isthmus.inter.peer import Identity
 from isthmus.inter.transport import TransportSettings
+from isthmus.job.addressing import load_state
 from isthmus.sim.cost import LinkCost
 
 

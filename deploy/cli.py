@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     handler: Command = args.handler
-    from isthmus.deploy.addressing import AddressError
+    from isthmus.job.addressing import AddressError
 
     try:
         return handler(args)

@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 
 from isthmus.intra.model import SIZES
+from isthmus.job.addressing import parse_address
 from isthmus.job.basics import is_number
 from isthmus.job.broker import Broker
 from isthmus.job.faults import Fault, validate_fault
@@ -713,20 +714,6 @@ class _Validator:
                 "train.round_seconds",
             )
         return tune
-
-
-def parse_address(value: Any) -> tuple[str, int] | str:
-    """``host:port`` (IPv6 as ``[::1]:7100``) -> (host, port), or a message saying the fix."""
-    if not isinstance(value, str):
-        return f"must be 'host:port', e.g. 127.0.0.1:7100, got {value!r}"
-    match = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:(\d+)|([^:\s\[\]]+):(\d+)", value.strip())
-    if not match:
-        return f"must be 'host:port' (IPv6 as [::1]:7100), got {value!r}"
-    host = match.group(1) or match.group(3)
-    port = int(match.group(2) or match.group(4))
-    if not 1 <= port <= 65535:
-        return f"port must be in 1..65535, got {port}"
-    return host, port
 
 
 def _join(path: str, key: str) -> str:

@@ -37,7 +37,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from isthmus.deploy.addressing import load_state, resolve
 from isthmus.deploy.jobfile import Job, load_job
 from isthmus.deploy.orphan import end_with_parent
 from isthmus.deploy.run_control import SiteControl, apply_settings, membership_for
@@ -55,6 +54,7 @@ from isthmus.intra.parallelize import GPT_PLAN, ModelPlan, SiteModel
 from isthmus.intra.plugins import DataContext, load_callable, load_model
 from isthmus.intra.process_group import SiteError, launcher_rank
 from isthmus.intra.schedule import learning_rate_at
+from isthmus.job.addressing import load_state, resolve
 from isthmus.job.settings import TrainSettings
 from isthmus.job.tune import LIVE_SYNC_EVERY
 

@@ -37,10 +37,10 @@ from typing import Any
 
 import yaml
 
-from isthmus.deploy.addressing import resolve
 from isthmus.deploy.cli import UsageError, add_command
 from isthmus.deploy.host_tuning import tcp_advice
 from isthmus.deploy.jobfile import Job, SiteSpec, load_job, parse_address
+from isthmus.job.addressing import resolve
 
 RDZV_PORT = 29400
 """torchrun's default c10d rendezvous port, on a multi-node site's first node."""

@@ -11,12 +11,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from isthmus.deploy.addressing import AddressError
 from isthmus.deploy.jobfile import JobFileError
 from isthmus.inter.allreduce import RoundError
 from isthmus.inter.membership import MembershipError
 from isthmus.inter.peer import PeerError
 from isthmus.intra.process_group import SiteError
+from isthmus.job.addressing import AddressError
 from isthmus.job.layout import LayoutError
 from isthmus.job.settings import SettingError
 

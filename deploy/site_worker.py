@@ -30,7 +30,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from isthmus.deploy.addressing import load_state
 from isthmus.deploy.jobfile import Job, load_job
 from isthmus.deploy.site_errors import run_site_main
 from isthmus.inter.join import start_site
@@ -40,6 +39,7 @@ from isthmus.intra.gradients import clip_grad_norm
 from isthmus.intra.model import GPT, config_for, lm_loss
 from isthmus.intra.parallelize import GPT_PLAN, ModelPlan, SiteModel
 from isthmus.intra.plugins import DataContext, load_callable, load_model
+from isthmus.job.addressing import load_state
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 LossFunction = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

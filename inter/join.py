@@ -17,8 +17,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from isthmus.deploy.addressing import SiteAddresses, resolve
-from isthmus.deploy.jobfile import Job, SiteSpec
 from isthmus.inter.background import BackgroundLoop
 from isthmus.inter.codecs import Codec
 from isthmus.inter.hierarchical import HierarchicalStep
@@ -28,7 +26,9 @@ from isthmus.inter.peer import Identity, PeerClient
 from isthmus.inter.tls import SiteTls
 from isthmus.inter.transport import TransportSettings
 from isthmus.intra.process_group import SiteError, dp_group, init_site_group, waiting_group
+from isthmus.job.addressing import SiteAddresses, resolve
 from isthmus.job.layout import Layout
+from isthmus.job.model import Job, SiteSpec
 
 
 def layout_fingerprint(

@@ -22,7 +22,7 @@ from typing import Any
 from isthmus._version import __version__
 
 _LAZY = {
-    "join": "isthmus.inter.api",
+    "join": "isthmus.deploy.api",
     "Sync": "isthmus.inter.strategies",
     "DiLoCo": "isthmus.inter.strategies",
     "StreamingDiLoCo": "isthmus.inter.strategies",

@@ -1,13 +1,19 @@
-"""``isthmus.join``: the one call a training script makes to take part in a job."""
+"""``isthmus.join``: the one call a training script makes to take part in a job.
+
+Glue, so it lives in ``deploy``: joining by a job file's path means reading the
+YAML and validating it, which needs every layer's names (model sizes, link
+presets); the joining itself (:func:`isthmus.inter.join.start_site`) needs only
+the job model. ``isthmus.join`` re-exports it lazily.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from isthmus.deploy.addressing import default_state_path, load_state
 from isthmus.deploy.jobfile import Job, load_job
 from isthmus.inter.codecs import parse_codec
 from isthmus.inter.join import SiteRuntime, start_site
+from isthmus.job.addressing import default_state_path, load_state
 
 
 def join(

@@ -10,11 +10,12 @@ never the job file's addresses directly, so emulated and real runs share code.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy.jobfile import Job, parse_address
+from isthmus.job.model import Job
 
 Address = tuple[str, int]
 
@@ -99,3 +100,17 @@ def _parse(value: Any, where: str) -> Address:
     if isinstance(parsed, str):
         raise AddressError(f"emulator state {where}: {parsed}")
     return parsed
+
+
+def parse_address(value: Any) -> tuple[str, int] | str:
+    """``host:port`` (IPv6 as ``[::1]:7100``) -> (host, port), or a message saying the fix."""
+    if not isinstance(value, str):
+        return f"must be 'host:port', e.g. 127.0.0.1:7100, got {value!r}"
+    match = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:(\d+)|([^:\s\[\]]+):(\d+)", value.strip())
+    if not match:
+        return f"must be 'host:port' (IPv6 as [::1]:7100), got {value!r}"
+    host = match.group(1) or match.group(3)
+    port = int(match.group(2) or match.group(4))
+    if not 1 <= port <= 65535:
+        return f"port must be in 1..65535, got {port}"
+    return host, port
