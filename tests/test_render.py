@@ -27,9 +27,9 @@ from typing import Any
 import pytest
 import yaml
 
-from isthmus.deploy.certs import make_certs
 from isthmus.deploy.cli import main
 from isthmus.deploy.jobfile import Job, SiteSpec, load_job
+from isthmus.deploy.render.certs import make_certs
 from isthmus.inter.tls import SiteTls
 
 MOSQUITTO = shutil.which("mosquitto") or (

@@ -26,7 +26,7 @@ from typing import Any
 
 from isthmus.deploy.cli import UsageError, add_command
 from isthmus.deploy.jobfile import Job, load_job
-from isthmus.deploy.run_launcher import RunError, prepare_run_dir
+from isthmus.deploy.run.launcher import RunError, prepare_run_dir
 from isthmus.sim.perf_model import ScenarioError
 from isthmus.sim.tuner import (
     Candidate,
@@ -89,7 +89,7 @@ def _tune(args: argparse.Namespace) -> int:
     started = time.monotonic()
     log = sys.stderr if args.json else sys.stdout
     step_s, jitter_s, source = _step_seconds(args, job_path, log)
-    from isthmus.deploy.sim_commands import job_scenario, range_note
+    from isthmus.deploy.cli.sim import job_scenario, range_note
 
     try:
         scenario = job_scenario(job_path, step_s, jitter_s)
@@ -139,7 +139,7 @@ def _tune(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        from isthmus.deploy.tune_report import print_table
+        from isthmus.deploy.tune.report import print_table
 
         print_table(result)
         print(f"report: {out / 'tune.md'}")
@@ -165,7 +165,7 @@ def _step_seconds(args: argparse.Namespace, job_path: Path, log: Any) -> tuple[f
         if not (args.step_ms > 0 and math.isfinite(args.step_ms)):
             raise UsageError(f"--step-ms: must be > 0, got {args.step_ms}")
         return args.step_ms / 1e3, 0.0, "--step-ms"
-    from isthmus.deploy.calibrate import calibrate
+    from isthmus.deploy.bench.calibrate import calibrate
 
     print("calibrating: a short run of the job, synchronising as it does ...", file=log, flush=True)
     try:
@@ -187,7 +187,7 @@ def _plan(
     job: Job, candidates: list[Candidate], budget_s: float, trial_steps: int | None
 ) -> tuple[list[Candidate], int]:
     """The trials that fit the budget (the model's pick first) and their step count."""
-    from isthmus.deploy.tune_trials import RUN_OVERHEAD_S
+    from isthmus.deploy.tune.trials import RUN_OVERHEAD_S
 
     def needed(c: Candidate) -> int:
         if c.prediction.strategy == "sync":
@@ -218,7 +218,7 @@ def _plan(
 def _run_trials(
     job_path: Path, planned: list[Candidate], steps: int, folder: Path, log: Any
 ) -> list[Any]:
-    from isthmus.deploy.tune_trials import TrialProgress, run_trial
+    from isthmus.deploy.tune.trials import TrialProgress, run_trial
 
     results = []
     with TrialProgress(steps * len(planned), out=log) as progress:
@@ -304,8 +304,8 @@ def _brief(c: Candidate) -> dict[str, Any]:
 
 
 def _write(out: Path, result: dict[str, Any]) -> None:
-    from isthmus.deploy.run_records import write_json_atomic
-    from isthmus.deploy.tune_report import markdown, plot
+    from isthmus.deploy.run.records import write_json_atomic
+    from isthmus.deploy.tune.report import markdown, plot
 
     write_json_atomic(out / "tune.json", result)
     plot(result, out / "tune.png")
@@ -313,7 +313,7 @@ def _write(out: Path, result: dict[str, Any]) -> None:
 
 
 def _apply(job_path: Path, choice: Candidate, log: Any) -> None:
-    from isthmus.deploy.job_edit import JobEditError, set_train_keys
+    from isthmus.deploy.jobfile.edit import JobEditError, set_train_keys
 
     try:
         set_train_keys(job_path, choice.settings())

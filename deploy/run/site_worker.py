@@ -13,7 +13,7 @@ whole (:func:`load_site_parameters` merges a site's).
 
 Run under torchrun or :mod:`isthmus.intra.launch` (one-rank sites need neither)::
 
-    python -m isthmus.deploy.site_worker --job JOB.yaml --site a --out DIR
+    python -m isthmus.deploy.run.site_worker --job JOB.yaml --site a --out DIR
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from isthmus.deploy.jobfile import Job, load_job
-from isthmus.deploy.site_errors import run_site_main
+from isthmus.deploy.run.site_errors import run_site_main
 from isthmus.inter.join import start_site
 from isthmus.intra.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from isthmus.intra.data import Dataset, ShardSpec, stdlib_corpus
@@ -215,7 +215,7 @@ def load_site_parameters(folder: Path, site: str) -> dict[str, torch.Tensor]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m isthmus.deploy.site_worker")
+    parser = argparse.ArgumentParser(prog="python -m isthmus.deploy.run.site_worker")
     parser.add_argument("--job", required=True)
     parser.add_argument("--site", required=True)
     parser.add_argument("--out", required=True, help="folder for reports and parameters")

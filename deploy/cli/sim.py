@@ -325,7 +325,7 @@ def _step_seconds(
     if args.gpu is not None:
         return step_seconds_from_flops(params, tokens, args.gpu, args.mfu), None, 0.0
     if job is not None and args.calibrate:
-        from isthmus.deploy.calibrate import calibrate
+        from isthmus.deploy.bench.calibrate import calibrate
 
         # On stderr: stdout is the prediction (JSON with --json).
         print("calibrating: a short run of the job, synchronising as it does ...", file=sys.stderr)

@@ -32,8 +32,8 @@ from typing import IO, Any
 import yaml
 
 from isthmus.deploy.jobfile import Job, free_port_blocks, load_job, load_yaml, parse_job
-from isthmus.deploy.orphan import parent_environment
-from isthmus.deploy.run_records import RecordTail, write_json_atomic
+from isthmus.deploy.run.orphan import parent_environment
+from isthmus.deploy.run.records import RecordTail, write_json_atomic
 from isthmus.inter.settings import SettingError
 from isthmus.intra.checkpoint import checkpoint_number, complete_checkpoints
 from isthmus.intra.launch import free_port, rank_environment
@@ -292,7 +292,7 @@ class Launcher:
         logs = [run_dir / "logs" / f"{name}-r{r}.log" for r in range(site.ranks)]
         files = [log.open("ab") for log in logs]
         self._files += files
-        command = [sys.executable, "-m", "isthmus.deploy.run_worker", str(run_dir), name]
+        command = [sys.executable, "-m", "isthmus.deploy.run.worker", str(run_dir), name]
         if rejoin:
             command.append("--rejoin")
         elif self.resume_round is not None:
@@ -307,8 +307,8 @@ class Launcher:
         """The control plane's embedded broker; its address goes where the sites
         (RUN_DIR/control.json) and ``isthmus config set|watch`` (./JOB.control.json)
         look for it."""
-        from isthmus.deploy.broker import EmbeddedBroker
-        from isthmus.deploy.control_commands import control_state_path
+        from isthmus.deploy.cli.control import control_state_path
+        from isthmus.deploy.run.broker import EmbeddedBroker
 
         self.broker = EmbeddedBroker().start()
         state = {"broker": self.broker.address.url, "run_dir": str(self.run_dir.resolve())}
@@ -318,7 +318,7 @@ class Launcher:
 
     def _start_tuner(self) -> None:
         """The online H controller, a client of the run's broker like any site."""
-        from isthmus.deploy.online_tuner import OnlineTuner
+        from isthmus.deploy.tune.online import OnlineTuner
         from isthmus.inter.control import Broker
 
         if self.job.control is not None:
@@ -510,7 +510,7 @@ class Launcher:
 
 def survives_site_loss(job: Job) -> bool:
     """Whether the run goes on when a site is lost: the membership protocol runs
-    (:func:`isthmus.deploy.run_control.membership_for`). Every strategy's rounds
+    (:func:`isthmus.deploy.run.control.membership_for`). Every strategy's rounds
     run under membership views (:mod:`isthmus.inter.member_rounds`); it takes two
     sites."""
     return len(job.sites) >= 2
@@ -521,7 +521,7 @@ def _launch(
 ) -> list[subprocess.Popen]:
     """One process per rank with torchrun's environment, each logging to its own
     file and in its own session (a terminal's Ctrl-C reaches the launcher only); each
-    stops when the launcher is gone (:mod:`isthmus.deploy.orphan`)."""
+    stops when the launcher is gone (:mod:`isthmus.deploy.run.orphan`)."""
     master_port = free_port()
     base = {**os.environ, **env, **parent_environment()}
     return [

@@ -124,7 +124,7 @@ def steady_calibration(metrics: Path, *, every: int, warm_up: int = WARM_UP_STEP
     steps slowed at every site alike (a round's own work) keep no one waiting;
     the standard deviation of single steps overstated the lateness 1.6x in a
     4-site DiLoCo run here."""
-    from isthmus.deploy.run_records import read_records
+    from isthmus.deploy.run.records import read_records
     from isthmus.sim.perf_model import expected_largest_normal
 
     by_site: dict[str, dict[int, float]] = {}

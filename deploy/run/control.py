@@ -18,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from isthmus.deploy.jobfile import Job
-from isthmus.deploy.run_launcher import survives_site_loss
+from isthmus.deploy.run.launcher import survives_site_loss
 from isthmus.inter import newcomers
 from isthmus.inter.control import Broker, ControlPlane
 from isthmus.inter.membership import Membership

@@ -1,6 +1,6 @@
 """``isthmus bench allreduce``: the cross-site all-reduce between site processes, emulated WAN.
 
-Every site is its own process (``isthmus.deploy.allreduce_worker``); the links
+Every site is its own process (``isthmus.deploy.bench.allreduce_worker``); the links
 are ``isthmus wan up`` (the proxy backend) in a process of their own. Reported,
 as the collective engine issue asks: the median seconds of a round, the best
 alpha-beta bound of any algorithm on the topology, efficiency = bound /
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy.bench_wan import wan_up
-from isthmus.deploy.gloo_baseline import time_on_hosts
+from isthmus.deploy.bench.gloo_baseline import time_on_hosts
+from isthmus.deploy.bench.wan import wan_up
 from isthmus.job.link import DirectionParams
 from isthmus.job.ports import free_ports
 from isthmus.sim.control import ControlClient
@@ -55,7 +55,7 @@ class SiteRun:
     """What the site processes of one emulated all-reduce run reported."""
 
     results: list[dict[str, Any]]
-    """Each site's JSON (see :mod:`isthmus.deploy.allreduce_worker`), in site order."""
+    """Each site's JSON (see :mod:`isthmus.deploy.bench.allreduce_worker`), in site order."""
     wire: dict[str, Any]
     """The emulator's counters at the end."""
     seconds: float
@@ -119,7 +119,7 @@ def run_sites(
                         *inside(name),
                         sys.executable,
                         "-m",
-                        "isthmus.deploy.allreduce_worker",
+                        "isthmus.deploy.bench.allreduce_worker",
                         "--state",
                         str(state),
                         "--site",

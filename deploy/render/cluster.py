@@ -27,8 +27,8 @@ from typing import Any
 import yaml
 
 from isthmus.deploy.cli import UsageError
+from isthmus.deploy.cli.site import RDZV_PORT
 from isthmus.deploy.jobfile import Job, SiteSpec
-from isthmus.deploy.site_commands import RDZV_PORT
 from isthmus.inter.control_topics import config_topic, membership_topic, metrics_topic, status_topic
 
 TARGETS = ("slurm", "kubernetes")

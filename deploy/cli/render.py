@@ -1,7 +1,7 @@
 """``isthmus deploy render JOB.yaml --target slurm|kubernetes --out DIR``.
 
 Writes the files that run a job's sites on real clusters (see
-:mod:`isthmus.deploy.render` and docs/deploy.md), lists them, and says what to
+:mod:`isthmus.deploy.render.cluster` and docs/deploy.md), lists them, and says what to
 do next.
 """
 
@@ -11,9 +11,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy import render
 from isthmus.deploy.cli import add_command
 from isthmus.deploy.jobfile import load_job
+from isthmus.deploy.render import cluster as render
 
 
 def register(commands: Any) -> None:

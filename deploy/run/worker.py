@@ -3,12 +3,12 @@
 ``isthmus run`` starts it once per rank, as torchrun would (RANK, WORLD_SIZE,
 MASTER_ADDR/PORT), in the run directory it prepared::
 
-    python -m isthmus.deploy.run_worker RUN_DIR SITE
+    python -m isthmus.deploy.run.worker RUN_DIR SITE
 
 It reads ``RUN_DIR/job.yaml`` (resolved: every setting filled in) and, when the
 WAN is emulated, the emulator's state file ``RUN_DIR/wan.json``. Rank 0 of the
 site appends telemetry to ``RUN_DIR/sites/SITE/metrics.jsonl`` (the record
-kinds are in :mod:`isthmus.deploy.run_records`) and, at the end, writes
+kinds are in :mod:`isthmus.deploy.run.records`) and, at the end, writes
 ``result.json`` beside it; rank 0 of the job's first site also writes the
 final model, ``RUN_DIR/model.safetensors``. Files appear whole or not at all.
 With ``train.checkpoint_every``, every rank checkpoints after every that many
@@ -17,7 +17,7 @@ rounds into ``RUN_DIR/checkpoints/SITE/round-N/``; ``--resume-round N`` (which
 With a run that survives the loss of a site (two sites or more), SIGUSR1 (to any of
 its ranks) makes the site leave at the next round: the others go on without
 it, and it writes ``result.json`` with ``status: "left"``.
-Rank 0 is also the site's control-plane client (:mod:`isthmus.deploy.run_control`):
+Rank 0 is also the site's control-plane client (:mod:`isthmus.deploy.run.control`):
 status, metrics per round, live settings.
 """
 
@@ -38,10 +38,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from isthmus.deploy.jobfile import Job, load_job
-from isthmus.deploy.orphan import end_with_parent
-from isthmus.deploy.run_control import SiteControl, apply_settings, membership_for
-from isthmus.deploy.run_records import RecordWriter, parameter_digest, write_json_atomic
-from isthmus.deploy.site_errors import run_site_main
+from isthmus.deploy.run.control import SiteControl, apply_settings, membership_for
+from isthmus.deploy.run.orphan import end_with_parent
+from isthmus.deploy.run.records import RecordWriter, parameter_digest, write_json_atomic
+from isthmus.deploy.run.site_errors import run_site_main
 from isthmus.inter.join import SiteRuntime, start_site
 from isthmus.inter.member_rounds import MemberRounds
 from isthmus.inter.membership import LeftTheRun
@@ -628,7 +628,7 @@ def _full_state(part: SiteModel, site: SiteRuntime) -> dict[str, torch.Tensor] |
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m isthmus.deploy.run_worker")
+    parser = argparse.ArgumentParser(prog="python -m isthmus.deploy.run.worker")
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("site")
     parser.add_argument(

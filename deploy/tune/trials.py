@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from isthmus.deploy.run_launcher import RunState, prepare_run_dir, resolve_job
-from isthmus.deploy.run_records import read_records
+from isthmus.deploy.run.launcher import RunState, prepare_run_dir, resolve_job
+from isthmus.deploy.run.records import read_records
 from isthmus.sim.tuner import Candidate
 
 RUN_OVERHEAD_S = 12.0
@@ -68,7 +68,7 @@ def run_trial(
 ) -> TrialResult:
     """One short run of the job with the candidate's settings; never the online
     controller (the trial measures the setting itself)."""
-    from isthmus.deploy.run_commands import execute_run
+    from isthmus.deploy.cli.run import execute_run
 
     job, raw = resolve_job(
         job_path,
@@ -84,7 +84,7 @@ def run_trial(
 def result_from_summary(
     candidate: Candidate, run_dir: Path, summary: dict[str, Any]
 ) -> TrialResult:
-    from isthmus.deploy.run_summary import training_figures
+    from isthmus.deploy.run.summary import training_figures
 
     sites = list(summary["sites"].values())
     tokens = sum(s.get("tokens") or 0 for s in sites)

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from isthmus.deploy.cli import UsageError, add_command
-from isthmus.deploy.job_commands import describe_link
+from isthmus.deploy.cli.job import describe_link
 from isthmus.deploy.jobfile import Job, load_job, load_yaml, parse_address
-from isthmus.deploy.orphan import end_with_parent
+from isthmus.deploy.run.orphan import end_with_parent
 from isthmus.inter.allocator import keep_freed_memory
 from isthmus.job.addressing import AddressError, default_state_path, load_state
 from isthmus.job.link import LinkConfigError, LinkParams

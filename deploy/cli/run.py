@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from isthmus.deploy.cli import UsageError, add_command
-from isthmus.deploy.run_launcher import (
+from isthmus.deploy.run.launcher import (
     Launcher,
     RunError,
     default_run_dir,
@@ -17,7 +17,7 @@ from isthmus.deploy.run_launcher import (
     resolve_job,
     resume_point,
 )
-from isthmus.deploy.run_records import write_json_atomic
+from isthmus.deploy.run.records import write_json_atomic
 from isthmus.job.settings import STRATEGIES
 
 EXIT_CODES = {"finished": 0, "failed": 1, "interrupted": 130}
@@ -122,8 +122,8 @@ def run_job(
     """One run, start to report; prints progress and where the report is.
     ``resume_round``: go on with a stopped run from that round's checkpoints.
     ``restart_lost``: start a lost site again, so it rejoins."""
-    from isthmus.deploy.run_progress import progress_for
-    from isthmus.deploy.run_report import write_report
+    from isthmus.deploy.run.progress import progress_for
+    from isthmus.deploy.run.report import write_report
 
     if resume_round is None:
         prepare_run_dir(run_dir)
@@ -161,8 +161,8 @@ def execute_run(
 ) -> dict[str, Any]:
     """Launch, follow and stop one run in a prepared directory; write its TensorBoard
     events and summary.json and return the summary. Prints nothing."""
-    from isthmus.deploy.run_summary import build_summary
-    from isthmus.deploy.run_tensorboard import TensorBoardWriter
+    from isthmus.deploy.run.summary import build_summary
+    from isthmus.deploy.run.tensorboard import TensorBoardWriter
 
     launcher = Launcher(
         job,
@@ -208,7 +208,7 @@ def _print_outcome(summary: dict[str, Any], report: Path) -> None:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from isthmus.deploy.run_compare import write_comparison
+    from isthmus.deploy.run.compare import write_comparison
 
     strategies = [s.strip() for s in args.compare.split(",") if s.strip()]
     unknown = [s for s in strategies if s not in STRATEGIES]
@@ -241,8 +241,8 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from isthmus.deploy.jobfile import load_job
-    from isthmus.deploy.run_records import parameter_digest
-    from isthmus.deploy.run_worker import (
+    from isthmus.deploy.run.records import parameter_digest
+    from isthmus.deploy.run.worker import (
         build_model,
         builtin_dataset,
         evaluate,
@@ -285,7 +285,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from isthmus.deploy.run_report import write_report
+    from isthmus.deploy.run.report import write_report
 
     if not (args.run_dir / "summary.json").is_file():
         raise UsageError(f"{args.run_dir}: no summary.json; give a directory 'isthmus run' wrote")

@@ -6,7 +6,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy.run_records import read_records, write_json_atomic
+from isthmus.deploy.run.records import read_records, write_json_atomic
 
 
 def comparison_rows(summaries: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:

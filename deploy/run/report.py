@@ -12,7 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy.run_records import read_records
+from isthmus.deploy.run.records import read_records
 
 COLOURS = {"computing": "#4caf50", "waiting": "#ffb300", "syncing": "#1e88e5"}
 

@@ -9,7 +9,7 @@ from itertools import combinations
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy.run_launcher import RunState
+from isthmus.deploy.run.launcher import RunState
 
 SITE_FIELDS = (
     "status",
@@ -91,7 +91,7 @@ def _read_result(path: Path) -> dict[str, Any] | None:
 def training_figures(run_dir: Path, summary: dict[str, Any]) -> dict[str, dict[str, float]]:
     """Per site: wall seconds per inner step and compute utilisation with the held-out
     evaluations left out (what the performance model predicts; it has no evaluation)."""
-    from isthmus.deploy.run_records import read_records
+    from isthmus.deploy.run.records import read_records
 
     records = read_records(run_dir / "metrics.jsonl")
     figures = {}

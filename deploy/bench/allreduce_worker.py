@@ -117,7 +117,7 @@ def _digest(values: torch.Tensor) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m isthmus.deploy.allreduce_worker")
+    parser = argparse.ArgumentParser(prog="python -m isthmus.deploy.bench.allreduce_worker")
     parser.add_argument("--state", required=True)
     parser.add_argument("--site", required=True)
     parser.add_argument("--size-mib", type=float, required=True)

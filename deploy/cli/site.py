@@ -38,8 +38,8 @@ from typing import Any
 import yaml
 
 from isthmus.deploy.cli import UsageError, add_command
-from isthmus.deploy.host_tuning import tcp_advice
 from isthmus.deploy.jobfile import Job, SiteSpec, load_job, parse_address
+from isthmus.deploy.run.host_tuning import tcp_advice
 from isthmus.job.addressing import resolve
 
 RDZV_PORT = 29400
@@ -254,7 +254,7 @@ def prepare_site_dir(job_path: Path, job_name: str, site: str, out: Path, rejoin
     """The site's run directory, as ``isthmus run`` lays one out for each site:
     ``job.yaml`` resolved (every default filled in, no emulated WAN) and
     ``sites/SITE/``. Every rank may call it: the file is replaced atomically."""
-    from isthmus.deploy.run_launcher import RunError, resolve_job
+    from isthmus.deploy.run.launcher import RunError, resolve_job
 
     finished = out / "sites" / site / "result.json"
     if finished.exists() and not rejoin:
@@ -297,8 +297,8 @@ def _train_rank(
 ) -> int:
     """Train this process's rank of the site (rank 0 also prints the site's progress,
     unless this command's own launcher does)."""
-    from isthmus.deploy.run_worker import train_until_stopped
-    from isthmus.deploy.site_errors import run_site_main
+    from isthmus.deploy.run.site_errors import run_site_main
+    from isthmus.deploy.run.worker import train_until_stopped
 
     if not os.environ.get(SPAWNED_BY_SITE):  # else the launcher prepared it
         prepare_site_dir(job_path, job.name, spec.name, out, rejoin)
@@ -408,7 +408,7 @@ class SiteProgress:
     POLL_S = 1.0
 
     def __init__(self, out: Path, site: str) -> None:
-        from isthmus.deploy.run_records import RecordTail
+        from isthmus.deploy.run.records import RecordTail
 
         self.site = site
         self._tail = RecordTail(out / "sites" / site / "metrics.jsonl", from_end=True)

@@ -41,29 +41,29 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     commands.required = True
 
-    from isthmus.deploy import (
-        bench_commands,
-        certs,
-        control_commands,
-        job_commands,
-        render_commands,
-        run_commands,
-        sim_commands,
-        site_commands,
-        tune_commands,
-        wan_commands,
+    from isthmus.deploy.cli import (
+        bench,
+        control,
+        job,
+        render,
+        run,
+        sim,
+        site,
+        tune,
+        wan,
     )
+    from isthmus.deploy.render import certs
 
-    run_commands.register(commands)
-    site_commands.register(commands)
-    control_commands.register(commands)
-    sim_commands.register(commands)
-    tune_commands.register(commands)
-    job_commands.register(commands)
-    wan_commands.register(commands)
-    bench_commands.register(commands)
+    run.register(commands)
+    site.register(commands)
+    control.register(commands)
+    sim.register(commands)
+    tune.register(commands)
+    job.register(commands)
+    wan.register(commands)
+    bench.register(commands)
     certs.register(commands)
-    render_commands.register(commands)
+    render.register(commands)
     return parser
 
 

@@ -98,7 +98,7 @@ def register(commands: Any) -> None:
 
 
 def _allreduce(args: argparse.Namespace) -> int:
-    from isthmus.deploy.bench_allreduce import (
+    from isthmus.deploy.bench.allreduce import (
         SitesFailed,
         format_allreduce_report,
         run_allreduce_bench,
@@ -158,7 +158,7 @@ def _allreduce(args: argparse.Namespace) -> int:
 
 
 def _codec(args: argparse.Namespace) -> int:
-    from isthmus.deploy.bench_codec import format_codec_report, run_codec_bench
+    from isthmus.deploy.bench.codec import format_codec_report, run_codec_bench
 
     if args.size_mib <= 0:
         raise UsageError(f"--size-mib: must be > 0, got {args.size_mib}")
@@ -168,7 +168,7 @@ def _codec(args: argparse.Namespace) -> int:
 
 
 def _wan(args: argparse.Namespace) -> int:
-    from isthmus.deploy.bench_wan import format_report, plot_report, run_wan_bench
+    from isthmus.deploy.bench.wan import format_report, plot_report, run_wan_bench
 
     if args.repeats < 1:
         raise UsageError(f"--repeats: must be >= 1, got {args.repeats}")
@@ -187,7 +187,7 @@ def _wan(args: argparse.Namespace) -> int:
 
 
 def _wan_hosts(args: argparse.Namespace) -> int:
-    from isthmus.deploy.bench_hosts import format_hosts_report, run_hosts_bench
+    from isthmus.deploy.bench.hosts import format_hosts_report, run_hosts_bench
     from isthmus.sim.hosts import HostsUnavailable, check_support
 
     try:

@@ -1,7 +1,7 @@
 """The baseline the collective engine is measured against: a Gloo all-reduce across hosts.
 
 Run one process per emulated host (``isthmus wan exec JOB SITE -- python -m
-isthmus.deploy.gloo_baseline ...``); rank 0 prints the seconds of each
+isthmus.deploy.bench.gloo_baseline ...``); rank 0 prints the seconds of each
 all-reduce as JSON. ``isthmus bench wan --hosts`` drives it.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m isthmus.deploy.gloo_baseline")
+    parser = argparse.ArgumentParser(prog="python -m isthmus.deploy.bench.gloo_baseline")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--master", required=True, metavar="HOST:PORT", help="rank 0's address")
@@ -78,7 +78,7 @@ def time_on_hosts(
                 "--",
                 sys.executable,
                 "-m",
-                "isthmus.deploy.gloo_baseline",
+                "isthmus.deploy.bench.gloo_baseline",
                 "--rank",
                 str(rank),
                 "--world",
