@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy.cli import UsageError
+from isthmus.deploy.cli.registry import UsageError
 from isthmus.deploy.jobfile import Job
 from isthmus.sim.control import ControlServer
 from isthmus.sim.faults import run_fault

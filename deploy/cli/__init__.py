@@ -1,5 +1,10 @@
 """The ``isthmus`` command line: subcommands, one-line usage errors, exit codes.
 
+Each subcommand lives in a module of this package (``run``, ``site``, ``wan``, ...)
+that registers itself through :mod:`~isthmus.deploy.cli.registry` and imports
+what it runs (torch, gRPC, the launcher) inside its handlers: ``isthmus --help``
+and every ``--help`` below it load neither torch nor gRPC.
+
 Exit codes: 0 success; 1 a failure while running; 2 bad input (flags, job
 file, an address that cannot be used), always with a message that names the
 flag or field and the fix. No command ends in a traceback for bad input.
@@ -10,35 +15,21 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from collections.abc import Sequence
 
 from isthmus._version import __version__
-
-
-class UsageError(Exception):
-    """Bad input from the user: printed as one line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with a one-line usage error that points at --help."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
-
-
-Command = Callable[[argparse.Namespace], int]
+from isthmus.deploy.cli.registry import Command, Parser, UsageError, add_command
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = Parser(
         prog="isthmus",
         description="Train one PyTorch model across far-apart clusters; "
         "emulate the WAN between them.",
     )
     parser.add_argument("--version", action="version", version=f"isthmus {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more detail")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     commands.required = True
 
     from isthmus.deploy.cli import (
@@ -95,12 +86,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
 
 
-def add_command(
-    commands: Any, name: str, handler: Command, *, help: str, description: str | None = None
-) -> argparse.ArgumentParser:
-    """Register a subcommand whose arguments the caller adds to the returned parser."""
-    sub: argparse.ArgumentParser = commands.add_parser(
-        name, help=help, description=description or help
-    )
-    sub.set_defaults(handler=handler, prog=sub.prog)
-    return sub
+__all__ = ["Command", "UsageError", "add_command", "build_parser", "main"]

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from isthmus.deploy.cli import UsageError, add_command
+from isthmus.deploy.cli.registry import UsageError, add_command
 
 
 def register(commands: Any) -> None:

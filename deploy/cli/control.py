@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy.cli import UsageError, add_command
+from isthmus.deploy.cli.registry import UsageError, add_command
 from isthmus.deploy.jobfile import Job, load_job, load_yaml
 from isthmus.inter.control import Broker, ControlPlane
 from isthmus.inter.control_topics import LIVE_SETTINGS, parse_config

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from isthmus.deploy.cli import add_command
+from isthmus.deploy.cli.registry import add_command
 from isthmus.deploy.jobfile import Job, load_job
 from isthmus.sim.topology import Topology
 

@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy.cli import add_command
+from isthmus.deploy.cli.registry import add_command
 from isthmus.deploy.jobfile import load_job
 from isthmus.deploy.render import cluster as render
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy.cli import UsageError, add_command
+from isthmus.deploy.cli.registry import UsageError, add_command
 from isthmus.deploy.run.launcher import (
     Launcher,
     RunError,

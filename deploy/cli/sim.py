@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy.cli import UsageError, add_command
+from isthmus.deploy.cli.registry import UsageError, add_command
 from isthmus.deploy.jobfile import Job, load_job
 from isthmus.sim.cost import LinkCost
 from isthmus.sim.perf_model import (

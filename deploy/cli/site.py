@@ -37,7 +37,7 @@ from typing import Any
 
 import yaml
 
-from isthmus.deploy.cli import UsageError, add_command
+from isthmus.deploy.cli.registry import UsageError, add_command
 from isthmus.deploy.jobfile import Job, SiteSpec, load_job, parse_address
 from isthmus.deploy.run.host_tuning import tcp_advice
 from isthmus.job.addressing import resolve

@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy.cli import UsageError, add_command
+from isthmus.deploy.cli.registry import UsageError, add_command
 from isthmus.deploy.jobfile import Job, load_job
 from isthmus.deploy.run.launcher import RunError, prepare_run_dir
 from isthmus.sim.perf_model import ScenarioError

@@ -14,8 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy.cli import UsageError, add_command
 from isthmus.deploy.cli.job import describe_link
+from isthmus.deploy.cli.registry import UsageError, add_command
 from isthmus.deploy.jobfile import Job, load_job, load_yaml, parse_address
 from isthmus.deploy.run.orphan import end_with_parent
 from isthmus.inter.allocator import keep_freed_memory

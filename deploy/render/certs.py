@@ -30,7 +30,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from isthmus.deploy.cli import UsageError, add_command
+from isthmus.deploy.cli.registry import UsageError, add_command
 from isthmus.deploy.jobfile import load_job
 from isthmus.inter.tls import site_dns_name
 

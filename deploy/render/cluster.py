@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from isthmus.deploy.cli import UsageError
+from isthmus.deploy.cli.registry import UsageError
 from isthmus.deploy.cli.site import RDZV_PORT
 from isthmus.deploy.jobfile import Job, SiteSpec
 from isthmus.inter.control_topics import config_topic, membership_topic, metrics_topic, status_topic
