@@ -31,6 +31,7 @@ class ModelShape(Protocol):
     d_ff: int
     n_layer: int
 
+
 DIMENSIONS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 

@@ -126,6 +126,7 @@ class TlsSpec:
     def paths(self, site: str) -> tuple[Path, Path, Path]:
         """The CA certificate, and ``site``'s certificate and key (what
         :meth:`isthmus.inter.tls.SiteTls.load` reads)."""
+
         def path(template: str) -> Path:
             return self.base / template.replace("{site}", site)
 

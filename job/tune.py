@@ -49,9 +49,7 @@ class TuneSettings:
             or not self.codecs
             or any(not isinstance(c, str) or c not in CODECS for c in self.codecs)
         ):
-            raise TuneError(
-                "codecs", f"list some of {', '.join(CODECS)}, got {self.codecs!r}"
-            )
+            raise TuneError("codecs", f"list some of {', '.join(CODECS)}, got {self.codecs!r}")
         for name in ("min_sync_every", "max_sync_every", "online_every_rounds"):
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):

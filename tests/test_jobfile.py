@@ -55,8 +55,8 @@ def test_the_issue_example_is_accepted():
         "partition",
         10,
     )
-    topo = Topology.for_job(job,
-        {"us-east": [("127.0.0.1", 1), ("127.0.0.1", 2)], "eu-west": [("127.0.0.1", 3)]}
+    topo = Topology.for_job(
+        job, {"us-east": [("127.0.0.1", 1), ("127.0.0.1", 2)], "eu-west": [("127.0.0.1", 3)]}
     )
     link = topo.link_params("eu-west", "us-east")
     assert link.rtt_ms == 75 and link.a_to_b.bandwidth_mbit == 500 and link.a_to_b.jitter_ms == 2

@@ -220,7 +220,9 @@ def load_in_pod(out: Path, site: str, root: Path) -> Job:
         shutil.copy(source, pod / "certs" / key)
     seen = load_job(pod / "job.yaml")
     assert seen.tls is not None and seen.control is not None
-    SiteTls.load("demo", site, *seen.tls.paths(site))  # reads and checks the site's certificate and key
+    SiteTls.load(
+        "demo", site, *seen.tls.paths(site)
+    )  # reads and checks the site's certificate and key
     assert seen.control.broker_for(site).tls_context() is not None
     return seen
 

@@ -300,13 +300,13 @@ def _job_params(job: Job) -> float:
         from isthmus.intra.plugins import load_model
 
         return float(sum(p.numel() for p in load_model(job.model).parameters()))
-    from isthmus.intra.model import config_for
+    from isthmus.intra.sizes import config_for
 
     return float(config_for(job.model).parameter_count())
 
 
 def _job_tokens(job: Job) -> tuple[int, int]:
-    from isthmus.intra.model import config_for
+    from isthmus.intra.sizes import config_for
 
     seq_len = config_for(job.model).seq_len if ":" not in job.model else 64
     return seq_len, job.train.batch_size
