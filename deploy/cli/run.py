@@ -9,15 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from isthmus.deploy.cli.registry import UsageError, add_command
-from isthmus.deploy.run.launcher import (
-    Launcher,
-    RunError,
-    default_run_dir,
-    prepare_run_dir,
-    resolve_job,
-    resume_point,
-)
-from isthmus.deploy.run.records import write_json_atomic
 from isthmus.job.settings import STRATEGIES
 
 EXIT_CODES = {"finished": 0, "failed": 1, "interrupted": 130}
@@ -78,6 +69,8 @@ def register(commands: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from isthmus.deploy.run.launcher import RunError, default_run_dir, resolve_job
+
     if args.resume is not None:
         return _resume(args)
     if args.job is None:
@@ -98,6 +91,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _resume(args: argparse.Namespace) -> int:
+    from isthmus.deploy.run.launcher import RunError, resume_point
+
     if args.job is not None or args.compare or args.strategy or args.steps or args.out:
         raise UsageError(
             "--resume goes on with the run as it was started (its own job.yaml and "
@@ -122,6 +117,7 @@ def run_job(
     """One run, start to report; prints progress and where the report is.
     ``resume_round``: go on with a stopped run from that round's checkpoints.
     ``restart_lost``: start a lost site again, so it rejoins."""
+    from isthmus.deploy.run.launcher import prepare_run_dir
     from isthmus.deploy.run.progress import progress_for
     from isthmus.deploy.run.report import write_report
 
@@ -161,6 +157,8 @@ def execute_run(
 ) -> dict[str, Any]:
     """Launch, follow and stop one run in a prepared directory; write its TensorBoard
     events and summary.json and return the summary. Prints nothing."""
+    from isthmus.deploy.run.launcher import Launcher
+    from isthmus.deploy.run.records import write_json_atomic
     from isthmus.deploy.run.summary import build_summary
     from isthmus.deploy.run.tensorboard import TensorBoardWriter
 
@@ -209,6 +207,7 @@ def _print_outcome(summary: dict[str, Any], report: Path) -> None:
 
 def _compare(args: argparse.Namespace) -> int:
     from isthmus.deploy.run.compare import write_comparison
+    from isthmus.deploy.run.launcher import RunError, default_run_dir, prepare_run_dir, resolve_job
 
     strategies = [s.strip() for s in args.compare.split(",") if s.strip()]
     unknown = [s for s in strategies if s not in STRATEGIES]

@@ -26,7 +26,6 @@ from typing import Any
 
 from isthmus.deploy.cli.registry import UsageError, add_command
 from isthmus.deploy.jobfile import Job, load_job
-from isthmus.deploy.run.launcher import RunError, prepare_run_dir
 from isthmus.sim.perf_model import ScenarioError
 from isthmus.sim.tuner import (
     Candidate,
@@ -79,6 +78,8 @@ def register(commands: Any) -> None:
 
 
 def _tune(args: argparse.Namespace) -> int:
+    from isthmus.deploy.run.launcher import RunError, prepare_run_dir
+
     job_path = Path(args.job)
     job = load_job(job_path)
     settings = _settings(job, args)
@@ -218,6 +219,7 @@ def _plan(
 def _run_trials(
     job_path: Path, planned: list[Candidate], steps: int, folder: Path, log: Any
 ) -> list[Any]:
+    from isthmus.deploy.run.launcher import RunError
     from isthmus.deploy.tune.trials import TrialProgress, run_trial
 
     results = []

@@ -32,7 +32,6 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from isthmus.deploy.cli.registry import UsageError, add_command
 from isthmus.deploy.jobfile import load_job
-from isthmus.inter.tls import site_dns_name
 
 VALID_DAYS = 365
 
@@ -203,6 +202,8 @@ def _issue(
     issue: Callable[..., list[Path]], job: str, sites: Sequence[str], broker: Sequence[str]
 ) -> list[Path]:
     """A certificate for each site, and with ``broker`` the broker's and the operator's."""
+    from isthmus.inter.tls import site_dns_name
+
     written: list[Path] = []
     for site in sites:
         # Every site is both a server (its peer service) and a client (it dials).
