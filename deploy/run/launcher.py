@@ -7,10 +7,12 @@ reaches the launcher alone and the launcher stops them in order), follows
 what the sites write, and ends with ``summary.json`` and the report. It is the
 only writer of the run's ``metrics.jsonl``; sites write their own files.
 
-Ending: when every site has finished; at the first site that fails (the
-others are stopped: none of the strategies here tolerates a lost site yet);
-or at SIGINT/SIGTERM. Either way every child process is stopped (SIGTERM, then
-SIGKILL after a grace period) before the launcher returns.
+Ending: when every site has finished or left; or at SIGINT/SIGTERM. A site
+that is lost (a rank killed) or fails does not end a run of two or more sites:
+every strategy runs its rounds under membership views, so the others train on
+without it (and with ``--restart-lost`` it is started again and rejoins); a
+one-site run ends with its site. Either way every child process is stopped
+(SIGTERM, then SIGKILL after a grace period) before the launcher returns.
 """
 
 from __future__ import annotations
