@@ -10,6 +10,9 @@ from __future__ import annotations
 import random
 import socket
 
+RDZV_PORT = 29400
+"""torchrun's default c10d rendezvous port, on a multi-node site's first node."""
+
 LISTEN_PORTS = (20000, 32767)
 """Where listening ports are picked: below Linux's default ephemeral range (32768-60999).
 A port the OS hands out for binding to 0 comes from that range, so between picking it

@@ -14,6 +14,7 @@ from typing import Any
 from isthmus.deploy.cli.registry import add_command
 from isthmus.deploy.jobfile import load_job
 from isthmus.deploy.render import cluster as render
+from isthmus.deploy.render import kubernetes
 
 
 def register(commands: Any) -> None:
@@ -74,7 +75,7 @@ def _render(args: argparse.Namespace) -> int:
             gpus=args.gpus,
         )
     else:
-        files = render.render_kubernetes(job, image=args.image, gpus=args.gpus)
+        files = kubernetes.render_kubernetes(job, image=args.image, gpus=args.gpus)
     for path in render.write_files(files, args.out):
         print(path)
     print("\nNext steps:")

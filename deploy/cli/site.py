@@ -41,9 +41,7 @@ from isthmus.deploy.cli.registry import UsageError, add_command
 from isthmus.deploy.jobfile import Job, SiteSpec, load_job, parse_address
 from isthmus.deploy.run.host_tuning import tcp_advice
 from isthmus.job.addressing import resolve
-
-RDZV_PORT = 29400
-"""torchrun's default c10d rendezvous port, on a multi-node site's first node."""
+from isthmus.job.ports import RDZV_PORT
 
 SPAWNED_BY_SITE = "ISTHMUS_SITE_LAUNCHER"
 """Set for the ranks this command starts through torchrun: the launcher prints progress."""
