@@ -115,7 +115,7 @@ def serve_hosts(
         hosts.remove()
         with contextlib.suppress(FileNotFoundError):
             state_path.unlink()
-    from isthmus.deploy.cli.wan import format_stats
+    from isthmus.sim.control import format_stats
 
     print(format_stats(stats), flush=True)
     return 0

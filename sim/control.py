@@ -150,3 +150,31 @@ class ControlClient:
 
     def stats(self) -> dict[str, Any]:
         return self.request(op="stats")["stats"]
+
+
+def format_stats(stats: dict[str, Any]) -> str:
+    """Per link and direction, the counters that matter for the backend that made them."""
+    describe = _packet_counters if stats.get("backend") == "hosts" else _proxy_counters
+    lines = []
+    for link in stats["links"]:
+        a, b = link["between"]
+        lines.append(f"link {a}<->{b} ({link['state']}):")
+        for direction in (f"{a}->{b}", f"{b}->{a}"):
+            lines.append(f"  {direction}: {describe(link[direction])}")
+    return "\n".join(lines)
+
+
+def _proxy_counters(c: dict[str, Any]) -> str:
+    return (
+        f"{c['bytes'] / 1e6:.1f} MB, {c['segments']} segments, {c['stalls']} stalls, "
+        f"{c['resets']} resets, {c['disconnects']} disconnects, "
+        f"{c['active_connections']} open, queue {c['queued_bytes'] / 1e3:.0f} kB"
+    )
+
+
+def _packet_counters(c: dict[str, Any]) -> str:
+    return (
+        f"{c['bytes'] / 1e6:.1f} MB, {c['segments']} segments in {c['frames']} frames, "
+        f"{c['lost_segments']} lost, {c['queue_drops']} queue drops, "
+        f"{c['partition_drops']} partition drops, {c['corrupted_segments']} corrupted"
+    )

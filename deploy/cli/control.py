@@ -6,11 +6,11 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from isthmus.deploy.cli.registry import UsageError, add_command
 from isthmus.deploy.jobfile import Job, load_job, load_yaml
+from isthmus.deploy.run.broker import control_state_path
 from isthmus.inter.control import Broker, ControlPlane
 from isthmus.inter.control_topics import LIVE_SETTINGS, parse_config
 
@@ -19,11 +19,6 @@ SILENT_S = 3.0
 """A site whose status is older than this is shown as silent."""
 SETTLE_S = 1.0
 """How long to listen for retained messages (statuses, the current config)."""
-
-
-def control_state_path(job: Job) -> Path:
-    """Where ``isthmus run`` writes the embedded broker's address: ./<job>.control.json."""
-    return Path(f"{job.name}.control.json")
 
 
 def broker_for(job: Job, url: str | None) -> Broker:

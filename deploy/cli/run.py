@@ -117,6 +117,7 @@ def run_job(
     """One run, start to report; prints progress and where the report is.
     ``resume_round``: go on with a stopped run from that round's checkpoints.
     ``restart_lost``: start a lost site again, so it rejoins."""
+    from isthmus.deploy.run.execute import execute_run
     from isthmus.deploy.run.launcher import prepare_run_dir
     from isthmus.deploy.run.progress import progress_for
     from isthmus.deploy.run.report import write_report
@@ -143,46 +144,6 @@ def run_job(
         )
     report = write_report(run_dir)
     _print_outcome(summary, report)
-    return summary
-
-
-def execute_run(
-    job: Any,
-    raw: dict[str, Any],
-    run_dir: Path,
-    *,
-    on_update: Any = None,
-    resume_round: int | None = None,
-    restart_lost: bool = False,
-) -> dict[str, Any]:
-    """Launch, follow and stop one run in a prepared directory; write its TensorBoard
-    events and summary.json and return the summary. Prints nothing."""
-    from isthmus.deploy.run.launcher import Launcher
-    from isthmus.deploy.run.records import write_json_atomic
-    from isthmus.deploy.run.summary import build_summary
-    from isthmus.deploy.run.tensorboard import TensorBoardWriter
-
-    launcher = Launcher(
-        job,
-        raw,
-        run_dir,
-        on_update=on_update,
-        resume_round=resume_round,
-        restart_lost=restart_lost,
-    )
-    launcher.tensorboard = TensorBoardWriter(run_dir / "tensorboard", [s.name for s in job.sites])
-    try:
-        launcher.start()
-        launcher.follow()
-    except KeyboardInterrupt:
-        launcher.state.status = "interrupted"
-    finally:
-        launcher.stop()
-        launcher.tensorboard.close()
-    if launcher.state.status == "running":  # start() failed
-        launcher.state.status = "failed"
-    summary = build_summary(launcher.state)
-    write_json_atomic(run_dir / "summary.json", summary)
     return summary
 
 

@@ -4,9 +4,10 @@ For Slurm, one batch script per site and a Mosquitto configuration for a broker
 on a stable host; for Kubernetes, per site a ConfigMap with the job file, a
 headless Service for torchrun's rendezvous, an Indexed Job (one pod per node)
 and a LoadBalancer Service per node for the ports the other sites dial, plus the
-broker as a Deployment (:mod:`isthmus.deploy.render.kubernetes`). Both targets share one broker configuration
-(:func:`broker_files`): TLS with client certificates of the job's CA, and an ACL
-that lets each site write only its own topics.
+broker as a Deployment (:mod:`isthmus.deploy.render.kubernetes`). Both targets
+share one broker configuration (:func:`broker_files`): TLS with client
+certificates of the job's CA, and an ACL that lets each site write only its own
+topics.
 
 Rendering is pure (a job in, ``{relative path: text}`` out); :func:`write_files`
 is the only part that touches the disk. No secret material is ever rendered:

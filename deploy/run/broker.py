@@ -13,10 +13,17 @@ import asyncio
 import contextlib
 import logging
 import threading
+from pathlib import Path
 from typing import Any
 
 from isthmus.job.broker import Broker
+from isthmus.job.model import Job
 from isthmus.job.ports import free_port
+
+
+def control_state_path(job: Job) -> Path:
+    """Where ``isthmus run`` writes the embedded broker's address: ./<job>.control.json."""
+    return Path(f"{job.name}.control.json")
 
 
 class EmbeddedBroker:

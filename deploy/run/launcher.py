@@ -309,8 +309,7 @@ class Launcher:
         """The control plane's embedded broker; its address goes where the sites
         (RUN_DIR/control.json) and ``isthmus config set|watch`` (./JOB.control.json)
         look for it."""
-        from isthmus.deploy.cli.control import control_state_path
-        from isthmus.deploy.run.broker import EmbeddedBroker
+        from isthmus.deploy.run.broker import EmbeddedBroker, control_state_path
 
         self.broker = EmbeddedBroker().start()
         state = {"broker": self.broker.address.url, "run_dir": str(self.run_dir.resolve())}

@@ -68,7 +68,7 @@ def run_trial(
 ) -> TrialResult:
     """One short run of the job with the candidate's settings; never the online
     controller (the trial measures the setting itself)."""
-    from isthmus.deploy.cli.run import execute_run
+    from isthmus.deploy.run.execute import execute_run
 
     job, raw = resolve_job(
         job_path,
