@@ -4,7 +4,7 @@ It holds the TUN descriptor of every emulated host (:mod:`isthmus.sim.hosts`),
 reads each IPv4 packet, finds the link from the source host to the destination
 host, and writes the packet to the destination's TUN after that direction of
 the link has delayed, rate-limited, lost or corrupted it. The link model is
-the one the TCP proxy uses (:mod:`isthmus.sim.link` and its processes); only
+the one the TCP proxy uses (:mod:`isthmus.job.link` and its processes); only
 the carrier differs: here a loss really drops a packet, a full queue really
 tail-drops, and the hosts' own TCP stacks react to both.
 
