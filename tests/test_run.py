@@ -414,7 +414,7 @@ def test_parameter_digest_names_order_and_values():
 
 
 def test_learning_rate_warms_up_then_decays_to_a_tenth():
-    from isthmus.deploy.run.worker import learning_rate
+    from isthmus.deploy.run.setup import learning_rate
     from isthmus.inter.settings import TrainSettings
 
     settings = TrainSettings(steps=100, warmup_steps=10, inner_lr=1.0)
@@ -425,7 +425,7 @@ def test_learning_rate_warms_up_then_decays_to_a_tenth():
 
 
 def test_a_constant_schedule_holds_the_peak_after_the_warm_up():
-    from isthmus.deploy.run.worker import learning_rate
+    from isthmus.deploy.run.setup import learning_rate
     from isthmus.inter.settings import TrainSettings
 
     settings = TrainSettings(steps=100, warmup_steps=10, inner_lr=1.0, lr_schedule="constant")
@@ -435,7 +435,7 @@ def test_a_constant_schedule_holds_the_peak_after_the_warm_up():
 
 
 def test_wsd_holds_the_peak_then_decays_linearly_over_the_last_fifth():
-    from isthmus.deploy.run.worker import learning_rate
+    from isthmus.deploy.run.setup import learning_rate
     from isthmus.inter.settings import TrainSettings
 
     settings = TrainSettings(steps=100, warmup_steps=10, inner_lr=1.0, lr_schedule="wsd")
@@ -450,7 +450,7 @@ def test_the_inner_optimizer_takes_the_job_files_adamw_settings():
     import torch
 
     from isthmus.deploy.jobfile import parse_job
-    from isthmus.deploy.run.worker import inner_optimizer
+    from isthmus.deploy.run.setup import inner_optimizer
 
     job = parse_job(
         "name: j\nsites: [{name: a}]\ntrain: {inner_lr: 0.002, warmup_steps: 0, "

@@ -202,7 +202,7 @@ def _compare(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from isthmus.deploy.jobfile import load_job
     from isthmus.deploy.run.records import parameter_digest
-    from isthmus.deploy.run.worker import (
+    from isthmus.deploy.run.setup import (
         build_model,
         builtin_dataset,
         evaluate,

@@ -19,16 +19,18 @@ its ranks) makes the site leave at the next round: the others go on without
 it, and it writes ``result.json`` with ``status: "left"``.
 Rank 0 is also the site's control-plane client (:mod:`isthmus.deploy.run.control`):
 status, metrics per round, live settings.
+
+The set-up (model, data, optimizer, strategy) is :mod:`isthmus.deploy.run.setup`,
+the records beyond each step :mod:`isthmus.deploy.run.round_records`.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import signal
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,126 +43,31 @@ from isthmus.deploy.jobfile import Job, load_job
 from isthmus.deploy.run.control import SiteControl, apply_settings, membership_for
 from isthmus.deploy.run.orphan import end_with_parent
 from isthmus.deploy.run.records import RecordWriter, parameter_digest, write_json_atomic
+from isthmus.deploy.run.round_records import site_mean, write_blocked, write_round, write_views
+from isthmus.deploy.run.setup import (
+    build_model,
+    build_strategy,
+    builtin_dataset,
+    evaluate,
+    full_state,
+    held_out_batches,
+    inner_optimizer,
+    learning_rate,
+    save_model,
+    train_batches,
+)
 from isthmus.deploy.run.site_errors import run_site_main
 from isthmus.inter.join import SiteRuntime, start_site
 from isthmus.inter.member_rounds import MemberRounds
 from isthmus.inter.membership import LeftTheRun
-from isthmus.inter.strategies import AsyncDiLoCo, DiLoCo, Strategy, StreamingDiLoCo, Sync
+from isthmus.inter.strategies import AsyncDiLoCo
 from isthmus.intra.checkpoint import checkpoint_path, load_checkpoint, load_extra, save_checkpoint
-from isthmus.intra.data import Dataset, ShardSpec, load_corpus
 from isthmus.intra.gradients import clip_grad_norm
-from isthmus.intra.model import GPT, config_for, lm_loss
-from isthmus.intra.parallelize import GPT_PLAN, ModelPlan, SiteModel
-from isthmus.intra.plugins import DataContext, load_callable, load_model
+from isthmus.intra.parallelize import ModelPlan, SiteModel
 from isthmus.intra.process_group import SiteError, launcher_rank
-from isthmus.intra.schedule import learning_rate_at
 from isthmus.job.addressing import load_state, resolve
 from isthmus.job.settings import TrainSettings
 from isthmus.job.tune import LIVE_SYNC_EVERY
-
-EVAL_BATCHES = 8
-"""Held-out batches of 16 sequences (or samples) for each evaluation."""
-
-Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-def build_model(job: Job) -> tuple[nn.Module, ModelPlan | None, Callable[..., torch.Tensor]]:
-    """The job's model, initialised from the job's seed: the same on every site."""
-    torch.manual_seed(job.seed)
-    if ":" in job.model:
-        model = load_model(job.model)
-        return model, getattr(model, "isthmus_plan", None), getattr(model, "isthmus_loss", lm_loss)
-    return GPT(config_for(job.model)), GPT_PLAN, lm_loss
-
-
-def builtin_dataset(job: Job, model: nn.Module) -> Dataset | None:
-    """The held-out split and batches of the built-in data path (None for a user's
-    data function, which brings its own batches)."""
-    if ":" in job.data and not Path(job.data).exists():
-        return None
-    seq_len = model.config.seq_len if isinstance(model, GPT) else 64
-    return Dataset(load_corpus(job.data), seq_len)
-
-
-def learning_rate(settings: TrainSettings, step: int) -> float:
-    """The inner learning rate at ``step``: warm-up, then ``settings.lr_schedule``."""
-    return learning_rate_at(
-        settings.lr_schedule, settings.inner_lr, step, settings.warmup_steps, settings.steps
-    )
-
-
-def inner_optimizer(
-    settings: TrainSettings, parameters: Iterable[torch.Tensor]
-) -> torch.optim.AdamW:
-    """The inner optimizer of ``isthmus run``: AdamW as the job's ``train:`` sets it."""
-    return torch.optim.AdamW(
-        parameters,
-        lr=learning_rate(settings, 0),
-        betas=(settings.inner_beta1, settings.inner_beta2),
-        weight_decay=settings.inner_weight_decay,
-    )
-
-
-def build_strategy(
-    settings: TrainSettings,
-    site: SiteRuntime,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    tokens_per_step: int,
-    stage_group: dist.ProcessGroup | None = None,
-) -> Strategy:
-    common: dict[str, Any] = {
-        "codec": settings.codec,
-        "error_feedback": settings.error_feedback,
-        "tokens_per_step": tokens_per_step,
-    }
-    if settings.strategy == "sync":
-        return Sync(
-            site,
-            model,
-            optimizer,
-            **common,
-            rejoin_timeout_s=settings.rejoin_timeout_s,
-            max_grad_norm=settings.grad_clip or None,
-            stage_group=stage_group,
-        )
-    outer: dict[str, Any] = {
-        "sync_every": settings.sync_every,
-        "outer_lr": settings.outer_lr,
-        "outer_momentum": settings.outer_momentum,
-    }
-    if settings.strategy == "diloco":
-        return DiLoCo(
-            site,
-            model,
-            optimizer,
-            **outer,
-            **common,
-            round_seconds=settings.round_seconds,
-            rejoin_timeout_s=settings.rejoin_timeout_s,
-        )
-    if settings.strategy == "async":
-        return AsyncDiLoCo(
-            site,
-            model,
-            optimizer,
-            **outer,
-            **common,
-            rejoin_timeout_s=settings.rejoin_timeout_s,
-            late_contributions=settings.late_contributions,
-            staleness_weight=settings.staleness_weight,
-        )
-    return StreamingDiLoCo(
-        site,
-        model,
-        optimizer,
-        **outer,
-        **common,
-        rejoin_timeout_s=settings.rejoin_timeout_s,
-        fragments=settings.fragments,
-        overlap_steps=settings.overlap_steps,
-        alpha=settings.alpha,
-    )
 
 
 class _Stop(Exception):
@@ -270,7 +177,7 @@ def _train(
         resumed = load_extra(path)
         settings = dataclasses.replace(settings, **resumed["settings"])
     start_step = int(resumed.get("step", 0))
-    batches = _batches(job, settings, site, dataset, start_step)
+    batches = train_batches(job, settings, site, dataset, start_step)
     first = next(batches)
     tokens_per_step = first[1].numel()
     stage_group = part.stage_group
@@ -303,7 +210,7 @@ def _train(
             seconds=pulled.seconds,
             resumed=pulled.resumed,
         )
-        batches = _batches(job, settings, site, dataset, start_step)
+        batches = train_batches(job, settings, site, dataset, start_step)
         first = next(batches)
     # Views from the first on; pulls after the rejoin's own (recorded just above).
     views_seen = (0, len(getattr(strategy, "caught_up", [])))
@@ -344,10 +251,10 @@ def _train(
             break
         compute_s += time.perf_counter() - step_started - sum(b.seconds for b in strategy.blocked)
         tokens += y.numel() * site.layout.dp
-        loss = _site_mean(rank_loss, site)
+        loss = site_mean(rank_loss, site)
         waiting_s += sum(b.seconds for b in strategy.blocked if b.kind == "waiting")
         blocked_s += sum(b.seconds for b in strategy.blocked)
-        _write_blocked(records, strategy)
+        write_blocked(records, strategy)
         records.write(
             "step",
             step=step + 1,
@@ -357,11 +264,11 @@ def _train(
             lr=optimizer.param_groups[0]["lr"],
         )
         control.step(step + 1, strategy.outer_steps)
-        views_seen = _write_views(records, site, strategy, views_seen, step + 1)
+        views_seen = write_views(records, site, strategy, views_seen, step + 1)
         round_ended = strategy.outer_steps != outer_seen
         if round_ended:
             outer_seen = strategy.outer_steps
-            totals = _write_round(records, strategy, site, step + 1)
+            totals = write_round(records, strategy, site, step + 1)
             round_s = time.perf_counter() - round_started
             changes = control.round_ended(
                 outer_seen,
@@ -436,7 +343,7 @@ def _train(
             # This site fell behind (cut off, left out) and pulled the others' state:
             # go on from their step, with the batches of that step.
             step = start_step = steps_done = strategy.inner_steps
-            batches = _batches(job, settings, site, dataset, step)
+            batches = train_batches(job, settings, site, dataset, step)
             first = next(batches)
         else:
             step += 1
@@ -446,10 +353,10 @@ def _train(
         records.write("state", state="syncing")
         strategy.finish()
     strategy.close()
-    _write_blocked(records, strategy)
+    write_blocked(records, strategy)
     wall_s = time.time() - train_started
-    totals = _write_round(records, strategy, site, steps_done)
-    full = _full_state(part, site)
+    totals = write_round(records, strategy, site, steps_done)
+    full = full_state(part, site)
     if not leader:
         return 0
     assert full is not None
@@ -478,153 +385,6 @@ def _train(
     write_json_atomic(run_dir / "sites" / site.name / "result.json", result)
     records.write("state", state=result["status"])
     return 0
-
-
-def _batches(
-    job: Job, settings: TrainSettings, site: SiteRuntime, dataset: Dataset | None, start: int = 0
-) -> Iterator[Batch]:
-    """This rank's training batches from batch ``start`` on (a resumed run: a user's
-    data function is read from its beginning and the batches before ``start`` dropped,
-    so it must yield the same batches every time, as the built-in data does)."""
-    if dataset is not None:
-        dps = tuple(s.layout.dp for s in job.sites)
-        shard = ShardSpec(site.site_index, dps, site.dp_rank, seed=job.seed)
-        return dataset.batches(shard, settings.batch_size, start=start)
-    context = data_context(job, site.site_index, site.dp_rank, settings.batch_size)
-    return itertools.islice(load_callable(job.data, "data")(context), start, None)
-
-
-def data_context(
-    job: Job, site_index: int, dp_rank: int, batch_size: int, split: str = "train"
-) -> DataContext:
-    return DataContext.for_rank(
-        [s.name for s in job.sites],
-        [s.layout.dp for s in job.sites],
-        site_index,
-        dp_rank,
-        batch_size=batch_size,
-        seed=job.seed,
-        split=split,
-    )
-
-
-def held_out_batches(job: Job, model: nn.Module, dataset: Dataset | None) -> list[Batch]:
-    """The evaluation batches, the same on every site and at every evaluation: the
-    built-in data's held-out split, or what the user's data function yields for
-    ``split="eval"``."""
-    if dataset is not None:
-        return list(dataset.eval_batches(16, EVAL_BATCHES))
-    context = data_context(job, 0, 0, 16, split="eval")
-    return list(itertools.islice(load_callable(job.data, "data")(context), EVAL_BATCHES))
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, batches: list[Batch], loss_fn: Callable[..., torch.Tensor]) -> float:
-    """Mean loss over ``batches``."""
-    losses = [float(loss_fn(model(x), y)) for x, y in batches]
-    return sum(losses) / len(losses)
-
-
-def save_model(model: nn.Module, path: Path, job: Job) -> None:
-    """The whole model as safetensors, written beside and renamed into place."""
-    from safetensors.torch import save_file
-
-    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"job": job.name, "model": job.model})
-    tmp.replace(path)
-
-
-def _site_mean(loss: float | None, site: SiteRuntime) -> float:
-    """The step's loss averaged over the site's ranks that compute one (with
-    pipeline stages, only the last does)."""
-    if site.site.ranks == 1:
-        return float("nan") if loss is None else float(loss)
-    both = torch.tensor([0.0 if loss is None else float(loss), 0.0 if loss is None else 1.0])
-    dist.all_reduce(both)
-    return float(both[0] / both[1]) if both[1] else float("nan")
-
-
-def _write_views(
-    records: RecordWriter, site: SiteRuntime, strategy: Strategy, seen: tuple[int, int], step: int
-) -> tuple[int, int]:
-    """Record the membership views this site entered and the state it pulled, since
-    ``seen`` (counts of each)."""
-    if site.membership is None:
-        return seen
-    views, pulls = seen
-    history = site.membership.history
-    for view in history[views:]:
-        records.write(
-            "view",
-            step=step,
-            epoch=view.epoch,
-            members=list(view.members),
-            start_round=view.start_round,
-            catch_up=list(view.catch_up),
-            donor=view.donor,
-            reason=view.reason,
-        )
-    caught_up = getattr(strategy, "caught_up", [])
-    for pull in caught_up[pulls:]:
-        records.write(
-            "catch_up",
-            step=step,
-            round=pull.rounds,
-            view=pull.view,
-            donor=pull.donor,
-            bytes=pull.bytes,
-            seconds=pull.seconds,
-            resumed=pull.resumed,
-        )
-    return len(history), len(caught_up)
-
-
-def _write_blocked(records: RecordWriter, strategy: Strategy) -> None:
-    """Report the spans the strategy blocked the loop, and forget them."""
-    for span in strategy.blocked:
-        records.write("blocked", what=span.kind, started=span.started, seconds=span.seconds)
-    strategy.blocked.clear()
-
-
-def _write_round(
-    records: RecordWriter, strategy: Strategy, site: SiteRuntime, step: int
-) -> dict[str, Any]:
-    """The site's WAN counters (every rank's, summed: a collective) as a round record."""
-    peers = [n for n in site.names if n != site.name]
-    sent_to = site.endpoint.bytes_sent_to()
-    values = torch.tensor(
-        [strategy.wan_bytes_sent, strategy.wan_bytes_received, *(sent_to.get(p, 0) for p in peers)],
-        dtype=torch.float64,
-    )
-    if site.site.ranks > 1:
-        dist.all_reduce(values)
-    totals = {
-        "wan_bytes_sent": int(values[0]),
-        "wan_bytes_received": int(values[1]),
-        "wan_bytes_sent_to": {p: int(v) for p, v in zip(peers, values[2:].tolist(), strict=True)},
-    }
-    records.write("round", step=step, outer_steps=strategy.outer_steps, **totals)
-    return totals
-
-
-def _full_state(part: SiteModel, site: SiteRuntime) -> dict[str, torch.Tensor] | None:
-    """The whole model on rank 0: sharded parameters gathered (a collective on every
-    rank), pipeline stages merged by name. None on the other ranks."""
-    state = {
-        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
-        for k, v in part.model.state_dict().items()
-    }
-    if site.layout.pp == 1:
-        return state if site.rank == 0 else None
-    parts: list[Any] = [None] * site.site.ranks
-    dist.all_gather_object(parts, state)
-    if site.rank != 0:
-        return None
-    merged: dict[str, torch.Tensor] = {}
-    for one in parts:
-        merged.update(one)
-    return merged
 
 
 def main(argv: list[str] | None = None) -> int:
