@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy.run_records import read_records
+from isthmus.deploy.run.records import read_records
 
 JOB = """\
 name: churn

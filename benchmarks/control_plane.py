@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from isthmus.deploy.broker import EmbeddedBroker
+from isthmus.deploy.run.broker import EmbeddedBroker
 from isthmus.inter.control import Broker, ControlPlane
 from isthmus.intra.data import Dataset, ShardSpec, stdlib_corpus
 from isthmus.intra.model import GPT, config_for, lm_loss

@@ -55,9 +55,9 @@ from typing import Any
 
 import churn as churn_benchmark
 
-from isthmus.deploy.bench_allreduce import SitesFailed, run_sites
-from isthmus.deploy.run_records import read_records
-from isthmus.deploy.site_kill import kill_after_rounds, loss_figures
+from isthmus.deploy.bench.allreduce import SitesFailed, run_sites
+from isthmus.deploy.run.records import read_records
+from isthmus.deploy.run.site_kill import kill_after_rounds, loss_figures
 from isthmus.inter.outbox import MAX_REFUSALS
 
 MAX_FAILED_RUNS = 3

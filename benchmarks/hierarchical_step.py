@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from isthmus.deploy.bench_wan import wan_up
+from isthmus.deploy.bench.wan import wan_up
 from isthmus.deploy.jobfile import free_port_blocks, load_job
-from isthmus.deploy.site_worker import Recipe, load_site_parameters, reference_training
+from isthmus.deploy.run.site_worker import Recipe, load_site_parameters, reference_training
 from isthmus.intra.launch import launch_ranks
 
 SITES = {"a": 1, "b": 2}
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> dict:
             common += ["--seed", str(SEED), "--size", args.size, "--corpus-bytes", str(CORPUS)]
             procs = []
             for name, ranks in SITES.items():
-                command = [sys.executable, "-m", "isthmus.deploy.site_worker", "--site", name]
+                command = [sys.executable, "-m", "isthmus.deploy.run.site_worker", "--site", name]
                 procs += launch_ranks([*command, *common], ranks, stderr=subprocess.PIPE)
             print(
                 f"hierarchical step: sites {SITES} (ranks), {args.steps} steps of model "

@@ -4,7 +4,7 @@
 
 1. Calibration (not part of the validation): the compute time of a step
    right before and right after each run (their mean), on its job file
-   (``isthmus.deploy.calibrate.calibrate``, as ``isthmus sim --calibrate``: a
+   (``isthmus.deploy.bench.calibrate.calibrate``, as ``isthmus sim --calibrate``: a
    short run synchronising as the job does, with the emulator, launcher and
    broker running as in the runs; this machine's speed drifts too much over
    minutes for one calibration at the start), with how much it varies from
@@ -36,10 +36,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from isthmus.deploy.calibrate import calibrate, steady_calibration, steps_between_syncs
-from isthmus.deploy.run_records import read_records
-from isthmus.deploy.run_summary import training_figures
-from isthmus.deploy.sim_commands import CODEC_BYTES_PER_S, ENGINE_EFFICIENCY
+from isthmus.deploy.bench.calibrate import calibrate, steady_calibration, steps_between_syncs
+from isthmus.deploy.cli.sim import CODEC_BYTES_PER_S, ENGINE_EFFICIENCY
+from isthmus.deploy.run.records import read_records
+from isthmus.deploy.run.summary import training_figures
 from isthmus.intra.model import config_for
 from isthmus.sim.perf_model import Scenario, exchange_seconds, predict_run, uniform_links
 

@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy.cli import UsageError
+from isthmus.deploy.cli.registry import UsageError
 from isthmus.deploy.jobfile import Job
 from isthmus.sim.control import ControlServer
 from isthmus.sim.faults import Progress, run_fault
@@ -31,6 +31,7 @@ from isthmus.sim.hosts import (
     netns_name,
 )
 from isthmus.sim.router import Router
+from isthmus.sim.topology import Topology
 
 DEFAULT_PORT = 7100
 """Where rank 0 of a site listens on its host when the job file gives no address."""
@@ -69,7 +70,7 @@ def serve_hosts(
             s.name: [(made[s.name].address, ports[s.name] + r) for r in range(s.ranks)]
             for s in job.sites
         }
-        router = Router(job.topology(listen), made)
+        router = Router(Topology.for_job(job, listen), made)
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, lambda *_: router.stop())
         control = _ControlThread(router, job)
@@ -114,7 +115,7 @@ def serve_hosts(
         hosts.remove()
         with contextlib.suppress(FileNotFoundError):
             state_path.unlink()
-    from isthmus.deploy.wan_commands import format_stats
+    from isthmus.sim.control import format_stats
 
     print(format_stats(stats), flush=True)
     return 0

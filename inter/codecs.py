@@ -31,7 +31,10 @@ from dataclasses import dataclass, field
 import torch
 import zstandard
 
-LOSSY = ("none", "fp16", "bf16", "int8", "int4", "int2")
+from isthmus.job.basics import CODECS
+
+LOSSY = CODECS
+"""The lossy stages, most precise first (the job model's one list of codec names)."""
 VALUE_BYTES = {"none": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5, "int2": 0.25}
 """Bytes of one encoded value before the lossless stage (blockwise codecs: scales apart)."""
 BLOCKWISE_LEVELS = {"int8": 127, "int4": 7, "int2": 1}

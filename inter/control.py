@@ -21,9 +21,7 @@ import logging
 import ssl
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 from isthmus.inter.control_topics import (
     PROTOCOL,
@@ -40,7 +38,8 @@ from isthmus.inter.control_topics import (
     status_topic,
 )
 from isthmus.inter.membership import Membership
-from isthmus.inter.settings import TrainSettings
+from isthmus.job.broker import Broker
+from isthmus.job.settings import TrainSettings
 
 log = logging.getLogger("isthmus.control")
 
@@ -51,56 +50,6 @@ KEEPALIVE_S = 1
 """MQTT keepalive: a broker drops a silent client after 1.5 keepalives, which is
 what bounds how fast a dead site's Last Will goes out."""
 BACKOFF_S = (0.2, 5.0)
-
-
-@dataclass(frozen=True)
-class Broker:
-    """Where the broker is and how to authenticate to it."""
-
-    host: str
-    port: int
-    username: str | None = None
-    password: str | None = None
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-
-    @classmethod
-    def from_url(cls, url: str, **options: Any) -> Broker:
-        """``mqtt://host:port`` (``mqtts://`` for TLS; default ports 1883 / 8883)."""
-        parts = urlsplit(url)
-        if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname:
-            raise ValueError(f"broker {url!r}: give mqtt://host:port or mqtts://host:port")
-        try:
-            port = parts.port or (8883 if parts.scheme == "mqtts" else 1883)
-        except ValueError:
-            raise ValueError(f"broker {url!r}: the port must be a number 1-65535") from None
-        return cls(parts.hostname, port, **options)
-
-    @property
-    def url(self) -> str:
-        return f"{'mqtts' if self.tls_ca else 'mqtt'}://{self.host}:{self.port}"
-
-    def tls_context(self) -> ssl.SSLContext | None:
-        if not self.tls_ca:
-            return None
-        context = ssl.create_default_context(cafile=self.tls_ca)
-        if self.tls_cert:
-            context.load_cert_chain(self.tls_cert, self.tls_key)
-        return context
-
-    def client(self, identifier: str, **options: Any) -> Any:
-        import aiomqtt
-
-        return aiomqtt.Client(
-            self.host,
-            self.port,
-            identifier=identifier,
-            username=self.username,
-            password=self.password,
-            tls_context=self.tls_context(),
-            **options,
-        )
 
 
 class ControlPlane:

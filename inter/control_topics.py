@@ -45,7 +45,7 @@ import json
 import math
 from typing import Any
 
-from isthmus.inter.settings import SettingError, TrainSettings
+from isthmus.job.settings import SettingError, TrainSettings
 
 PROTOCOL = 1
 """Version of these messages; a site ignores config of a newer protocol."""

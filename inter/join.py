@@ -17,17 +17,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from isthmus.deploy.addressing import SiteAddresses, resolve
-from isthmus.deploy.jobfile import Job, SiteSpec
 from isthmus.inter.background import BackgroundLoop
 from isthmus.inter.codecs import Codec
 from isthmus.inter.hierarchical import HierarchicalStep
 from isthmus.inter.lanes import RankEndpoint, lane_count, lane_owner, owned_lanes
 from isthmus.inter.membership import Membership
 from isthmus.inter.peer import Identity, PeerClient
+from isthmus.inter.tls import SiteTls
 from isthmus.inter.transport import TransportSettings
-from isthmus.intra.layout import Layout
 from isthmus.intra.process_group import SiteError, dp_group, init_site_group, waiting_group
+from isthmus.job.addressing import SiteAddresses, resolve
+from isthmus.job.layout import Layout
+from isthmus.job.model import Job, SiteSpec
 
 
 def layout_fingerprint(
@@ -196,7 +197,7 @@ def start_site(
     identity = Identity(
         job=job.name, site=site, rank=rank, layout_fingerprint=fingerprint, layout=words
     )
-    tls = job.tls.for_site(job.name, site) if job.tls is not None else None
+    tls = SiteTls.load(job.name, site, *job.tls.paths(site)) if job.tls is not None else None
     settings = TransportSettings(tls=tls)
     loop = BackgroundLoop(name=f"isthmus-wan-{site}-{rank}")
     try:

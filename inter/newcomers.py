@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from isthmus.intra.layout import DIMENSIONS, Layout, LayoutError
+from isthmus.job.layout import DIMENSIONS, Layout, LayoutError
 
 MAX_RANKS = 65536
 """More ranks than any site has: a bound on what a peer's message may ask us to hold."""

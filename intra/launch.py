@@ -9,59 +9,10 @@ emulated job on one machine; on a cluster, torchrun (or Slurm) does this.
 from __future__ import annotations
 
 import os
-import random
-import socket
 import subprocess
 from collections.abc import Mapping, Sequence
 
-LISTEN_PORTS = (20000, 32767)
-"""Where listening ports are picked: below Linux's default ephemeral range (32768-60999).
-A port the OS hands out for binding to 0 comes from that range, so between picking it
-and a slow process (torch takes seconds to import) listening on it, an outgoing
-connection may take it as its source port: seen in CI as "address already in use"."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on ``host`` now, outside the range outgoing connections use."""
-    return free_ports(host, 1)[0]
-
-
-def free_ports(host: str, count: int) -> list[int]:
-    """``count`` distinct ports free on ``host`` now (see :data:`LISTEN_PORTS`)."""
-    low, high = _listen_range()
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    picked: list[int] = []
-    for candidate in random.sample(range(low, high + 1), k=min(2000, high - low + 1)):
-        with socket.socket(family) as sock:
-            try:
-                sock.bind((host, candidate))
-            except OSError:
-                continue
-        picked.append(candidate)
-        if len(picked) == count:
-            return picked
-    # Nothing free below the ephemeral range: let the OS choose.
-    sockets = [socket.socket(family) for _ in range(count - len(picked))]
-    try:
-        for sock in sockets:
-            sock.bind((host, 0))
-        return picked + [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-def _listen_range() -> tuple[int, int]:
-    """:data:`LISTEN_PORTS`, ending below this machine's ephemeral range."""
-    low, high = LISTEN_PORTS
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            ephemeral_low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return low, high
-    if ephemeral_low - 1 > low + 1000:
-        high = ephemeral_low - 1
-    return low, high
+from isthmus.job.ports import free_port
 
 
 def rank_environment(

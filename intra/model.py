@@ -19,72 +19,12 @@ The module layout is what the parallelisms rely on:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab_size: int = 256
-    """256 for byte-level text (the built-in data)."""
-    seq_len: int = 64
-    n_layer: int = 2
-    n_head: int = 4
-    d_model: int = 128
-    d_ff: int = 512
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "d_ff"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"model.{name} must be an integer >= 1, got {value!r}")
-        if self.d_model % self.n_head:
-            raise ValueError(
-                f"model.d_model ({self.d_model}) must be divisible by model.n_head "
-                f"({self.n_head}); choose n_head among {_divisors(self.d_model)}"
-            )
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
-
-    def parameter_count(self) -> int:
-        d, f, v, s, n = self.d_model, self.d_ff, self.vocab_size, self.seq_len, self.n_layer
-        block = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d  # attention, MLP, two norms
-        return v * d + s * d + n * block + 2 * d + d * v + v
-
-    def to_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-
-SIZES: dict[str, GPTConfig] = {
-    # The size the convergence references use: 2 layers, d128, byte-level.
-    "tiny": GPTConfig(),
-    "small": GPTConfig(seq_len=128, n_layer=4, n_head=4, d_model=256, d_ff=1024),
-    # GPT-2 small's shape; 124M parameters with GPT-2's vocabulary (vocab_size=50304).
-    "125m": GPTConfig(seq_len=1024, n_layer=12, n_head=12, d_model=768, d_ff=3072),
-    "1b": GPTConfig(seq_len=2048, n_layer=24, n_head=16, d_model=2048, d_ff=8192),
-    "7b": GPTConfig(seq_len=4096, n_layer=32, n_head=32, d_model=4096, d_ff=16384),
-}
-
-
-def config_for(size: str, **overrides: int) -> GPTConfig:
-    """The named size, with any field overridden (``vocab_size=50304``...)."""
-    try:
-        base = SIZES[size]
-    except KeyError:
-        raise ValueError(f"unknown model size {size!r}; choose one of {', '.join(SIZES)}") from None
-    unknown = sorted(set(overrides) - set(base.to_dict()))
-    if unknown:
-        raise ValueError(f"unknown model field(s) {unknown}; fields: {', '.join(base.to_dict())}")
-    return replace(base, **overrides)
-
-
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+from isthmus.intra.sizes import SIZES, GPTConfig, config_for
 
 
 class Attention(nn.Module):
@@ -184,3 +124,6 @@ class GPT(nn.Module):
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy (nats per token)."""
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
+__all__ = ["GPT", "SIZES", "GPTConfig", "config_for", "lm_loss"]

@@ -37,8 +37,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from isthmus.intra.layout import DIMENSIONS, Layout, stage_layers
 from isthmus.intra.model import GPT
+from isthmus.job.layout import DIMENSIONS, Layout, stage_layers
 
 GPT_TP_PLAN: dict[str, Callable[[], ParallelStyle]] = {
     "attention.wq": ColwiseParallel,
@@ -54,7 +54,7 @@ one all-reduce."""
 
 
 def site_mesh(layout: Layout, device_type: str | None = None) -> DeviceMesh:
-    """The site's DeviceMesh, dimensions named as in :mod:`isthmus.intra.layout`."""
+    """The site's DeviceMesh, dimensions named as in :mod:`isthmus.job.layout`."""
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     return init_device_mesh(device_type, layout.shape, mesh_dim_names=DIMENSIONS)
 

@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from isthmus.intra.layout import Layout
+from isthmus.job.layout import Layout
 
 
 class SiteError(RuntimeError):

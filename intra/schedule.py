@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import math
 
-SCHEDULES = ("cosine", "constant", "wsd")
-"""What follows the linear warm-up: ``cosine`` decay to 10% of the peak, the peak
-rate held (``constant``: local steps stay useful to the end, which short DiLoCo runs
-from scratch need; see the README's convergence table), or ``wsd``
-(warm-up, stable, decay): the peak held, then a linear decay to 10% over the last
-:data:`WSD_DECAY_FRACTION` of the steps."""
+from isthmus.job.settings import SCHEDULES
+
 WSD_DECAY_FRACTION = 0.2
 
 

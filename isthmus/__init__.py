@@ -1,9 +1,10 @@
 """Isthmus: train one PyTorch model across geographically separate clusters.
 
 This top-level package only re-exports the public face; the code lives in the
-sub-packages ``isthmus.intra`` (one site), ``isthmus.inter`` (across sites),
-``isthmus.proto`` (wire schema), ``isthmus.sim`` (WAN emulator and performance
-model) and ``isthmus.deploy`` (job files, command line, launcher).
+sub-packages ``isthmus.job`` (the job model, below every layer),
+``isthmus.intra`` (one site), ``isthmus.inter`` (across sites), ``isthmus.proto``
+(wire schema), ``isthmus.sim`` (WAN emulator and performance model) and
+``isthmus.deploy`` (job files, command line, launcher, ``isthmus.join``).
 
 The training API (the user keeps their own loop)::
 
@@ -22,7 +23,7 @@ from typing import Any
 from isthmus._version import __version__
 
 _LAZY = {
-    "join": "isthmus.inter.api",
+    "join": "isthmus.deploy.api",
     "Sync": "isthmus.inter.strategies",
     "DiLoCo": "isthmus.inter.strategies",
     "StreamingDiLoCo": "isthmus.inter.strategies",

@@ -26,8 +26,8 @@ import json
 import socket
 from typing import Any, Protocol
 
+from isthmus.job.link import LinkConfigError
 from isthmus.sim.faults import ControllableLink, Progress
-from isthmus.sim.link import LinkConfigError
 
 MAX_REQUEST_BYTES = 64 * 1024
 
@@ -192,3 +192,31 @@ class ControlClient:
     def progress(self, rounds: dict[str, int]) -> dict[str, int]:
         """Report the rounds each site has completed; returns what the emulator holds."""
         return self.request(op="progress", rounds=rounds)["progress"]
+
+
+def format_stats(stats: dict[str, Any]) -> str:
+    """Per link and direction, the counters that matter for the backend that made them."""
+    describe = _packet_counters if stats.get("backend") == "hosts" else _proxy_counters
+    lines = []
+    for link in stats["links"]:
+        a, b = link["between"]
+        lines.append(f"link {a}<->{b} ({link['state']}):")
+        for direction in (f"{a}->{b}", f"{b}->{a}"):
+            lines.append(f"  {direction}: {describe(link[direction])}")
+    return "\n".join(lines)
+
+
+def _proxy_counters(c: dict[str, Any]) -> str:
+    return (
+        f"{c['bytes'] / 1e6:.1f} MB, {c['segments']} segments, {c['stalls']} stalls, "
+        f"{c['resets']} resets, {c['disconnects']} disconnects, "
+        f"{c['active_connections']} open, queue {c['queued_bytes'] / 1e3:.0f} kB"
+    )
+
+
+def _packet_counters(c: dict[str, Any]) -> str:
+    return (
+        f"{c['bytes'] / 1e6:.1f} MB, {c['segments']} segments in {c['frames']} frames, "
+        f"{c['lost_segments']} lost, {c['queue_drops']} queue drops, "
+        f"{c['partition_drops']} partition drops, {c['corrupted_segments']} corrupted"
+    )

@@ -13,8 +13,8 @@ import time
 from collections.abc import Mapping
 from typing import Any, Generic, TypeVar
 
+from isthmus.job.link import DirectionParams, LinkParams, link_changes_to_direction
 from isthmus.sim.jitter import JitterSampler
-from isthmus.sim.link import DirectionParams, LinkParams, link_changes_to_direction
 from isthmus.sim.loss import SegmentLoss
 from isthmus.sim.token_bucket import TokenBucket
 from isthmus.sim.topology import direction_rng
@@ -140,7 +140,7 @@ class LinkModel(Generic[D]):
         """Change settings while traffic flows (both directions, or those leaving ``source``).
 
         Link-level names are accepted (``rtt_ms`` sets each direction's delay to rtt / 2).
-        Raises :class:`~isthmus.sim.link.LinkConfigError` and changes nothing if any is invalid.
+        Raises :class:`~isthmus.job.link.LinkConfigError` and changes nothing if any is invalid.
         """
         changes = link_changes_to_direction(changes)
         targets = [self.direction(source)] if source else [self.a_to_b, self.b_to_a]

@@ -35,10 +35,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from isthmus.job.link import DirectionParams
 from isthmus.sim import precise_timers
 from isthmus.sim.congestion import CubicWindow
 from isthmus.sim.direction import DirectionModel, LinkModel
-from isthmus.sim.link import DirectionParams
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ It holds the TUN descriptor of every emulated host (:mod:`isthmus.sim.hosts`),
 reads each IPv4 packet, finds the link from the source host to the destination
 host, and writes the packet to the destination's TUN after that direction of
 the link has delayed, rate-limited, lost or corrupted it. The link model is
-the one the TCP proxy uses (:mod:`isthmus.sim.link` and its processes); only
+the one the TCP proxy uses (:mod:`isthmus.job.link` and its processes); only
 the carrier differs: here a loss really drops a packet, a full queue really
 tail-drops, and the hosts' own TCP stacks react to both.
 
@@ -26,10 +26,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from isthmus.job.link import DirectionParams
 from isthmus.sim import gso
 from isthmus.sim.direction import DirectionModel, LinkModel
 from isthmus.sim.hosts import Host
-from isthmus.sim.link import DirectionParams
 from isthmus.sim.timerfd import TimerFD
 from isthmus.sim.topology import Topology
 

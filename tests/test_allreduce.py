@@ -316,7 +316,7 @@ def test_bench_allreduce_runs_site_processes_over_the_emulator():
 def test_a_failed_round_in_a_site_process_is_reported_with_its_error():
     """Every chunk corrupted after its checksum: each site gives a chunk up and its
     round fails; the launcher reports each site's own error, not a traceback."""
-    from isthmus.deploy.bench_allreduce import SitesFailed, run_sites
+    from isthmus.deploy.bench.allreduce import SitesFailed, run_sites
     from isthmus.inter.outbox import MAX_REFUSALS
 
     flags = ["--size-mib", "0.05", "--chunk-kib", "16", "--repeats", "0"]

@@ -7,13 +7,13 @@ import statistics
 
 import pytest
 
-from isthmus.deploy.calibrate import (
+from isthmus.deploy.bench.calibrate import (
     LOCKSTEP_EVERY,
     calibration_train,
     steady_calibration,
     steps_between_syncs,
 )
-from isthmus.deploy.run_records import RecordWriter
+from isthmus.deploy.run.records import RecordWriter
 
 
 def test_the_calibration_synchronises_as_the_job_does():

@@ -52,6 +52,32 @@ def test_every_command_has_help(command):
     assert "usage: isthmus" in result.stdout
 
 
+HEAVY_AT_HELP = """
+import sys
+from isthmus.deploy.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit:
+    pass
+heavy = sorted(m for m in ("torch", "grpc") if m in sys.modules)
+print("heavy:", heavy, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("command", [(), *COMMANDS], ids=lambda c: " ".join(c) or "isthmus")
+def test_help_imports_neither_torch_nor_grpc(command):
+    """``--help`` is the first thing a newcomer runs: it must not wait for torch and
+    gRPC to load (commands import what they run inside their handlers)."""
+    result = subprocess.run(
+        [sys.executable, "-c", HEAVY_AT_HELP, *command, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "usage: isthmus" in result.stdout, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "heavy: []", result.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "expected"),
     [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from isthmus.deploy.bench_codec import pseudo_gradient
+from isthmus.deploy.bench.codec import pseudo_gradient
 from isthmus.inter.codecs import (
     Codec,
     CodecError,

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from isthmus.deploy.broker import EmbeddedBroker
-from isthmus.deploy.run_records import RecordTail, read_records
+from isthmus.deploy.run.broker import EmbeddedBroker
+from isthmus.deploy.run.records import RecordTail, read_records
 from isthmus.inter.control import Broker, ControlPlane
 from isthmus.inter.control_topics import (
     config_topic,
@@ -286,8 +286,8 @@ def test_tls_to_mosquitto_with_a_test_ca(tmp_path):
 
 @needs_mosquitto
 def test_mosquitto_with_the_jobs_certificates_admits_its_sites_and_nobody_else(tmp_path):
-    from isthmus.deploy.certs import make_certs
     from isthmus.deploy.jobfile import parse_job
+    from isthmus.deploy.render.certs import make_certs
 
     certs, other = tmp_path / "certs", tmp_path / "other"
     make_certs("j", ["a", "b"], certs, broker=["127.0.0.1"])

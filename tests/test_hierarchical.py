@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from isthmus.deploy.jobfile import free_port_blocks, load_job
-from isthmus.deploy.site_worker import Recipe, load_site_parameters, reference_training
+from isthmus.deploy.run.site_worker import Recipe, load_site_parameters, reference_training
 from isthmus.inter.lanes import MAX_LANES, lane_count, lane_owner, owned_lanes
 from isthmus.intra.launch import launch_ranks
 
@@ -59,7 +59,7 @@ def _run_sites(
     args += ["--corpus-bytes", str(CORPUS)]
     procs = []
     for name, ranks in sites.items():
-        command = [sys.executable, "-m", "isthmus.deploy.site_worker", "--site", name, *args]
+        command = [sys.executable, "-m", "isthmus.deploy.run.site_worker", "--site", name, *args]
         if ranks == 1:
             procs.append(subprocess.Popen(command, stderr=subprocess.PIPE))
         else:

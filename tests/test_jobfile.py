@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from isthmus.deploy.jobfile import JobFileError, load_job, parse_address, parse_job
+from isthmus.sim.topology import Topology
 
 ISSUE_EXAMPLE = """\
 name: demo
@@ -54,8 +55,8 @@ def test_the_issue_example_is_accepted():
         "partition",
         10,
     )
-    topo = job.topology(
-        {"us-east": [("127.0.0.1", 1), ("127.0.0.1", 2)], "eu-west": [("127.0.0.1", 3)]}
+    topo = Topology.for_job(
+        job, {"us-east": [("127.0.0.1", 1), ("127.0.0.1", 2)], "eu-west": [("127.0.0.1", 3)]}
     )
     link = topo.link_params("eu-west", "us-east")
     assert link.rtt_ms == 75 and link.a_to_b.bandwidth_mbit == 500 and link.a_to_b.jitter_ms == 2
@@ -100,7 +101,7 @@ def test_default_link_applies_to_every_pair_and_presets_resolve():
         "wan:\n  default: {preset: transatlantic, loss: 0.01}\n"
         "  links: [{between: [a, c], preset: transpacific}]\n"
     )
-    topo = job.topology({n: [("h", 1)] for n in "abc"})
+    topo = Topology.for_job(job, {n: [("h", 1)] for n in "abc"})
     assert (
         topo.link_params("a", "b").rtt_ms == 80 and topo.link_params("a", "b").a_to_b.loss == 0.01
     )
@@ -113,7 +114,7 @@ def test_numbers_in_exponent_form_without_a_dot_are_numbers():
     job = parse_job(
         "name: x\nsites: [{name: a}, {name: b}]\nwan:\n  default: {corrupt: 2e-6, loss: 1E-3}\n"
     )
-    params = job.topology({n: [("h", 1)] for n in "ab"}).link_params("a", "b").a_to_b
+    params = Topology.for_job(job, {n: [("h", 1)] for n in "ab"}).link_params("a", "b").a_to_b
     assert params.corrupt == 2e-6 and params.loss == 1e-3
 
 
@@ -123,7 +124,7 @@ def test_egress_overrides_one_direction():
         "wan:\n  links:\n    - between: [a, b]\n      rtt_ms: 40\n"
         "      egress: {b: {bandwidth_mbit: 10}}\n"
     )
-    link = job.topology({"a": [("h", 1)], "b": [("h", 2)]}).link_params("a", "b")
+    link = Topology.for_job(job, {"a": [("h", 1)], "b": [("h", 2)]}).link_params("a", "b")
     assert link.a_to_b.bandwidth_mbit is None
     assert link.b_to_a.bandwidth_mbit == 10
     assert link.a_to_b.delay_ms == link.b_to_a.delay_ms == 20

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SUBPACKAGES = ("intra", "inter", "proto", "sim", "deploy")
+SUBPACKAGES = ("job", "intra", "inter", "proto", "sim", "deploy")
 
 CHECK_IMPORTS = f"""
 import importlib, importlib.util, isthmus

@@ -27,9 +27,10 @@ from typing import Any
 import pytest
 import yaml
 
-from isthmus.deploy.certs import make_certs
 from isthmus.deploy.cli import main
 from isthmus.deploy.jobfile import Job, SiteSpec, load_job
+from isthmus.deploy.render.certs import make_certs
+from isthmus.inter.tls import SiteTls
 
 MOSQUITTO = shutil.which("mosquitto") or (
     "/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None
@@ -219,7 +220,9 @@ def load_in_pod(out: Path, site: str, root: Path) -> Job:
         shutil.copy(source, pod / "certs" / key)
     seen = load_job(pod / "job.yaml")
     assert seen.tls is not None and seen.control is not None
-    seen.tls.for_site("demo", site)  # reads and checks the site's certificate and key
+    SiteTls.load(
+        "demo", site, *seen.tls.paths(site)
+    )  # reads and checks the site's certificate and key
     assert seen.control.broker_for(site).tls_context() is not None
     return seen
 

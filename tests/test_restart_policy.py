@@ -4,7 +4,7 @@ dies again before it completes a round is given up after MAX_RESTARTS."""
 
 from __future__ import annotations
 
-from isthmus.deploy.run_launcher import MAX_RESTARTS, SiteState, _apply
+from isthmus.deploy.run.launcher import MAX_RESTARTS, SiteState, _apply
 
 
 def round_record(outer_steps: int) -> dict:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from isthmus.deploy.run_records import RecordTail, parameter_digest, read_records
+from isthmus.deploy.run.records import RecordTail, parameter_digest, read_records
 
 SMALL_JOB = """\
 name: small
@@ -416,7 +416,7 @@ def test_parameter_digest_names_order_and_values():
 
 
 def test_learning_rate_warms_up_then_decays_to_a_tenth():
-    from isthmus.deploy.run_worker import learning_rate
+    from isthmus.deploy.run.setup import learning_rate
     from isthmus.inter.settings import TrainSettings
 
     settings = TrainSettings(steps=100, warmup_steps=10, inner_lr=1.0)
@@ -427,7 +427,7 @@ def test_learning_rate_warms_up_then_decays_to_a_tenth():
 
 
 def test_a_constant_schedule_holds_the_peak_after_the_warm_up():
-    from isthmus.deploy.run_worker import learning_rate
+    from isthmus.deploy.run.setup import learning_rate
     from isthmus.inter.settings import TrainSettings
 
     settings = TrainSettings(steps=100, warmup_steps=10, inner_lr=1.0, lr_schedule="constant")
@@ -437,7 +437,7 @@ def test_a_constant_schedule_holds_the_peak_after_the_warm_up():
 
 
 def test_wsd_holds_the_peak_then_decays_linearly_over_the_last_fifth():
-    from isthmus.deploy.run_worker import learning_rate
+    from isthmus.deploy.run.setup import learning_rate
     from isthmus.inter.settings import TrainSettings
 
     settings = TrainSettings(steps=100, warmup_steps=10, inner_lr=1.0, lr_schedule="wsd")
@@ -452,7 +452,7 @@ def test_the_inner_optimizer_takes_the_job_files_adamw_settings():
     import torch
 
     from isthmus.deploy.jobfile import parse_job
-    from isthmus.deploy.run_worker import inner_optimizer
+    from isthmus.deploy.run.setup import inner_optimizer
 
     job = parse_job(
         "name: j\nsites: [{name: a}]\ntrain: {inner_lr: 0.002, warmup_steps: 0, "
@@ -467,8 +467,8 @@ def test_live_progress_renders_every_site_and_link(tmp_path):
     from rich.console import Console
 
     from isthmus.deploy.jobfile import parse_job
-    from isthmus.deploy.run_launcher import RunState, SiteState
-    from isthmus.deploy.run_progress import LiveProgress, PlainProgress
+    from isthmus.deploy.run.launcher import RunState, SiteState
+    from isthmus.deploy.run.progress import LiveProgress, PlainProgress
 
     job = parse_job("name: j\nsites: [{name: a}, {name: b}]\ntrain: {steps: 10}\n")
     state = RunState(

@@ -22,9 +22,9 @@ import pytest
 from test_control import Mosquitto
 
 from isthmus.deploy.cli import main
+from isthmus.deploy.cli.site import SiteProgress, torchrun_layout_flags
 from isthmus.deploy.jobfile import JobFileError, free_port_blocks, parse_job
-from isthmus.deploy.run_records import read_records
-from isthmus.deploy.site_commands import SiteProgress, torchrun_layout_flags
+from isthmus.deploy.run.records import read_records
 from isthmus.sim.hosts import HostsUnavailable, check_support
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -407,7 +407,7 @@ def test_three_sites_on_separate_hosts_started_as_operators_would(tmp_path):
 
 
 def test_tcp_settings_that_slow_a_long_fat_link_are_named_with_their_fix(tmp_path):
-    from isthmus.deploy.host_tuning import read_sysctl, tcp_advice
+    from isthmus.deploy.run.host_tuning import read_sysctl, tcp_advice
 
     defaults = {
         "net.ipv4.tcp_slow_start_after_idle": "1",

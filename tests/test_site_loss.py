@@ -13,8 +13,8 @@ import sys
 import pytest
 from test_run import explain, isthmus
 
-from isthmus.deploy.run_records import read_records
-from isthmus.deploy.site_kill import kill_after_rounds, loss_figures
+from isthmus.deploy.run.records import read_records
+from isthmus.deploy.run.site_kill import kill_after_rounds, loss_figures
 
 JOB = """\
 name: site-loss

@@ -221,7 +221,7 @@ def test_bad_streaming_settings_are_refused(kwargs, field):
 def test_diloco_through_the_emulated_wan(tmp_path):
     """`isthmus.join` finds the emulator's state file of the job and the sites'
     traffic crosses its links (counted there)."""
-    from isthmus.deploy.bench_wan import wan_up
+    from isthmus.deploy.bench.wan import wan_up
     from isthmus.sim.control import ControlClient
 
     job = loopback_job(

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from isthmus.deploy.certs import make_certs
+from isthmus.deploy.render.certs import make_certs
 from isthmus.inter.chunks import encode_chunks
 from isthmus.inter.codecs import parse_codec
 from isthmus.inter.peer import Identity, PeerClient, PeerError, PeerServer

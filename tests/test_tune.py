@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from isthmus.deploy.job_edit import JobEditError, edit_train_keys, set_train_keys
 from isthmus.deploy.jobfile import JobFileError, load_job, parse_job
+from isthmus.deploy.jobfile.edit import JobEditError, edit_train_keys, set_train_keys
 from isthmus.sim.perf_model import Scenario, predict_run, uniform_links
 from isthmus.sim.tuner import (
     TuneError,
@@ -368,7 +368,7 @@ def test_the_online_controller_moves_h_and_every_site_switches_at_the_same_round
 def test_the_online_controller_decides_from_rounds_at_the_current_h_only():
     """The controller's bookkeeping, fed metrics as the control plane delivers them
     (the end-to-end run above uses a real broker)."""
-    from isthmus.deploy.online_tuner import OnlineTuner
+    from isthmus.deploy.tune.online import OnlineTuner
     from isthmus.inter.control import Broker
 
     job = parse_job(

@@ -28,7 +28,7 @@ import torch
 
 import isthmus
 from isthmus.deploy.jobfile import free_port_blocks
-from isthmus.deploy.site_errors import run_site_main
+from isthmus.deploy.run.site_errors import run_site_main
 from isthmus.inter.allocator import keep_freed_memory
 from isthmus.intra.data import Dataset, ShardSpec, stdlib_corpus
 from isthmus.intra.model import GPT, config_for, lm_loss

@@ -1,0 +1,154 @@
+"""Compute time of one inner step on this machine, measured at a job's concurrency.
+
+In an emulated run the sites, the emulator, the launcher and the broker share
+this machine's cores, so a step timed alone is faster than a step in the run
+(timing only the training processes, at the job's concurrency, still came out
+10% fast; docs/performance-model.md). The calibration is therefore a short
+``isthmus run`` of the job itself, synchronising as the job does, at most
+every :data:`LOCKSTEP_EVERY` steps, so that the sites stay in step (without
+rounds they drift apart, and a site computing while another still starts up,
+or after it ended, sees other contention than in a run) and so that its
+compute runs beside the same exchanges as in the job: Sync's gradient buckets
+go out during the backward pass, Streaming's fragments during the next inner
+step, and on shared cores either slows the compute down (Sync's by 15-20%
+here: docs/performance-model.md). Async becomes DiLoCo: its sites do not keep
+in step. It reports each site's compute seconds per inner step, as the run's
+own records count them, after the first round (the sites start cold and at
+different moments), and how much that varies from step to step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from isthmus.deploy.jobfile import load_yaml
+
+LOCKSTEP_EVERY = 10
+"""Most inner steps between the calibration run's synchronisations."""
+
+WARM_UP_STEPS = LOCKSTEP_EVERY
+"""Steps left out at the start: the first round starts cold, the sites one by one."""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    step_s_by_site: dict[str, float]
+    """Each site's mean compute seconds per inner step (the sites of an emulated run
+    share cores unevenly: the slowest one sets the pace of every round)."""
+    jitter_s: float
+    """How much a site's compute per step varies, as the model uses it: the standard
+    deviation of independent steps that would make the last site reach the
+    calibration's synchronisations as late (beyond its mean pace) as it did."""
+
+    @property
+    def step_s(self) -> float:
+        """A typical (the median) site's compute seconds per inner step."""
+        return statistics.median(self.step_s_by_site.values())
+
+    @property
+    def slowest_step_s(self) -> float:
+        return max(self.step_s_by_site.values())
+
+
+def steps_between_syncs(train: dict[str, Any]) -> int:
+    """Inner steps between the synchronisations of a run with ``train`` settings (as
+    :func:`calibration_train` gives them)."""
+    if train["strategy"] == "sync":
+        return 1
+    if train["strategy"] == "streaming":
+        return max(1, int(train["sync_every"]) // int(train.get("fragments", 2)))
+    return int(train["sync_every"])
+
+
+def calibration_train(train: dict[str, Any]) -> dict[str, Any]:
+    """The ``train:`` settings of the calibration run of a job with ``train``."""
+    strategy = train.get("strategy", "diloco")
+    sync_every = int(train.get("sync_every", 50))
+    fragments = int(train.get("fragments", 2))
+    changed: dict[str, Any] = {"codec": "none"}  # the codec is modelled as host work
+    if strategy == "sync":
+        changed["strategy"] = "sync"
+    elif strategy == "streaming":
+        # A fragment at most every LOCKSTEP_EVERY steps, as many fragments as the job.
+        changed.update(strategy="streaming", sync_every=min(sync_every, LOCKSTEP_EVERY * fragments))
+    else:
+        changed.update(strategy="diloco", sync_every=min(sync_every, LOCKSTEP_EVERY))
+    return {**train, **changed}
+
+
+def calibrate(job_path: Path, *, steps: int = 50, keep: Path | None = None) -> Calibration:
+    """Each site's compute seconds per inner step, and their variation, in a short run
+    of the job that synchronises as it does (see the module's docstring); ``keep``:
+    a folder for the run (else a temporary one)."""
+    raw = load_yaml(job_path.read_text())
+    raw["train"] = calibration_train({**(raw.get("train") or {}), "steps": steps})
+    raw.pop("tune", None)  # never the online controller
+    with tempfile.TemporaryDirectory(prefix="isthmus-calibrate-") as scratch:
+        folder = keep or Path(scratch)
+        folder.mkdir(parents=True, exist_ok=True)
+        job = folder / "job.yaml"
+        job.write_text(yaml.safe_dump(raw))
+        out = folder / "run"
+        done = subprocess.run(
+            [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            cwd=str(folder),
+        )
+        if done.returncode:
+            raise RuntimeError(f"calibration run failed: {done.stderr[-1500:]}")
+        if json.loads((out / "summary.json").read_text())["status"] != "finished":
+            raise RuntimeError(f"calibration run did not finish: {done.stdout[-1500:]}")
+        return steady_calibration(out / "metrics.jsonl", every=steps_between_syncs(raw["train"]))
+
+
+def steady_calibration(metrics: Path, *, every: int, warm_up: int = WARM_UP_STEPS) -> Calibration:
+    """Each site's compute per step after the warm-up (one slow first step in a short
+    run would otherwise move the figure by tens of percent), and its variation: at
+    each synchronisation (``every`` steps), how far the last site's compute since
+    the one before, beyond its own mean pace, lies past the average site's. That
+    lateness, over the model's sigma sqrt(every) e(S), is the sigma that reproduces
+    it. The sites' steps are not what the model assumes, independent: on shared
+    cores a step that lost its core is often followed by one that gets it, and
+    steps slowed at every site alike (a round's own work) keep no one waiting;
+    the standard deviation of single steps overstated the lateness 1.6x in a
+    4-site DiLoCo run here."""
+    from isthmus.deploy.run.records import read_records
+    from isthmus.sim.perf_model import expected_largest_normal
+
+    by_site: dict[str, dict[int, float]] = {}
+    for record in read_records(metrics):
+        if record.get("kind") == "step":
+            by_site.setdefault(record["site"], {0: 0.0})[record["step"]] = record["compute_s"]
+    last = min((max(steps) for steps in by_site.values()), default=0)
+    if last - warm_up < 2 or any(warm_up not in s or last not in s for s in by_site.values()):
+        raise RuntimeError("calibration run recorded too few steps")
+    # compute_s is cumulative: the compute of steps (a, b] is the difference.
+    means = {
+        site: (steps[last] - steps[warm_up]) / (last - warm_up)
+        for site, steps in sorted(by_site.items())
+    }
+    lateness = []
+    first = -(-warm_up // every) * every  # the first synchronisation after the warm-up
+    for start in range(first, last - every + 1, every):
+        end = start + every
+        if any(start not in steps or end not in steps for steps in by_site.values()):
+            continue  # a step without its record (a site restarted): no comparison
+        beyond = [
+            steps[end] - steps[start] - every * means[site] for site, steps in by_site.items()
+        ]
+        lateness.append(max(beyond) - statistics.fmean(beyond))
+    spread = expected_largest_normal(len(by_site)) * math.sqrt(every)
+    jitter = statistics.fmean(lateness) / spread if lateness and spread else 0.0
+    return Calibration(means, jitter)

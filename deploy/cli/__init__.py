@@ -1,0 +1,89 @@
+"""The ``isthmus`` command line: subcommands, one-line usage errors, exit codes.
+
+Each subcommand lives in a module of this package (``run``, ``site``, ``wan``, ...)
+that registers itself through :mod:`~isthmus.deploy.cli.registry` and imports
+what it runs (torch, gRPC, the launcher) inside its handlers: ``isthmus --help``
+and every ``--help`` below it load neither torch nor gRPC.
+
+Exit codes: 0 success; 1 a failure while running; 2 bad input (flags, job
+file, an address that cannot be used), always with a message that names the
+flag or field and the fix. No command ends in a traceback for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from isthmus._version import __version__
+from isthmus.deploy.cli.registry import Command, Parser, UsageError, add_command
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(
+        prog="isthmus",
+        description="Train one PyTorch model across far-apart clusters; "
+        "emulate the WAN between them.",
+    )
+    parser.add_argument("--version", action="version", version=f"isthmus {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more detail")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    commands.required = True
+
+    from isthmus.deploy.cli import (
+        bench,
+        control,
+        job,
+        render,
+        run,
+        sim,
+        site,
+        tune,
+        wan,
+    )
+    from isthmus.deploy.render import certs
+
+    run.register(commands)
+    site.register(commands)
+    control.register(commands)
+    sim.register(commands)
+    tune.register(commands)
+    job.register(commands)
+    wan.register(commands)
+    bench.register(commands)
+    certs.register(commands)
+    render.register(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="isthmus: %(levelname)s: %(message)s",
+        stream=sys.stderr,
+    )
+    handler: Command = args.handler
+    from isthmus.job.addressing import AddressError
+
+    try:
+        return handler(args)
+    except (UsageError, AddressError) as exc:
+        print(f"{args.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # a known kind of bad input may surface from deep inside
+        from isthmus.deploy.jobfile import JobFileError
+
+        if isinstance(exc, JobFileError):
+            for line in exc.lines():
+                print(f"error: {line}", file=sys.stderr)
+            return 2
+        raise
+
+
+__all__ = ["Command", "UsageError", "add_command", "build_parser", "main"]

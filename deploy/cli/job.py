@@ -1,0 +1,69 @@
+"""``isthmus check JOB.yaml``: validate a job file and show what it describes."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from isthmus.deploy.cli.registry import add_command
+from isthmus.deploy.jobfile import Job, load_job
+from isthmus.sim.topology import Topology
+
+
+def register(commands: Any) -> None:
+    sub = add_command(
+        commands,
+        "check",
+        _check,
+        help="validate a job file and print its sites, links and settings",
+    )
+    sub.add_argument("job", metavar="JOB.yaml", help="the job file")
+
+
+def _check(args: argparse.Namespace) -> int:
+    job = load_job(args.job)
+    print(describe_job(job))
+    return 0
+
+
+def describe_job(job: Job) -> str:
+    lines = [f"job {job.name!r}: {len(job.sites)} sites, strategy {job.train.strategy}"]
+    for site in job.sites:
+        where = "{}:{}".format(*site.address) if site.address else "(free ports when emulated)"
+        extra = (
+            ", advertise " + ", ".join("{}:{}".format(*a) for a in site.advertise)
+            if site.advertise
+            else ""
+        )
+        cap = f", uplink {site.uplink_mbit:g} Mbit/s" if site.uplink_mbit else ""
+        noun = "rank" if site.ranks == 1 else "ranks"
+        on = f" on {site.nodes} nodes" if site.nodes > 1 else ""
+        lines.append(f"  site {site.name}: {site.ranks} {noun}{on} at {where}{extra}{cap}")
+    if job.wan is None:
+        lines.append("  wan: none (real network; peers dial each site's advertised address)")
+    else:
+        topology = Topology.for_job(job, {s.name: [("127.0.0.1", 1)] * s.ranks for s in job.sites})
+        for a, b in topology.pairs():
+            p = topology.link_params(a, b)
+            lines.append(f"  link {a}<->{b}: {describe_link(p.a_to_b, p.rtt_ms)}")
+        for f in job.wan.faults:
+            lasting = f" {f.describe_length()}" if f.describe_length() else ""
+            lines.append(
+                f"  fault at {f.describe_start()}: {f.action} {f.link[0]}<->{f.link[1]}{lasting}"
+            )
+    settings = ", ".join(f"{k}={v}" for k, v in job.train.to_dict().items())
+    lines.append(f"  train: {settings}")
+    return "\n".join(lines)
+
+
+def describe_link(p: Any, rtt_ms: float) -> str:
+    bw = f"{p.bandwidth_mbit:g} Mbit/s" if p.bandwidth_mbit else "uncapped"
+    parts = [f"rtt {rtt_ms:g} ms", bw]
+    if p.jitter_ms:
+        parts.append(f"jitter {p.jitter_ms:g} ms ({p.jitter_distribution})")
+    if p.loss:
+        burst = f", bursts of {p.loss_burst_segments:g}" if p.loss_burst_segments > 1 else ""
+        parts.append(f"loss {p.loss:g}{burst}")
+    if p.corrupt:
+        parts.append(f"corrupt {p.corrupt:g}")
+    return ", ".join(parts)

@@ -1,0 +1,84 @@
+"""``isthmus deploy render JOB.yaml --target slurm|kubernetes --out DIR``.
+
+Writes the files that run a job's sites on real clusters (see
+:mod:`isthmus.deploy.render.cluster` and docs/deploy.md), lists them, and says what to
+do next.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from isthmus.deploy.cli.registry import add_command
+from isthmus.deploy.jobfile import load_job
+from isthmus.deploy.render import cluster as render
+from isthmus.deploy.render import kubernetes
+
+
+def register(commands: Any) -> None:
+    deploy = commands.add_parser(
+        "deploy",
+        help="files that run a job's sites on real clusters (Slurm, Kubernetes)",
+        description="Render ready-to-submit files for a job whose sites are real clusters.",
+    )
+    verbs = deploy.add_subparsers(dest="verb", metavar="VERB", parser_class=type(deploy))
+    verbs.required = True
+
+    sub = add_command(
+        verbs,
+        "render",
+        _render,
+        help="write Slurm batch scripts or Kubernetes manifests for every site, and the broker",
+    )
+    sub.add_argument("job", metavar="JOB.yaml", help="the job file; every site needs an address")
+    sub.add_argument(
+        "--target", required=True, choices=render.TARGETS, help="what the sites' clusters run"
+    )
+    sub.add_argument(
+        "--out", required=True, type=Path, metavar="DIR", help="must not exist or be empty"
+    )
+    sub.add_argument(
+        "--gpus",
+        action="store_true",
+        help="the sites use GPUs, one per rank (Slurm --gpus-per-node, Kubernetes "
+        "nvidia.com/gpu limits)",
+    )
+    slurm = sub.add_argument_group("slurm")
+    slurm.add_argument(
+        "--job-path",
+        metavar="PATH",
+        help="where the job file is on the clusters (default: JOB.yaml, made absolute)",
+    )
+    slurm.add_argument(
+        "--run-dir",
+        metavar="DIR",
+        help="where each site writes its run; {site} is the site's name (default: "
+        "runs/<job>-{site}, relative to where sbatch is run)",
+    )
+    kubernetes = sub.add_argument_group("kubernetes")
+    kubernetes.add_argument(
+        "--image",
+        default=render.DEFAULT_IMAGE,
+        help=f"the sites' container image, with isthmus installed (default {render.DEFAULT_IMAGE})",
+    )
+
+
+def _render(args: argparse.Namespace) -> int:
+    job = load_job(args.job)
+    if args.target == "slurm":
+        files = render.render_slurm(
+            job,
+            job_path=args.job_path or str(Path(args.job).resolve()),
+            run_dir=args.run_dir or f"runs/{job.name}-{{site}}",
+            gpus=args.gpus,
+        )
+    else:
+        files = kubernetes.render_kubernetes(job, image=args.image, gpus=args.gpus)
+    for path in render.write_files(files, args.out):
+        print(path)
+    print("\nNext steps:")
+    for number, step in enumerate(render.next_steps(job, args.target, args.out), start=1):
+        print(f"  {number}. {step}")
+    return 0

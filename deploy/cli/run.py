@@ -1,0 +1,253 @@
+"""``isthmus run``, ``isthmus eval`` and ``isthmus report``: the main job and what follows it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from isthmus.deploy.cli.registry import UsageError, add_command
+from isthmus.job.settings import STRATEGIES
+
+EXIT_CODES = {"finished": 0, "failed": 1, "interrupted": 130}
+
+
+def register(commands: Any) -> None:
+    run = add_command(
+        commands,
+        "run",
+        _run,
+        help="train a job's sites on this machine through the emulated WAN, with live "
+        "progress, summary.json and a report",
+    )
+    run.add_argument("job", metavar="JOB.yaml", nargs="?", help="the job file")
+    run.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        type=Path,
+        help="go on with a stopped run from its sites' newest common checkpoint "
+        "(train.checkpoint_every), with the run's own job.yaml",
+    )
+    run.add_argument(
+        "--out",
+        metavar="DIR",
+        type=Path,
+        help="the run directory (default: runs/JOB-STRATEGY-TIME); must not exist or be empty. "
+        "With --compare, one sub-directory per strategy",
+    )
+    run.add_argument(
+        "--strategy", choices=STRATEGIES, help="overrides the job file's train.strategy"
+    )
+    run.add_argument(
+        "--steps", type=int, metavar="N", help="inner steps per site; overrides train.steps"
+    )
+    run.add_argument(
+        "--restart-lost",
+        action="store_true",
+        help="start a site whose processes die again (as its operator would), so it "
+        "rejoins the run (2 sites or more)",
+    )
+    run.add_argument(
+        "--compare",
+        metavar="S1,S2,...",
+        help=f"run the job once per strategy ({','.join(STRATEGIES)}) with the same data and "
+        "tokens, and write one comparison report",
+    )
+    evaluate = add_command(
+        commands,
+        "eval",
+        _eval,
+        help="evaluate a run's final model (model.safetensors) on the held-out split",
+    )
+    evaluate.add_argument("run_dir", metavar="RUN_DIR", type=Path)
+    report = add_command(
+        commands, "report", _report, help="write a run's report.md and plots again from its files"
+    )
+    report.add_argument("run_dir", metavar="RUN_DIR", type=Path)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from isthmus.deploy.run.launcher import RunError, default_run_dir, resolve_job
+
+    if args.resume is not None:
+        return _resume(args)
+    if args.job is None:
+        raise UsageError("JOB.yaml: name the job file to run (or --resume RUN_DIR)")
+    if args.steps is not None and args.steps < 1:
+        raise UsageError(f"--steps: must be an integer >= 1, got {args.steps}")
+    if args.compare:
+        if args.strategy:
+            raise UsageError("--compare runs every strategy it lists; drop --strategy")
+        return _compare(args)
+    try:
+        job, raw = resolve_job(Path(args.job), strategy=args.strategy, steps=args.steps)
+        run_dir = args.out or default_run_dir(job, job.train.strategy)
+        summary = run_job(job, raw, run_dir, restart_lost=args.restart_lost)
+    except RunError as exc:
+        raise UsageError(str(exc)) from None
+    return EXIT_CODES[summary["status"]]
+
+
+def _resume(args: argparse.Namespace) -> int:
+    from isthmus.deploy.run.launcher import RunError, resume_point
+
+    if args.job is not None or args.compare or args.strategy or args.steps or args.out:
+        raise UsageError(
+            "--resume goes on with the run as it was started (its own job.yaml and "
+            "directory); drop JOB.yaml, --out, --strategy, --steps and --compare"
+        )
+    try:
+        job, raw, round = resume_point(args.resume)
+        summary = run_job(job, raw, args.resume, resume_round=round, restart_lost=args.restart_lost)
+    except RunError as exc:
+        raise UsageError(str(exc)) from None
+    return EXIT_CODES[summary["status"]]
+
+
+def run_job(
+    job: Any,
+    raw: dict[str, Any],
+    run_dir: Path,
+    *,
+    resume_round: int | None = None,
+    restart_lost: bool = False,
+) -> dict[str, Any]:
+    """One run, start to report; prints progress and where the report is.
+    ``resume_round``: go on with a stopped run from that round's checkpoints.
+    ``restart_lost``: start a lost site again, so it rejoins."""
+    from isthmus.deploy.run.execute import execute_run
+    from isthmus.deploy.run.launcher import prepare_run_dir
+    from isthmus.deploy.run.progress import progress_for
+    from isthmus.deploy.run.report import write_report
+
+    if resume_round is None:
+        prepare_run_dir(run_dir)
+        what = "run"
+    else:
+        what = f"resuming after round {resume_round}:"
+    print(
+        f"{what} {job.name}: {len(job.sites)} sites, {job.train.strategy}, "
+        f"{job.train.steps} steps -> {run_dir}",
+        flush=True,
+    )
+    progress = progress_for(sys.stdout)
+    with progress:
+        summary = execute_run(
+            job,
+            raw,
+            run_dir,
+            on_update=progress.update,
+            resume_round=resume_round,
+            restart_lost=restart_lost,
+        )
+    report = write_report(run_dir)
+    _print_outcome(summary, report)
+    return summary
+
+
+def _print_outcome(summary: dict[str, Any], report: Path) -> None:
+    for name, site in summary["sites"].items():
+        if site.get("reason"):
+            print(f"site {name} {site['status']}: {site['reason']}", file=sys.stderr)
+    # Sites that left on purpose keep the model they had when they left.
+    digests = {s["param_sha256"] for s in summary["sites"].values() if s["status"] != "left"}
+    same = len(digests) == 1 and None not in digests
+    losses = [s["eval_loss"] for s in summary["sites"].values() if s["eval_loss"] is not None]
+    held_out = f"held-out loss {losses[0]:.3f}, " if losses else ""
+    print(
+        f"{summary['status']} in {summary['wall_seconds']:.0f} s: {held_out}"
+        f"{summary['wan_bytes'] / 1e6:.1f} MB over the WAN, compute utilisation "
+        f"{summary['compute_utilization']:.0%}"
+        + (", every site holds the same model" if same else ""),
+        flush=True,
+    )
+    print(f"report: {report}", flush=True)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from isthmus.deploy.run.compare import write_comparison
+    from isthmus.deploy.run.launcher import RunError, default_run_dir, prepare_run_dir, resolve_job
+
+    strategies = [s.strip() for s in args.compare.split(",") if s.strip()]
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown or not strategies:
+        raise UsageError(
+            f"--compare: unknown strategy {unknown[0]!r}; use some of {','.join(STRATEGIES)}"
+            if unknown
+            else f"--compare: list strategies, e.g. --compare {','.join(STRATEGIES)}"
+        )
+    if len(set(strategies)) != len(strategies):
+        raise UsageError("--compare: a strategy is listed twice")
+    try:
+        first, _ = resolve_job(Path(args.job), steps=args.steps)
+        out = args.out or default_run_dir(first, "compare")
+        prepare_run_dir(out)
+        summaries = {}
+        for strategy in strategies:
+            job, raw = resolve_job(Path(args.job), strategy=strategy, steps=args.steps)
+            summaries[strategy] = run_job(job, raw, out / strategy)
+            if summaries[strategy]["status"] == "interrupted":
+                break
+    except RunError as exc:
+        raise UsageError(str(exc)) from None
+    report = write_comparison(out, summaries)
+    print(report.read_text().split("\n\n")[1], flush=True)  # the table
+    print(f"comparison: {report}", flush=True)
+    worst = max(EXIT_CODES[s["status"]] for s in summaries.values())
+    return worst
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from isthmus.deploy.jobfile import load_job
+    from isthmus.deploy.run.records import parameter_digest
+    from isthmus.deploy.run.setup import (
+        build_model,
+        builtin_dataset,
+        evaluate,
+        held_out_batches,
+    )
+
+    run_dir: Path = args.run_dir
+    weights = run_dir / "model.safetensors"
+    if not (run_dir / "job.yaml").is_file():
+        raise UsageError(f"{run_dir}: no job.yaml here; give a directory 'isthmus run' wrote")
+    if not weights.is_file():
+        raise UsageError(
+            f"{run_dir}: no model.safetensors; the run did not finish (see its summary.json)"
+        )
+    from safetensors.torch import load_file
+
+    job = load_job(run_dir / "job.yaml")
+    model, _, loss_fn = build_model(job)
+    try:
+        model.load_state_dict(load_file(str(weights)))
+    except RuntimeError as exc:
+        raise UsageError(f"{weights} does not fit the job's model: {exc}") from None
+    try:
+        batches = held_out_batches(job, model, builtin_dataset(job, model))
+    except ValueError as exc:  # the data function cannot be imported here
+        raise UsageError(str(exc)) from None
+    result = {
+        "run": str(run_dir),
+        "eval_loss": evaluate(model, batches, loss_fn),
+        "param_sha256": parameter_digest(model),
+    }
+    summary_path = run_dir / "summary.json"
+    if summary_path.is_file():
+        digests = {
+            s["param_sha256"] for s in json.loads(summary_path.read_text())["sites"].values()
+        }
+        result["matches_summary"] = result["param_sha256"] in digests
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from isthmus.deploy.run.report import write_report
+
+    if not (args.run_dir / "summary.json").is_file():
+        raise UsageError(f"{args.run_dir}: no summary.json; give a directory 'isthmus run' wrote")
+    print(f"report: {write_report(args.run_dir)}")
+    return 0

@@ -1,0 +1,363 @@
+"""``isthmus sim``: predict a job's step time, utilisation and WAN bytes for every strategy."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from isthmus.deploy.cli.registry import UsageError, add_command
+from isthmus.deploy.jobfile import Job, load_job
+from isthmus.sim.cost import LinkCost
+from isthmus.sim.perf_model import (
+    CODEC_BYTES_PER_VALUE,
+    GPU_FLOPS,
+    STRATEGIES,
+    Scenario,
+    ScenarioError,
+    predict_run,
+    step_seconds_from_flops,
+    uniform_links,
+)
+from isthmus.sim.topology import Topology
+
+ENGINE_EFFICIENCY = 0.88
+"""The direct all-reduce's measured fraction of its bound (``isthmus bench allreduce``,
+3 sites, 200 Mbit/s: 0.88-0.90)."""
+CODEC_BYTES_PER_S = 1.45e9
+"""int8 encode + decode per core on this machine (``isthmus bench codec``)."""
+OUTER_STEP_S = 0.003
+"""DiLoCo's outer step over the tiny model here (pseudo-gradients, Nesterov SGD on
+the CPU copies, the copy back; 0.47 M parameters, one thread): 3.1-3.6 ms, timed
+directly, 2026-11-24; times processes per core in an emulated job."""
+PEER_OVERHEAD_S = 0.0
+"""Host work of one exchange per peer site here, beyond the wire and the wait for
+the last site: none measurable. Fitted to DiLoCo runs of 2 and 4 sites on a fast
+link (benchmarks/perf_model_validation.py, twice on 2026-11-24: 0 ms). Before the
+model had the wait for the last site, the same fit put 6-19 ms here: that wait."""
+GLOO_LOOPBACK_BYTES_PER_S = 60e6
+GLOO_LOOPBACK_LATENCY_S = 1e-3
+"""The in-site step here (Gloo over loopback, a 2-rank site): 18-42 ms for the tiny
+model's 1.9 MB (``python benchmarks/hierarchical_step.py``)."""
+DEFAULT_FABRIC_GBIT = 400.0
+"""In-site bandwidth per rank for real sites when not given: one 400G NIC per GPU."""
+
+
+def register(commands: Any) -> None:
+    sim = add_command(
+        commands,
+        "sim",
+        _sim,
+        help="predict step time, compute utilisation and WAN bytes per token for each strategy",
+    )
+    sim.add_argument("job", metavar="JOB.yaml", nargs="?", help="the job (or give flags only)")
+    sim.add_argument("--json", action="store_true", help="print JSON")
+    what = sim.add_argument_group("scenario (overrides the job file)")
+    what.add_argument("--params", type=float, help="model parameters, e.g. 340e9")
+    what.add_argument("--sites", type=int, help="number of sites")
+    what.add_argument(
+        "--gpus-per-site", type=int, help="GPUs (ranks) per site, without a job file (default 1)"
+    )
+    what.add_argument("--gpu", choices=sorted(GPU_FLOPS), help="compute from FLOPs at --mfu")
+    what.add_argument("--mfu", type=float, default=0.4, help="with --gpu (default 0.4)")
+    what.add_argument(
+        "--tokens-per-gpu", type=float, default=4096 * 2, help="tokens per step per GPU"
+    )
+    what.add_argument("--step-ms", type=float, help="compute time of one inner step")
+    what.add_argument(
+        "--step-jitter-ms",
+        type=float,
+        help="standard deviation of a site's compute per step, from step to step (default 0; "
+        "--calibrate measures it)",
+    )
+    what.add_argument("--rtt-ms", type=float, help="every link's round trip")
+    what.add_argument("--bandwidth-mbit", type=float, help="every link's bandwidth")
+    what.add_argument("--strategy", choices=STRATEGIES, help="mark this strategy")
+    what.add_argument("--sync-every", type=int)
+    what.add_argument("--fragments", type=int)
+    what.add_argument("--overlap-steps", type=int)
+    what.add_argument("--codec", choices=sorted(CODEC_BYTES_PER_VALUE))
+    what.add_argument(
+        "--fabric-gbit",
+        type=float,
+        help="in-site bandwidth per rank for the hierarchical step (default: measured Gloo "
+        f"over loopback for an emulated job, else {DEFAULT_FABRIC_GBIT:g})",
+    )
+    what.add_argument("--efficiency", type=float, default=ENGINE_EFFICIENCY, help="engine vs bound")
+    what.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure the step time on this machine at the job's concurrency",
+    )
+
+
+def _sim(args: argparse.Namespace) -> int:
+    try:
+        scenario = scenario_from(args)
+    except ScenarioError as exc:
+        raise UsageError(f"--{exc.field.replace('_', '-')}: {str(exc).split(': ', 1)[1]}") from None
+    rows = []
+    for strategy in STRATEGIES:
+        try:
+            prediction = predict_run(_with(scenario, strategy=strategy))
+        except ScenarioError as exc:  # e.g. fragments > sync_every for sync's H = 1
+            raise UsageError(str(exc)) from None
+        rows.append(prediction.to_dict())
+    out = {
+        "scenario": {
+            "params": scenario.params,
+            "sites": list(scenario.sites),
+            "step_s": scenario.step_s,
+            "slowest_step_s": scenario.pace_s,
+            "step_jitter_s": scenario.step_jitter_s,
+            "tokens_per_step": scenario.tokens_per_step,
+            "sync_every": scenario.sync_every,
+            "fragments": scenario.fragments,
+            "overlap_steps": scenario.overlap_steps,
+            "codec": scenario.codec,
+            "efficiency": scenario.efficiency,
+            "chosen": scenario.strategy,
+        },
+        "predictions": rows,
+        "validated_range": range_note(scenario),
+    }
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    sc = out["scenario"]
+    print(
+        f"{sc['params']:.3g} parameters, {len(sc['sites'])} sites, compute "
+        f"{sc['step_s'] * 1e3:.1f} ms per inner step"
+        + (
+            f" (the slowest site {sc['slowest_step_s'] * 1e3:.1f} ms)"
+            if sc["slowest_step_s"] > sc["step_s"]
+            else ""
+        )
+        + (
+            f", varying by {sc['step_jitter_s'] * 1e3:.1f} ms from step to step"
+            if sc["step_jitter_s"]
+            else ""
+        )
+        + f", {sc['tokens_per_step']:,.0f} tokens per "
+        f"step (all sites), H={sc['sync_every']}, codec {sc['codec']}"
+    )
+    print(f"{'strategy':10s} {'step':>10s} {'round':>10s} {'exchange':>10s} "
+          f"{'utilisation':>12s} {'WAN B/token':>12s}")  # fmt: skip
+    for row in rows:
+        mark = " <" if row["strategy"] == sc["chosen"] else ""
+        print(
+            f"{row['strategy']:10s} {row['step_s'] * 1e3:8.1f}ms {row['round_s']:9.2f}s "
+            f"{row['exchange_s']:9.2f}s {row['utilization']:11.1%} "
+            f"{row['wan_bytes_per_token']:12.1f}{mark}"
+        )
+    if out["validated_range"]:
+        print(f"note: {out['validated_range']}")
+    return 0
+
+
+def _with(scenario: Scenario, **changes: Any) -> Scenario:
+    import dataclasses
+
+    return dataclasses.replace(scenario, **changes)
+
+
+def range_note(scenario: Scenario) -> str:
+    if scenario.params > 1e8 or len(scenario.sites) > 4:
+        return (
+            "outside the validated range (emulated runs of the tiny model, 2-4 sites, on this "
+            "machine; docs/performance-model.md): an extrapolation of the same formulas"
+        )
+    return ""
+
+
+def scenario_from(args: argparse.Namespace) -> Scenario:
+    job = load_job(args.job) if args.job else None
+    train = job.train if job else None
+    sites = _sites(job, args)
+    if args.rtt_ms is not None or args.bandwidth_mbit is not None or job is None or job.wan is None:
+        if args.rtt_ms is None or args.bandwidth_mbit is None:
+            raise ScenarioError(
+                "bandwidth_mbit", "give --rtt-ms and --bandwidth-mbit (the job has no wan:)"
+            )
+        links = uniform_links(sites, bandwidth_mbit=args.bandwidth_mbit, rtt_ms=args.rtt_ms)
+    else:
+        links = _job_links(job, sites)
+    params = args.params or (_job_params(job) if job else None)
+    if params is None:
+        raise ScenarioError("params", "give --params (no job file)")
+    gpus = args.gpus_per_site if args.gpus_per_site is not None else 1
+    if gpus < 1:
+        raise ScenarioError("gpus_per_site", f"must be >= 1, got {gpus}")
+    if job is not None and args.gpus_per_site is not None and args.sites is None:
+        ranks = sorted({s.ranks for s in job.sites})
+        if ranks != [gpus]:
+            raise ScenarioError(
+                "gpus_per_site",
+                f"{gpus} GPUs per site, but the job's sites have "
+                f"{' and '.join(map(str, ranks))} ranks (one GPU each); change the sites' "
+                "ranks in the job file, or describe the scenario with --sites",
+            )
+    if args.job and job is not None and args.gpu is None and args.params is None:
+        seq_len, batch = _job_tokens(job)
+        tokens = sum(s.layout.dp for s in job.sites) * batch * seq_len
+    else:
+        tokens = len(sites) * gpus * args.tokens_per_gpu
+    step_s, slowest_s, jitter_s = _step_seconds(args, job, params, tokens / len(sites) / gpus)
+    given_jitter = getattr(args, "step_jitter_ms", None)
+    if given_jitter is not None:
+        if not (0 <= given_jitter < math.inf):
+            raise ScenarioError("step_jitter_ms", f"must be >= 0, got {given_jitter}")
+        jitter_s = given_jitter / 1e3
+    strategy = args.strategy or (train.strategy if train else "diloco")
+    return Scenario(
+        params=params,
+        step_s=step_s,
+        slowest_step_s=slowest_s,
+        step_jitter_s=jitter_s,
+        tokens_per_step=tokens,
+        sites=sites,
+        links=links,
+        strategy=strategy,
+        sync_every=_given(args.sync_every, train.sync_every if train else 50),
+        fragments=_given(args.fragments, train.fragments if train else 2),
+        overlap_steps=_given(args.overlap_steps, train.overlap_steps if train else 1),
+        # The model counts a codec's fixed size; zstd's gain depends on the data.
+        codec=args.codec or (train.codec.partition("+")[0] if train else "none"),
+        codec_bytes_per_s=CODEC_BYTES_PER_S,
+        efficiency=args.efficiency,
+        **_host_work(job, params),
+        **_fabric(job, args),
+    )
+
+
+def _fabric(job: Job | None, args: argparse.Namespace) -> dict[str, Any]:
+    """The hierarchical step's in-site part: the job's data-parallel ranks per site,
+    each moving its tensor- and pipeline-parallel shard of the values."""
+    given = getattr(args, "fabric_gbit", None)
+    if given is not None and not (given > 0):
+        raise ScenarioError("fabric_gbit", f"must be > 0, got {given}")
+    if job is None:
+        return {}
+    dp = max(s.layout.dp for s in job.sites)
+    shards = min(s.layout.tp * s.layout.pp for s in job.sites)
+    if given is not None:
+        rate, latency = given * 1e9 / 8, 10e-6
+    elif job.wan is not None:
+        rate, latency = GLOO_LOOPBACK_BYTES_PER_S, GLOO_LOOPBACK_LATENCY_S
+    else:
+        rate, latency = DEFAULT_FABRIC_GBIT * 1e9 / 8, 10e-6
+    return {"site_ranks": dp, "fabric_bytes_per_s": rate * shards, "fabric_latency_s": latency}
+
+
+def _host_work(job: Job | None, params: float) -> dict[str, float]:
+    """Host work as measured here, for a job emulated on this machine: every rank on
+    its cores (host work overlapping the others' compute shares them), and the outer
+    step on CPU copies scaling with the values it updates (measured on the tiny model,
+    0.47 M parameters). Real sites have their own cores and accelerators: not counted."""
+    if job is None or job.wan is None:
+        return {}
+    ranks = sum(s.ranks for s in job.sites)
+    return {
+        "outer_step_s": OUTER_STEP_S * params / 471_000,
+        "peer_overhead_s": PEER_OVERHEAD_S,
+        "host_contention": max(1.0, ranks / (os.cpu_count() or 1)),
+    }
+
+
+def _given(flag: Any, default: Any) -> Any:
+    return default if flag is None else flag
+
+
+def _sites(job: Job | None, args: argparse.Namespace) -> list[str]:
+    if args.sites is not None:
+        if args.sites < 1:
+            raise ScenarioError("sites", f"must be >= 1, got {args.sites}")
+        return [f"site{i}" for i in range(args.sites)]
+    if job is None:
+        raise ScenarioError("sites", "give --sites (no job file)")
+    return [s.name for s in job.sites]
+
+
+def _job_links(job: Job, sites: list[str]) -> dict[frozenset[str], LinkCost]:
+    topology = Topology.for_job(job, {s.name: [("127.0.0.1", 1)] * s.ranks for s in job.sites})
+    links = {}
+    for a, b in topology.pairs():
+        params = topology.link_params(a, b)
+        rate = min(
+            d.bandwidth_mbit if d.bandwidth_mbit is not None else 1e6
+            for d in (params.a_to_b, params.b_to_a)
+        )
+        links[frozenset((a, b))] = LinkCost.of(bandwidth_mbit=rate, rtt_ms=params.rtt_ms)
+    return links
+
+
+def _job_params(job: Job) -> float:
+    if ":" in job.model:
+        from isthmus.intra.plugins import load_model
+
+        return float(sum(p.numel() for p in load_model(job.model).parameters()))
+    from isthmus.intra.sizes import config_for
+
+    return float(config_for(job.model).parameter_count())
+
+
+def _job_tokens(job: Job) -> tuple[int, int]:
+    from isthmus.intra.sizes import config_for
+
+    seq_len = config_for(job.model).seq_len if ":" not in job.model else 64
+    return seq_len, job.train.batch_size
+
+
+def _step_seconds(
+    args: argparse.Namespace, job: Job | None, params: float, tokens: float
+) -> tuple[float, float | None, float]:
+    """Compute seconds per inner step of a typical site, of the slowest one where a
+    calibration measured the sites apart (None: all alike), and how much a site's
+    varies from step to step (0 unless measured)."""
+    if args.step_ms is not None:
+        if args.step_ms <= 0:
+            raise ScenarioError("step_ms", f"must be > 0, got {args.step_ms}")
+        return args.step_ms / 1e3, None, 0.0
+    if args.gpu is not None:
+        return step_seconds_from_flops(params, tokens, args.gpu, args.mfu), None, 0.0
+    if job is not None and args.calibrate:
+        from isthmus.deploy.bench.calibrate import calibrate
+
+        # On stderr: stdout is the prediction (JSON with --json).
+        print("calibrating: a short run of the job, synchronising as it does ...", file=sys.stderr)
+        measured = calibrate(Path(args.job))
+        return measured.step_s, measured.slowest_step_s, measured.jitter_s
+    raise ScenarioError(
+        "step_ms", "give --step-ms, --gpu (FLOPs at --mfu), or --calibrate (measure here)"
+    )
+
+
+def job_scenario(job_path: Path, step_s: float, jitter_s: float = 0.0) -> Scenario:
+    """The job file's scenario with a known compute time per inner step and its
+    variation (what ``isthmus sim JOB --step-ms --step-jitter-ms`` predicts from)."""
+    args = argparse.Namespace(
+        job=str(job_path),
+        params=None,
+        sites=None,
+        gpus_per_site=None,
+        gpu=None,
+        mfu=0.4,
+        tokens_per_gpu=4096 * 2,
+        step_ms=step_s * 1e3,
+        step_jitter_ms=jitter_s * 1e3,
+        rtt_ms=None,
+        bandwidth_mbit=None,
+        strategy=None,
+        sync_every=None,
+        fragments=None,
+        overlap_steps=None,
+        codec=None,
+        fabric_gbit=None,
+        efficiency=ENGINE_EFFICIENCY,
+        calibrate=False,
+    )
+    return scenario_from(args)

@@ -1,0 +1,467 @@
+"""``isthmus site JOB.yaml --site NAME``: one site of a job, on a real cluster.
+
+Every site of a job runs this command on its own machines, with the same job
+file. The site's ranks form one torch.distributed job (torchrun); the sites
+meet over the WAN through the addresses and the broker the job file names.
+
+Two ways to start a site's ranks:
+
+* under ``torchrun`` (``torchrun ... -m isthmus site JOB --site NAME``):
+  every rank trains in its own process; the layout torchrun reports (world
+  size, nodes, processes per node) must be the one the job file gives;
+* on its own: it starts torchrun itself with the site's layout (``--standalone``
+  on one node; c10d rendezvous at ``--rdzv-endpoint`` with several nodes, where
+  the same command runs on every node), and a one-rank site trains in this
+  process.
+
+Nothing assumes one machine: addresses come from the job file (never
+loopback), each site writes only its own ``--out`` directory, and rounds, not
+clocks, order what the sites do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import difflib
+import errno
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from isthmus.deploy.cli.registry import UsageError, add_command
+from isthmus.deploy.jobfile import Job, SiteSpec, load_job, parse_address
+from isthmus.deploy.run.host_tuning import tcp_advice
+from isthmus.job.addressing import resolve
+from isthmus.job.ports import RDZV_PORT
+
+SPAWNED_BY_SITE = "ISTHMUS_SITE_LAUNCHER"
+"""Set for the ranks this command starts through torchrun: the launcher prints progress."""
+
+
+def register(commands: Any) -> None:
+    sub = add_command(
+        commands,
+        "site",
+        _site,
+        help="run one site of a job on this cluster (under torchrun, or starting it)",
+        description="Run one site of a job on a real cluster. Under torchrun every rank "
+        "runs this command; otherwise it starts torchrun with the site's layout from the "
+        "job file (on every node of a multi-node site, with --rdzv-endpoint).",
+    )
+    sub.add_argument("job", metavar="JOB.yaml")
+    sub.add_argument("--site", required=True, metavar="NAME", help="which of the job's sites")
+    sub.add_argument(
+        "--out",
+        type=Path,
+        metavar="DIR",
+        help="the site's own run directory: metrics, result, checkpoints "
+        "(default: runs/<job>-<site>)",
+    )
+    sub.add_argument(
+        "--rdzv-endpoint",
+        metavar="HOST:PORT",
+        help=f"a multi-node site's rendezvous: its first node, port {RDZV_PORT} by default",
+    )
+    sub.add_argument(
+        "--rejoin",
+        action="store_true",
+        help="the other sites are training: wait to be admitted, pull the global state "
+        "from one of them, and train on (2 sites or more)",
+    )
+    sub.add_argument(
+        "--print-ports",
+        action="store_true",
+        help="print the addresses and ports a firewall must open for this site, and exit",
+    )
+
+
+def _site(args: argparse.Namespace) -> int:
+    job = load_job(args.job)
+    index, spec = site_of(job, args.site)
+    if args.print_ports:
+        print(describe_ports(job, spec))
+        return 0
+    check_real_network(job, spec)
+    out = args.out or Path("runs") / f"{job.name}-{spec.name}"
+    launcher = TorchrunLayout.from_environment()
+    if launcher is None or launcher.rank == 0:  # once per site, not once per rank
+        for line in tcp_advice():
+            print(f"warning: {line}", file=sys.stderr)
+    if launcher is not None:
+        launcher.check(spec, index)
+        check_can_listen(spec, index, ranks=[launcher.rank])
+        return _train_rank(Path(args.job), job, spec, out, args.rejoin, launcher.rank)
+    check_gpus(spec, index, spec.ranks_per_node)
+    if spec.ranks == 1:
+        check_can_listen(spec, index, ranks=[0])
+        return _train_rank(Path(args.job), job, spec, out, args.rejoin, 0)
+    if spec.nodes == 1:
+        check_can_listen(spec, index, ranks=range(spec.ranks))
+    return run_torchrun(args, job, spec, out)
+
+
+def site_of(job: Job, name: str) -> tuple[int, SiteSpec]:
+    names = [s.name for s in job.sites]
+    if name not in names:
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise UsageError(
+            f"--site: the job {job.name!r} has no site {name!r}; {hint}its sites: "
+            + ", ".join(names)
+        )
+    return names.index(name), job.sites[names.index(name)]
+
+
+def check_real_network(job: Job, spec: SiteSpec) -> None:
+    """A site on a real network needs a broker and everyone's addresses."""
+    if job.control is None:
+        raise UsageError(
+            "control.broker: the sites of a job meet at its MQTT broker (membership, "
+            "settings, telemetry); name it in the job file, e.g. "
+            "control: {broker: mqtts://broker.example.com:8883}"
+        )
+    resolve(job, spec.name)  # AddressError names the missing address
+
+
+def describe_ports(job: Job, spec: SiteSpec) -> str:
+    """What a firewall must let through for this site, inbound and outbound."""
+    listen = spec.listen_addresses() or []
+    dialled = spec.dial_addresses() or []
+    lines = [f"site {spec.name!r} of job {job.name!r}:", "inbound, from the other sites (TCP):"]
+    if not listen:
+        lines.append("  (no address in the job file: give this site address: HOST:PORT)")
+    for rank, (bound, dial) in enumerate(zip(listen, dialled or listen, strict=True)):
+        seen = f" (dialled at {dial[0]}:{dial[1]})" if dial != bound else ""
+        node = rank // spec.ranks_per_node
+        lines.append(f"  rank {rank} (node {node}): listens on {bound[0]}:{bound[1]}{seen}")
+    lines.append("outbound, to the other sites (TCP):")
+    for other in job.sites:
+        if other.name == spec.name:
+            continue
+        targets = other.dial_addresses()
+        where = ", ".join("{}:{}".format(*a) for a in targets) if targets else "(no address)"
+        lines.append(f"  {other.name}: {where}")
+    if job.control is not None:
+        broker = job.control.broker
+        lines.append(f"outbound, to the broker (TCP): {broker.host}:{broker.port}")
+    if spec.nodes > 1:
+        lines.append(
+            f"inside the site only: torchrun's rendezvous (TCP {RDZV_PORT} on the first node) "
+            "and the collective backend's ports (NCCL/Gloo) between its nodes"
+        )
+    return "\n".join(lines)
+
+
+def check_can_listen(spec: SiteSpec, index: int, ranks: range | list[int]) -> None:
+    """Bind each rank's address now, to refuse one that cannot be used before any
+    process starts (the peer service binds it again when it starts)."""
+    listen = spec.listen_addresses() or []
+    for rank in ranks:
+        host, port = listen[rank]
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError as exc:
+                raise UsageError(_bind_problem(index, rank, host, port, exc)) from None
+
+
+def _bind_problem(index: int, rank: int, host: str, port: int, exc: OSError) -> str:
+    where = f"sites[{index}].address: rank {rank} cannot listen on {host}:{port}"
+    if exc.errno == errno.EADDRINUSE:
+        return f"{where}: the port is in use; stop what holds it, or choose another port"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return (
+            f"{where}: {host} is not an address of this machine; listen on one of its "
+            "addresses (0.0.0.0 for all) and put the address others dial in advertise:"
+        )
+    if exc.errno == errno.EACCES:
+        return f"{where}: permission denied (ports below 1024 need root); choose a port >= 1024"
+    return f"{where}: {exc.strerror}"
+
+
+def check_gpus(spec: SiteSpec, index: int, local_ranks: int) -> None:
+    """On GPU machines each local rank takes one GPU; more ranks than GPUs is a mistake."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    gpus = torch.cuda.device_count()
+    if local_ranks > gpus:
+        raise UsageError(
+            f"sites[{index}]: {local_ranks} ranks per node (ranks {spec.ranks} / nodes "
+            f"{spec.nodes}) but this node has {gpus} GPU(s); set ranks to nodes x GPUs per "
+            "node, or nodes to ranks / GPUs per node"
+        )
+
+
+@dataclass(frozen=True)
+class TorchrunLayout:
+    """What torchrun's environment says about this rank and its site."""
+
+    rank: int
+    world_size: int
+    local_world_size: int
+
+    @classmethod
+    def from_environment(cls) -> TorchrunLayout | None:
+        env = os.environ
+        if "TORCHELASTIC_RUN_ID" not in env and "LOCAL_WORLD_SIZE" not in env:
+            return None
+        try:
+            return cls(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_WORLD_SIZE"]))
+        except (KeyError, ValueError):
+            raise UsageError(
+                "torchrun's environment is incomplete (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE); "
+                "start this command with torchrun, or without it"
+            ) from None
+
+    @property
+    def nodes(self) -> int:
+        return self.world_size // self.local_world_size
+
+    def check(self, spec: SiteSpec, index: int) -> None:
+        if self.world_size != spec.ranks:
+            raise UsageError(
+                f"sites[{index}].ranks: the job file gives site {spec.name!r} {spec.ranks} "
+                f"ranks, torchrun started {self.world_size} ({self.nodes} node(s) x "
+                f"{self.local_world_size}); run torchrun with --nnodes {spec.nodes} "
+                f"--nproc-per-node {spec.ranks_per_node}, or change ranks"
+            )
+        if self.nodes != spec.nodes:
+            raise UsageError(
+                f"sites[{index}].nodes: the job file gives site {spec.name!r} {spec.nodes} "
+                f"node(s), torchrun reports {self.nodes} ({self.local_world_size} processes "
+                f"per node); run torchrun with --nnodes {spec.nodes} --nproc-per-node "
+                f"{spec.ranks_per_node}, or change nodes"
+            )
+        check_gpus(spec, index, self.local_world_size)
+
+
+def prepare_site_dir(job_path: Path, job_name: str, site: str, out: Path, rejoin: bool) -> None:
+    """The site's run directory, as ``isthmus run`` lays one out for each site:
+    ``job.yaml`` resolved (every default filled in, no emulated WAN) and
+    ``sites/SITE/``. Every rank may call it: the file is replaced atomically."""
+    from isthmus.deploy.run.launcher import RunError, resolve_job
+
+    finished = out / "sites" / site / "result.json"
+    if finished.exists() and not rejoin:
+        raise UsageError(
+            f"--out: {out} holds a finished run of site {site!r}; pass another --out, or remove it"
+        )
+    try:
+        _, raw = resolve_job(job_path)
+    except RunError as exc:
+        raise UsageError(str(exc)) from None
+    raw.pop("wan", None)  # the WAN is real: an emulator's links are not this site's concern
+    _rebase_tls_paths(raw, job_path)
+    try:
+        (out / "sites" / site).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out: cannot create {out}: {exc.strerror}") from None
+    text = f"# isthmus site {job_name} --site {site}: resolved from {job_path}\n"
+    text += yaml.safe_dump(raw, sort_keys=False)
+    temporary = out / f".job.yaml.{os.getpid()}"
+    temporary.write_text(text)
+    temporary.replace(out / "job.yaml")
+
+
+def _rebase_tls_paths(raw: dict[str, Any], job_path: Path) -> None:
+    """Certificate paths are relative to the job file; the resolved copy lives in
+    ``--out``, so make them absolute."""
+    base = job_path.resolve().parent
+    sections = [raw.get("tls"), (raw.get("control") or {}).get("tls")]
+    for section in sections:
+        if not isinstance(section, dict):
+            continue
+        for key in ("ca", "cert", "key"):
+            value = section.get(key)
+            if isinstance(value, str) and not Path(value).is_absolute():
+                section[key] = str(base / value)
+
+
+def _train_rank(
+    job_path: Path, job: Job, spec: SiteSpec, out: Path, rejoin: bool, rank: int
+) -> int:
+    """Train this process's rank of the site (rank 0 also prints the site's progress,
+    unless this command's own launcher does)."""
+    from isthmus.deploy.run.site_errors import run_site_main
+    from isthmus.deploy.run.worker import train_until_stopped
+
+    if not os.environ.get(SPAWNED_BY_SITE):  # else the launcher prepared it
+        prepare_site_dir(job_path, job.name, spec.name, out, rejoin)
+    progress = None
+    if rank == 0 and not os.environ.get(SPAWNED_BY_SITE):
+        progress = SiteProgress(out, spec.name).start()
+    try:
+        # A peer, round or broker failure: one line naming it, not a traceback.
+        code = run_site_main(
+            lambda: train_until_stopped(out, spec.name, rejoin=rejoin), "isthmus site"
+        )
+    finally:
+        if progress is not None:
+            progress.stop()
+    return code
+
+
+def run_torchrun(args: argparse.Namespace, job: Job, spec: SiteSpec, out: Path) -> int:
+    """Start torchrun with the site's layout, print the site's progress, pass on
+    the operator's signals, and return torchrun's exit status."""
+    command = [sys.executable, "-m", "torch.distributed.run"]
+    command += torchrun_layout_flags(job, spec, args.rdzv_endpoint)
+    command += ["--module", "isthmus", "site", str(args.job), "--site", spec.name]
+    command += ["--out", str(out)]
+    if args.rejoin:
+        command.append("--rejoin")
+    prepare_site_dir(Path(args.job), job.name, spec.name, out, args.rejoin)
+    print(
+        f"isthmus site {spec.name}: {spec.ranks} ranks on {spec.nodes} node(s) through torchrun",
+        file=sys.stderr,
+    )
+    env = {**os.environ, SPAWNED_BY_SITE: "1"}
+    proc = subprocess.Popen(command, env=env, start_new_session=True)
+    forwarding = _forward_signals(proc)
+    progress = SiteProgress(out, spec.name).start()
+    try:
+        code = proc.wait()
+    finally:
+        progress.stop()
+        for sig, previous in forwarding.items():
+            signal.signal(sig, previous)
+    return code
+
+
+def torchrun_layout_flags(job: Job, spec: SiteSpec, endpoint: str | None) -> list[str]:
+    """torchrun's flags for the site's layout: one node standalone, several through
+    the c10d rendezvous at ``endpoint`` (the same on every node)."""
+    flags = ["--nnodes", str(spec.nodes), "--nproc-per-node", str(spec.ranks_per_node)]
+    flags += ["--max-restarts", "0"]  # a lost site rejoins through the job, not torchrun
+    if endpoint is None:
+        if spec.nodes > 1:
+            raise UsageError(
+                f"--rdzv-endpoint: site {spec.name!r} has {spec.nodes} nodes; run this "
+                f"command on each with the first node's address, e.g. --rdzv-endpoint "
+                f"node0:{RDZV_PORT}"
+            )
+        return [*flags, "--standalone"]
+    host_port = endpoint if ":" in endpoint else f"{endpoint}:{RDZV_PORT}"
+    if isinstance(parse_address(host_port), str):
+        raise UsageError(f"--rdzv-endpoint: give HOST:PORT, got {endpoint!r}")
+    return [
+        *flags,
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        host_port,
+        "--rdzv-id",
+        f"isthmus-{job.name}-{spec.name}",
+    ]
+
+
+def _forward_signals(proc: subprocess.Popen) -> dict[int, Any]:
+    """SIGINT/SIGTERM stop torchrun (which stops the ranks); SIGUSR1 (leave the run)
+    goes to the ranks themselves: torchrun would die of it."""
+
+    def stop(signum: int, frame: object) -> None:
+        proc.send_signal(signal.SIGTERM)
+
+    def leave(signum: int, frame: object) -> None:
+        for pid in _children(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+
+    handlers = {signal.SIGINT: stop, signal.SIGTERM: stop, signal.SIGUSR1: leave}
+    return {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc; empty where there is none)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # The command name (field 2) may hold spaces; the parent follows its ")".
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+class SiteProgress:
+    """Prints the site's progress from its records: a line per round, view and rejoin."""
+
+    POLL_S = 1.0
+
+    def __init__(self, out: Path, site: str) -> None:
+        from isthmus.deploy.run.records import RecordTail
+
+        self.site = site
+        self._tail = RecordTail(out / "sites" / site / "metrics.jsonl", from_end=True)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="isthmus-site-progress", daemon=True)
+        self._loss: float | None = None
+        self._round: int | None = None
+
+    def start(self) -> SiteProgress:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._print_new()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.POLL_S):
+            self._print_new()
+
+    def _print_new(self) -> None:
+        for record in self._tail.read():
+            line = self.line_for(record)
+            if line:
+                print(f"{self.site}: {line}", flush=True)
+
+    def line_for(self, record: dict[str, Any]) -> str | None:
+        kind = record.get("kind")
+        if kind == "step":
+            self._loss = record.get("loss")
+            return None
+        if kind == "round":
+            if record.get("outer_steps") == self._round:
+                return None  # the closing totals of the last round, already shown
+            self._round = record.get("outer_steps")
+            loss = f", loss {self._loss:.3f}" if isinstance(self._loss, float) else ""
+            sent = record.get("wan_bytes_sent", 0) / 1e6
+            return (
+                f"round {record.get('outer_steps')} at step {record.get('step')}{loss}, "
+                f"{sent:.1f} MB sent"
+            )
+        if kind == "view":
+            return (
+                f"view {record.get('epoch')}: members {', '.join(record.get('members', []))} "
+                f"from round {record.get('start_round')} ({record.get('reason')})"
+            )
+        if kind == "rejoin":
+            pulled = record.get("bytes", 0) / 1e6
+            return (
+                f"rejoined at round {record.get('round')}: pulled {pulled:.1f} MB from "
+                f"{record.get('donor')} in {record.get('seconds', 0):.1f} s"
+            )
+        if kind == "eval" and record.get("final"):
+            return f"final held-out loss {record.get('eval_loss'):.3f}"
+        if kind == "state" and record.get("state") in ("finished", "left"):
+            return str(record["state"])
+        return None

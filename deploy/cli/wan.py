@@ -1,0 +1,474 @@
+"""``isthmus wan ...``: run emulated links, change them while traffic flows, read counters."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from isthmus.deploy.cli.job import describe_link
+from isthmus.deploy.cli.registry import UsageError, add_command
+from isthmus.deploy.jobfile import Job, load_job, load_yaml, parse_address
+from isthmus.deploy.run.orphan import end_with_parent
+from isthmus.inter.allocator import keep_freed_memory
+from isthmus.job.addressing import AddressError, default_state_path, load_state
+from isthmus.job.link import LinkConfigError, LinkParams
+from isthmus.sim.control import ControlClient, ControlError, ControlServer, format_stats
+from isthmus.sim.emulator import BackgroundEmulator, Emulator
+from isthmus.sim.presets import PRESETS
+from isthmus.sim.topology import Site, Topology
+
+STATE_VERSION = 1
+
+# Flags of `wan proxy` and `wan demo` -> link settings (units in the names).
+LINK_FLAGS: list[tuple[str, str, type, str]] = [
+    ("--rtt-ms", "rtt_ms", float, "round-trip time added by the link (each way rtt/2)"),
+    ("--jitter-ms", "jitter_ms", float, "standard deviation of the one-way delay"),
+    ("--jitter-distribution", "jitter_distribution", str, "normal, uniform or pareto"),
+    ("--bandwidth-mbit", "bandwidth_mbit", float, "rate cap in Mbit/s each way (default uncapped)"),
+    ("--loss", "loss", float, "fraction of TCP segments lost (each stalls the stream one RTO)"),
+    (
+        "--loss-burst-segments",
+        "loss_burst_segments",
+        float,
+        "mean loss burst length in segments (1 = independent; >1 = Gilbert-Elliott)",
+    ),
+    ("--queue-ms", "queue_ms", float, "bottleneck queue in milliseconds of the rate"),
+    ("--corrupt", "corrupt", float, "fraction of bytes with one bit flipped"),
+    ("--min-rto-ms", "min_rto_ms", float, "lower bound of the retransmission timeout"),
+    ("--window-bytes", "window_bytes", int, "most bytes in flight per connection and direction"),
+]
+_FLAG_OF = {name: flag for flag, name, _, _ in LINK_FLAGS}
+
+
+def register(commands: Any) -> None:
+    wan = commands.add_parser(
+        "wan",
+        help="emulate WAN links on this machine",
+        description="Emulate long-haul links between sites with user-space TCP proxies "
+        "(no root, no netem).",
+    )
+    verbs = wan.add_subparsers(dest="verb", metavar="VERB", parser_class=type(wan))
+    verbs.required = True
+
+    proxy = add_command(verbs, "proxy", _proxy, help="run one emulated link in the foreground")
+    proxy.add_argument("--listen", required=True, metavar="HOST:PORT", help="where clients connect")
+    proxy.add_argument("--connect", required=True, metavar="HOST:PORT", help="the real destination")
+    _add_link_flags(proxy)
+    proxy.add_argument("--seed", type=int, default=0, help="seed of jitter, loss and corruption")
+
+    up = add_command(
+        verbs, "up", _up, help="run every link of a job's topology until SIGINT/SIGTERM"
+    )
+    up.add_argument("job", metavar="JOB.yaml")
+    up.add_argument(
+        "--state",
+        metavar="FILE",
+        help="where to write the addresses to dial (default: ./<job name>.wan.json)",
+    )
+    up.add_argument(
+        "--hosts",
+        action="store_true",
+        help="packet level: every site a separate host (network namespace) behind "
+        "an emulating router; needs root",
+    )
+    up.add_argument(
+        "--tcp-rmem-max",
+        type=int,
+        metavar="BYTES",
+        help="with --hosts: the hosts' largest TCP receive buffer (default 32 MiB); about "
+        "2x a link's bandwidth-delay product keeps TCP from overrunning a shallow queue",
+    )
+    up.add_argument("--host", default="127.0.0.1", help="address the link listeners bind")
+    up.add_argument(
+        "--stats-every",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="print each busy link's throughput this often (0: never)",
+    )
+
+    setter = add_command(verbs, "set", _set, help="change a running link's settings")
+    _add_link_target(setter)
+    setter.add_argument(
+        "changes",
+        nargs="+",
+        metavar="KEY=VALUE",
+        help="link settings, e.g. rtt_ms=120 bandwidth_mbit=50 loss=0.01",
+    )
+    setter.add_argument(
+        "--from", dest="source", metavar="SITE", help="change only the direction leaving SITE"
+    )
+
+    cut = add_command(verbs, "cut", _cut, help="partition a running link")
+    _add_link_target(cut)
+    cut.add_argument(
+        "--mode",
+        choices=("blackhole", "reset"),
+        default="blackhole",
+        help="blackhole: bytes stop, connections hang; reset: connections torn down",
+    )
+
+    heal = add_command(verbs, "heal", _heal, help="end a partition")
+    _add_link_target(heal)
+
+    exe = add_command(
+        verbs,
+        "exec",
+        _exec,
+        help="run a command inside a site's host (after 'wan up --hosts')",
+        description="Run COMMAND in the network namespace of SITE, as if on that host: "
+        "isthmus wan exec JOB.yaml SITE -- COMMAND [ARGS...]",
+    )
+    exe.add_argument("job", metavar="JOB.yaml")
+    exe.add_argument("site", metavar="SITE")
+    exe.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND")
+
+    stats = add_command(verbs, "stats", _stats, help="print the counters of every running link")
+    stats.add_argument("job", metavar="JOB.yaml")
+    stats.add_argument("--state", metavar="FILE")
+    stats.add_argument("--json", action="store_true", help="print JSON")
+
+    demo = add_command(
+        verbs,
+        "demo",
+        _demo,
+        help="measure RTT and throughput through one emulated link",
+        description="Start one emulated link in this process and measure its round trip "
+        "and throughput as a user's traffic would see them.",
+    )
+    demo.add_argument("--preset", default="transatlantic", choices=sorted(PRESETS))
+    _add_link_flags(demo, defaults_from_preset=True)
+    demo.add_argument("--seconds", type=float, default=3.0, help="length of the throughput test")
+
+
+def _add_link_flags(parser: argparse.ArgumentParser, defaults_from_preset: bool = False) -> None:
+    group = parser.add_argument_group("link settings")
+    if not defaults_from_preset:
+        group.add_argument("--preset", choices=sorted(PRESETS), help="start from a named link")
+    for flag, name, kind, text in LINK_FLAGS:
+        group.add_argument(flag, dest=name, type=kind, default=None, help=text)
+
+
+def _add_link_target(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("job", metavar="JOB.yaml")
+    parser.add_argument("site_a", metavar="SITE")
+    parser.add_argument("site_b", metavar="SITE")
+    parser.add_argument("--state", metavar="FILE")
+
+
+def _link_from_flags(args: argparse.Namespace) -> LinkParams:
+    settings: dict[str, Any] = dict(PRESETS[args.preset]) if args.preset else {}
+    for _, name, _, _ in LINK_FLAGS:
+        value = getattr(args, name)
+        if value is not None:
+            settings[name] = value
+    try:
+        return LinkParams.symmetric(**settings)
+    except LinkConfigError as exc:
+        flag = _FLAG_OF.get(exc.field, "--rtt-ms" if exc.field == "delay_ms" else exc.field)
+        raise UsageError(f"{flag}: {exc.reason}") from None
+
+
+def _address(value: str, flag: str) -> tuple[str, int]:
+    parsed = parse_address(value)
+    if isinstance(parsed, str):
+        raise UsageError(f"{flag}: {parsed}")
+    return parsed
+
+
+# -- wan proxy ------------------------------------------------------------------------
+def _proxy(args: argparse.Namespace) -> int:
+    listen = _address(args.listen, "--listen")
+    connect = _address(args.connect, "--connect")
+    params = _link_from_flags(args)
+    topology = Topology.full_mesh(
+        [Site(name="client", listen=()), Site(name="server", listen=(connect,))],
+        default=params,
+        seed=args.seed,
+    )
+    keep_freed_memory()  # the proxy's reads are buffers of 256 KiB: reuse them
+    return asyncio.run(_serve_proxy(topology, listen, connect))
+
+
+async def _serve_proxy(
+    topology: Topology, listen: tuple[str, int], connect: tuple[str, int]
+) -> int:
+    stop = _stop_on_signals()
+    emulator = Emulator(topology, listen={("client", "server", 0): listen})
+    try:
+        await emulator.start()
+    except OSError as exc:
+        raise UsageError(f"--listen: {exc.strerror}") from None
+    if not await _reachable(connect):
+        print(
+            f"warning: --connect {connect[0]}:{connect[1]} is not reachable yet; "
+            "connections will be closed until it is",
+            file=sys.stderr,
+        )
+    params = topology.link_params("client", "server")
+    print(
+        f"ready: {listen[0]}:{listen[1]} -> {connect[0]}:{connect[1]} "
+        f"({describe_link(params.a_to_b, params.rtt_ms)})",
+        flush=True,
+    )
+    await stop.wait()
+    counters = emulator.stats()["links"][0]
+    await emulator.stop()
+    for direction, label in (("client->server", "to upstream"), ("server->client", "to client")):
+        c = counters[direction]
+        print(
+            f"{label}: bytes={c['bytes']} segments={c['segments']} "
+            f"segments_delayed={c['segments_delayed']} lost_segments={c['lost_segments']} "
+            f"stalls={c['stalls']} corrupted_bytes={c['corrupted_bytes']} "
+            f"connections={c['connections']} resets={c['resets']} "
+            f"disconnects={c['disconnects']} upstream_failures={c['upstream_failures']}",
+            flush=True,
+        )
+    return 0
+
+
+async def _reachable(address: tuple[str, int]) -> bool:
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(*address), timeout=2)
+    except (TimeoutError, OSError):
+        return False
+    writer.close()
+    return True
+
+
+def _stop_on_signals() -> asyncio.Event:
+    """An event set by SIGINT or SIGTERM. Install it before printing "ready", so a
+    signal sent as soon as the line is seen still shuts down cleanly."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+# -- wan up -----------------------------------------------------------------------------
+def _up(args: argparse.Namespace) -> int:
+    job = load_job(args.job)
+    if job.wan is None:
+        raise UsageError(
+            f"{args.job} has no 'wan:' section, so there is nothing to emulate; add one, "
+            "e.g. wan: {default: {preset: transatlantic}}"
+        )
+    state_path = Path(args.state) if args.state else default_state_path(job)
+    _refuse_a_second_emulator(state_path)
+    if args.stats_every < 0:
+        raise UsageError(f"--stats-every: must be >= 0 seconds, got {args.stats_every}")
+    end_with_parent()  # started by `isthmus run`: stop when it is gone
+    if args.tcp_rmem_max is not None:
+        from isthmus.deploy.wan_hosts import check_tcp_rmem_max
+
+        check_tcp_rmem_max(args.tcp_rmem_max, hosts=args.hosts)
+    if args.hosts:
+        from isthmus.deploy.wan_hosts import serve_hosts
+
+        return serve_hosts(job, state_path, write_json_atomic, tcp_rmem_max=args.tcp_rmem_max)
+    keep_freed_memory()  # the proxy's reads are buffers of 256 KiB: reuse them
+    return asyncio.run(_serve_topology(job, state_path, args.host, args.stats_every))
+
+
+def _exec(args: argparse.Namespace) -> int:
+    from isthmus.deploy.wan_hosts import exec_in_host
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    job = load_job(args.job)
+    try:
+        return exec_in_host(job, args.site, command)
+    except KeyError as exc:
+        raise UsageError(str(exc.args[0])) from None
+
+
+def _refuse_a_second_emulator(state_path: Path) -> None:
+    """One emulator per state file: a live one is refused, a stale one replaced."""
+    if not state_path.exists():
+        return
+    try:
+        state = load_state(state_path)
+        control = _address(str(state.get("control")), "--state")
+        ControlClient(control, timeout_s=2).stats()
+    except (UsageError, AddressError, ControlError):
+        print(f"warning: replacing {state_path}, left by an emulator that is gone", file=sys.stderr)
+        return
+    raise UsageError(
+        f"an emulator is already running for {state_path} (pid {state.get('pid')}); "
+        "stop it, or pass another --state"
+    )
+
+
+async def _serve_topology(job: Job, state_path: Path, host: str, stats_every: float) -> int:
+    stop = _stop_on_signals()
+    ranks = job.rank_addresses(host)
+    emulator = Emulator(Topology.for_job(job, ranks), host=host)
+    try:
+        await emulator.start()
+    except OSError as exc:
+        raise UsageError(str(exc.strerror)) from None
+    control = ControlServer(emulator, host="127.0.0.1", progress=emulator.progress)
+    control_address = await control.start()
+    state = {
+        "version": STATE_VERSION,
+        "job": job.name,
+        "backend": "proxy",
+        "pid": os.getpid(),
+        "control": "{}:{}".format(*control_address),
+        "sites": {
+            s.name: {
+                "ranks": s.ranks,
+                "listen": ["{}:{}".format(*a) for a in ranks[s.name]],
+                "dial": emulator.dial_map()[s.name],
+            }
+            for s in job.sites
+        },
+    }
+    write_json_atomic(state_path, state)
+    topology = emulator.topology
+    for a, b in topology.pairs():
+        p = topology.link_params(a, b)
+        print(f"link {a}<->{b}: {describe_link(p.a_to_b, p.rtt_ms)}")
+    for name, site in state["sites"].items():
+        print(f"site {name}: ranks listen on {', '.join(site['listen'])}")
+    print(f"ready: {len(topology.pairs())} links up; addresses to dial in {state_path}", flush=True)
+    reporter = asyncio.ensure_future(_report_throughput(emulator, stats_every))
+    try:
+        await stop.wait()
+    finally:
+        reporter.cancel()
+        stats = emulator.stats()
+        await control.stop()
+        await emulator.stop()
+        with contextlib.suppress(FileNotFoundError):
+            state_path.unlink()
+    print(format_stats(stats), flush=True)
+    return 0
+
+
+async def _report_throughput(emulator: Emulator, every_s: float) -> None:
+    """Print, every ``every_s``, the throughput of each link direction that carried bytes."""
+    if every_s <= 0:
+        return
+    last: dict[tuple[str, str], int] = {}
+    while True:
+        await asyncio.sleep(every_s)
+        busy = []
+        for link in emulator.links.values():
+            for d in (link.a_to_b, link.b_to_a):
+                sent = d.counters.bytes - last.get((d.src, d.dst), 0)
+                last[(d.src, d.dst)] = d.counters.bytes
+                if sent:
+                    busy.append(f"{d.src}->{d.dst} {sent * 8 / every_s / 1e6:.1f} Mbit/s")
+        if busy:
+            print("traffic: " + ", ".join(busy), flush=True)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON so a reader sees the old file or the whole new one, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+# -- wan set / cut / heal / stats -------------------------------------------------------
+def _client(args: argparse.Namespace) -> ControlClient:
+    job = load_job(args.job)
+    path = Path(args.state) if args.state else default_state_path(job)
+    if not path.exists():
+        raise UsageError(
+            f"no running emulator for job {job.name!r}: {path} does not exist "
+            "(start 'isthmus wan up' first, or pass --state)"
+        )
+    state = load_state(path)
+    return ControlClient(_address(str(state.get("control")), "--state"))
+
+
+def _control(call: Any) -> Any:
+    try:
+        return call()
+    except ControlError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _set(args: argparse.Namespace) -> int:
+    changes: dict[str, Any] = {}
+    for item in args.changes:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"expected KEY=VALUE, got {item!r} (e.g. rtt_ms=120)")
+        changes[key] = load_yaml(value)
+    client = _client(args)
+    link = _control(lambda: client.set(args.site_a, args.site_b, source=args.source, **changes))
+    print(f"link {args.site_a}<->{args.site_b}: {link['state']}, rtt {link['rtt_ms']:g} ms")
+    return 0
+
+
+def _cut(args: argparse.Namespace) -> int:
+    client = _client(args)
+    link = _control(lambda: client.cut(args.site_a, args.site_b, args.mode))
+    print(f"link {args.site_a}<->{args.site_b}: {link['state']}")
+    return 0
+
+
+def _heal(args: argparse.Namespace) -> int:
+    client = _client(args)
+    link = _control(lambda: client.heal(args.site_a, args.site_b))
+    print(f"link {args.site_a}<->{args.site_b}: {link['state']}")
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    client = _client(args)
+    stats = _control(client.stats)
+    print(json.dumps(stats, indent=2) if args.json else format_stats(stats))
+    return 0
+
+
+# -- wan demo ---------------------------------------------------------------------------
+def _demo(args: argparse.Namespace) -> int:
+    from isthmus.sim.probe import ProbeServer, measure_rtt_ms, measure_throughput
+
+    params = _link_from_flags(args)
+    if args.seconds <= 0:
+        raise UsageError(f"--seconds: must be > 0, got {args.seconds}")
+    p = params.a_to_b
+    print(f"emulating one link ({args.preset}): {describe_link(p, params.rtt_ms)}")
+    with ProbeServer() as server:
+        topology = Topology.full_mesh(
+            [Site(name="here", listen=()), Site(name="there", listen=(server.address,))],
+            default=params,
+        )
+        with BackgroundEmulator(topology) as wan:
+            address = wan.dial_address("here", "there", 0)
+            direct = statistics.median(measure_rtt_ms(server.address, count=20))
+            rtts = measure_rtt_ms(address, count=20)
+            print(
+                f"round trip: median {statistics.median(rtts):.1f} ms "
+                f"(configured {params.rtt_ms:g} ms; {direct:.2f} ms without the link)"
+            )
+            print(f"throughput: measuring for {args.seconds:g} s ...", flush=True)
+            result = measure_throughput(address, seconds=args.seconds)
+            cap = f"{p.bandwidth_mbit:g} Mbit/s" if p.bandwidth_mbit else "uncapped"
+            print(
+                f"throughput: {result.mbit_per_s:.1f} Mbit/s ({result.mbyte_per_s:.1f} MB/s; "
+                f"cap {cap}; {result.bytes / 1e6:.0f} MB in {result.seconds:.2f} s)"
+            )
+            counters = wan.stats()["links"][0]["here->there"]
+            print(
+                f"link counters: {counters['bytes'] / 1e6:.0f} MB, {counters['segments']} "
+                f"segments, {counters['stalls']} loss stalls"
+            )
+    return 0

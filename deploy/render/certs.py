@@ -1,0 +1,286 @@
+"""``isthmus certs JOB.yaml --out DIR``: a job CA and one certificate per site.
+
+The CA's key signs the site certificates and is needed again only to add a
+site (run the command again with the same ``--out``: only the sites without a
+certificate get one); keep it off the training machines. Each site gets ``SITE.crt`` and
+``SITE.key`` and the CA's certificate ``ca.crt``, nothing else. With
+``--broker HOST``, the control plane's broker gets a server certificate for
+that host name or address (``broker.crt``, ``broker.key``) and the operator a
+client certificate (``operator.crt``, ``operator.key``, for ``isthmus config
+set``): a broker that requires client certificates of the job's CA then lets
+in the sites and the operator, each under its own name (Mosquitto's
+``use_identity_as_username``), and nobody else. Keys are ECDSA P-256 (small,
+fast handshakes, supported by every gRPC build and by Mosquitto); files with
+keys are written readable by their owner only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import ipaddress
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from isthmus.deploy.cli.registry import UsageError, add_command
+from isthmus.deploy.jobfile import load_job
+
+VALID_DAYS = 365
+
+
+def register(commands: Any) -> None:
+    sub = add_command(
+        commands,
+        "certs",
+        _certs,
+        help="make a job CA and one TLS certificate per site (mutual TLS between sites)",
+    )
+    sub.add_argument("job", metavar="JOB.yaml", help="the job file (its name and sites)")
+    sub.add_argument("--out", required=True, metavar="DIR", help="where to write the files")
+    sub.add_argument(
+        "--days", type=int, default=VALID_DAYS, help=f"validity (default {VALID_DAYS})"
+    )
+    sub.add_argument(
+        "--broker",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="also a server certificate for the control plane's broker at this host name "
+        "or IP address (repeat for more names), and a client certificate for the operator",
+    )
+
+
+def _certs(args: argparse.Namespace) -> int:
+    job = load_job(args.job, check_files=False)  # it may name the files made here
+    if args.days < 1:
+        raise UsageError(f"--days: must be >= 1, got {args.days}")
+    out = Path(args.out)
+    for host in args.broker:
+        if not host or " " in host or "/" in host or (":" in host and not _is_ip(host)):
+            raise UsageError(f"--broker: give a host name or IP address, got {host!r}")
+    try:
+        written = make_certs(
+            job.name, [s.name for s in job.sites], out, days=args.days, broker=args.broker
+        )
+    except FileExistsError as exc:
+        raise UsageError(str(exc)) from None
+    for path in written:
+        print(path)
+    relative = os.path.relpath(out.resolve(), Path(args.job).resolve().parent)
+    print(
+        f"\nAdd to {args.job}, and give each site ca.crt, its own .crt and .key (not ca.key):\n"
+        f"tls:\n  ca: {relative}/ca.crt\n  cert: {relative}/{{site}}.crt\n"
+        f"  key: {relative}/{{site}}.key"
+    )
+    if args.broker:
+        print(
+            f"\nFor the broker (broker.crt / .key; require_certificate and "
+            f"use_identity_as_username in deploy/mosquitto/mosquitto.conf):\n"
+            f"control:\n  broker: mqtts://{args.broker[0]}:8883\n"
+            f"  tls: {{ca: {relative}/ca.crt, cert: {relative}/{{site}}.crt, "
+            f"key: {relative}/{{site}}.key}}"
+        )
+    return 0
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def make_certs(
+    job: str,
+    sites: Sequence[str],
+    out: Path,
+    *,
+    days: int = VALID_DAYS,
+    broker: Sequence[str] = (),
+) -> list[Path]:
+    """Write ``ca.crt``, ``ca.key`` and ``SITE.crt`` / ``SITE.key`` for every site
+    into ``out``, and with ``broker`` (its host names or addresses) ``broker.crt``
+    / ``.key`` and ``operator.crt`` / ``.key``; return the paths written.
+
+    A job has one CA: where ``out`` holds it already, only the sites without a
+    certificate get one, signed by it (a site added to a running job); a new CA
+    would lock out every site holding the old one."""
+    if broker and (clash := {"broker", "operator"} & set(sites)):
+        raise FileExistsError(
+            f"a site is named {sorted(clash)[0]!r}, which the broker's or operator's "
+            "files would overwrite; rename the site or leave out --broker"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.UTC)
+    if (out / "ca.key").exists():
+        return _add_sites(job, sites, out, now, days, broker)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, f"isthmus job {job}"),
+            x509.NameAttribute(NameOID.COMMON_NAME, f"{job} CA"),
+        ]
+    )
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))  # clocks differ
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    written = [_write(out / "ca.crt", _pem(ca_cert)), _write_key(out / "ca.key", ca_key)]
+    issue = functools.partial(_leaf, job, ca_name, ca_key, now, days, out)
+    return written + _issue(issue, job, sites, broker)
+
+
+def _add_sites(
+    job: str,
+    sites: Sequence[str],
+    out: Path,
+    now: datetime.datetime,
+    days: int,
+    broker: Sequence[str],
+) -> list[Path]:
+    """Certificates, signed by the job's existing CA, for the sites that have none."""
+    try:
+        ca_cert = x509.load_pem_x509_certificate((out / "ca.crt").read_bytes())
+        ca_key = serialization.load_pem_private_key((out / "ca.key").read_bytes(), None)
+    except (OSError, ValueError) as exc:
+        raise FileExistsError(
+            f"{out / 'ca.key'} exists but the CA cannot be read with {out / 'ca.crt'} ({exc}); "
+            "use another --out for a new job"
+        ) from None
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey) or ca_cert.subject != x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, f"isthmus job {job}"),
+            x509.NameAttribute(NameOID.COMMON_NAME, f"{job} CA"),
+        ]
+    ):
+        raise FileExistsError(
+            f"{out} holds the CA of another job ({ca_cert.subject.rfc4514_string()}); a job "
+            "has one CA: use another --out"
+        )
+    missing = [site for site in sites if not (out / f"{site}.crt").exists()]
+    wants_broker = bool(broker) and not (out / "broker.crt").exists()
+    if not missing and not wants_broker:
+        raise FileExistsError(
+            f"{out} holds this job's CA and a certificate for every site already; to add a "
+            "site, name it in the job file first"
+        )
+    issue = functools.partial(_leaf, job, ca_cert.subject, ca_key, now, days, out)
+    return _issue(issue, job, missing, broker if wants_broker else ())
+
+
+def _issue(
+    issue: Callable[..., list[Path]], job: str, sites: Sequence[str], broker: Sequence[str]
+) -> list[Path]:
+    """A certificate for each site, and with ``broker`` the broker's and the operator's."""
+    from isthmus.inter.tls import site_dns_name
+
+    written: list[Path] = []
+    for site in sites:
+        # Every site is both a server (its peer service) and a client (it dials).
+        alt = [x509.DNSName(site_dns_name(job, site))]
+        written += issue(
+            site, alt, [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+        )
+    if broker:
+        written += issue("broker", _names(broker), [ExtendedKeyUsageOID.SERVER_AUTH])
+        written += issue("operator", [], [ExtendedKeyUsageOID.CLIENT_AUTH])
+    return written
+
+
+def _names(hosts: Sequence[str]) -> list[x509.GeneralName]:
+    """Subject alternative names: an IP address as such, anything else as DNS."""
+    names: list[x509.GeneralName] = []
+    for host in hosts:
+        if _is_ip(host):
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        else:
+            names.append(x509.DNSName(host))
+    return names
+
+
+def _leaf(
+    job: str,
+    ca_name: x509.Name,
+    ca_key: ec.EllipticCurvePrivateKey,
+    now: datetime.datetime,
+    days: int,
+    out: Path,
+    name: str,
+    alt_names: list[x509.GeneralName],
+    usages: list[x509.ObjectIdentifier],
+) -> list[Path]:
+    """A certificate (common name ``name``) and key signed by the job's CA."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(
+            x509.Name(
+                [
+                    x509.NameAttribute(NameOID.ORGANIZATION_NAME, f"isthmus job {job}"),
+                    x509.NameAttribute(NameOID.COMMON_NAME, name),
+                ]
+            )
+        )
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+    )
+    if alt_names:
+        builder = builder.add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
+    cert = builder.sign(ca_key, hashes.SHA256())
+    return [_write(out / f"{name}.crt", _pem(cert)), _write_key(out / f"{name}.key", key)]
+
+
+def _pem(cert: x509.Certificate) -> bytes:
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> Path:
+    data = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    return path

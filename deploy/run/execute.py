@@ -1,0 +1,50 @@
+"""One run, start to summary: what ``isthmus run`` and the tuner's trials share.
+
+The command line (:mod:`isthmus.deploy.cli.run`) adds the progress display and
+the report; the tuner (:mod:`isthmus.deploy.tune.trials`) runs short trials.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from isthmus.deploy.run.launcher import Launcher
+from isthmus.deploy.run.records import write_json_atomic
+from isthmus.deploy.run.summary import build_summary
+from isthmus.deploy.run.tensorboard import TensorBoardWriter
+
+
+def execute_run(
+    job: Any,
+    raw: dict[str, Any],
+    run_dir: Path,
+    *,
+    on_update: Any = None,
+    resume_round: int | None = None,
+    restart_lost: bool = False,
+) -> dict[str, Any]:
+    """Launch, follow and stop one run in a prepared directory; write its TensorBoard
+    events and summary.json and return the summary. Prints nothing."""
+    launcher = Launcher(
+        job,
+        raw,
+        run_dir,
+        on_update=on_update,
+        resume_round=resume_round,
+        restart_lost=restart_lost,
+    )
+    launcher.tensorboard = TensorBoardWriter(run_dir / "tensorboard", [s.name for s in job.sites])
+    try:
+        launcher.start()
+        launcher.follow()
+    except KeyboardInterrupt:
+        launcher.state.status = "interrupted"
+    finally:
+        launcher.stop()
+        launcher.tensorboard.close()
+    if launcher.state.status == "running":  # start() failed
+        launcher.state.status = "failed"
+    summary = build_summary(launcher.state)
+    write_json_atomic(run_dir / "summary.json", summary)
+    return summary

@@ -1,0 +1,618 @@
+"""``isthmus run``: every site of a job on this machine, through the emulated WAN.
+
+The launcher prepares the run directory, starts the emulator (``isthmus wan
+up``, its own process) when the job has a ``wan:`` section, starts each
+site's ranks as torchrun would (each rank its own process group, so a Ctrl-C
+reaches the launcher alone and the launcher stops them in order), follows
+what the sites write, and ends with ``summary.json`` and the report. It is the
+only writer of the run's ``metrics.jsonl``; sites write their own files.
+
+Ending: when every site has finished or left; or at SIGINT/SIGTERM. A site
+that is lost (a rank killed) or fails does not end a run of two or more sites:
+every strategy runs its rounds under membership views, so the others train on
+without it (and with ``--restart-lost`` it is started again and rejoins); a
+one-site run ends with its site. Either way every child process is stopped
+(SIGTERM, then SIGKILL after a grace period) before the launcher returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO, Any
+
+import yaml
+
+from isthmus.deploy.jobfile import Job, free_port_blocks, load_job, load_yaml, parse_job
+from isthmus.deploy.run.orphan import parent_environment
+from isthmus.deploy.run.records import RecordTail, write_json_atomic
+from isthmus.inter.settings import SettingError
+from isthmus.intra.checkpoint import checkpoint_number, complete_checkpoints
+from isthmus.intra.launch import free_port, rank_environment
+from isthmus.intra.plugins import load_callable
+from isthmus.job.addressing import load_state
+
+STOP_GRACE_S = 10.0
+"""How long a stopped process gets to exit on SIGTERM before SIGKILL."""
+EMULATOR_START_S = 60.0
+POLL_S = 0.25
+RESTART_AFTER_S = 2.0
+"""With ``restart_lost``: how long after a site's loss it is started again."""
+MAX_RESTARTS = 3
+"""Restarts in a row of a site that never completed a round in between: one that
+keeps dying before it trains (a crash loop) is not restarted forever, while one
+that trains between losses (churn) is restarted every time."""
+
+
+class RunError(Exception):
+    """The run could not start (bad input): one line naming the field or flag and the fix."""
+
+
+@dataclass
+class SiteState:
+    """What the launcher knows of one site, from its processes and records."""
+
+    name: str
+    ranks: int
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    logs: list[Path] = field(default_factory=list)
+    status: str = "starting"
+    """starting, computing, waiting, syncing, rejoining, leaving, left, finished, failed
+    or lost."""
+    reason: str = ""
+    step: int = 0
+    loss: float | None = None
+    eval_loss: float | None = None
+    tokens: int = 0
+    compute_s: float = 0.0
+    outer_steps: int = 0
+    wan_bytes_sent: int = 0
+    wan_bytes_sent_to: dict[str, int] = field(default_factory=dict)
+    started: float | None = None
+    last_step_t: float | None = None
+    tokens_per_s: float = 0.0
+    restarts: int = 0
+    restarts_in_a_row: int = 0
+    """Restarts since the site last completed a round (see MAX_RESTARTS)."""
+    restart_at: float | None = None
+    """``time.monotonic()`` at which a lost site is started again (None: not pending)."""
+
+
+@dataclass
+class RunState:
+    """Everything the progress display and the summary read."""
+
+    job: Job
+    run_dir: Path
+    started: float
+    sites: dict[str, SiteState]
+    links: dict[str, dict[str, float]] = field(default_factory=dict)
+    """``a<->b`` -> {bytes: emulator wire bytes both ways, mbit_s: current throughput}."""
+    status: str = "running"
+    sync_every_changes: list[dict[str, Any]] = field(default_factory=list)
+    """What the online H controller (``tune: {online: true}``) published, in order."""
+
+    @property
+    def steps(self) -> int:
+        return self.job.train.steps
+
+    def isthmus_link_bytes(self) -> dict[str, int]:
+        """Payload bytes over each pair of sites, both ways, as the sites counted them
+        at their last round (exists without an emulator too)."""
+        names = [s.name for s in self.job.sites]
+        return {
+            f"{a}<->{b}": self.sites[a].wan_bytes_sent_to.get(b, 0)
+            + self.sites[b].wan_bytes_sent_to.get(a, 0)
+            for i, a in enumerate(names)
+            for b in names[i + 1 :]
+        }
+
+
+def resolve_job(
+    path: Path,
+    *,
+    strategy: str | None = None,
+    steps: int | None = None,
+    train: dict[str, Any] | None = None,
+    tune: dict[str, Any] | None = None,
+) -> tuple[Job, dict[str, Any]]:
+    """The job file with the command line's overrides and every default filled in:
+    what ``job.yaml`` in the run directory holds and every site reads. ``train`` and
+    ``tune``: more overrides of those sections' keys (``isthmus tune``'s trials)."""
+    job = load_job(path)
+    changes: dict[str, Any] = dict(train or {})
+    if strategy is not None:
+        changes["strategy"] = strategy
+    if steps is not None:
+        changes["steps"] = steps
+    try:
+        settings = dataclasses.replace(job.train, **changes)
+    except SettingError as exc:
+        raise RunError(f"--{exc.field}: {exc.reason}") from None
+    if ":" in job.model:
+        try:
+            load_callable(job.model, "model")
+        except ValueError as exc:
+            raise RunError(f"{path}: {exc}") from None
+    if ":" in job.data and not Path(job.data).exists():
+        try:
+            load_callable(job.data, "data")
+        except ValueError as exc:
+            raise RunError(f"{path}: {exc}") from None
+    raw = dict(job.raw)
+    raw["train"] = settings.to_dict()
+    if tune:
+        raw["tune"] = {**(raw.get("tune") or {}), **tune}
+    raw["model"] = job.model
+    raw["data"] = job.data
+    raw["seed"] = job.seed
+    if job.wan is None and any(s.address is None for s in job.sites):
+        # No emulator to hand out addresses: give every site free loopback ports.
+        bases = iter(free_port_blocks("127.0.0.1", [s.ranks for s in job.sites]))
+        raw["sites"] = [
+            {**site, "address": f"127.0.0.1:{next(bases)}"} if "address" not in site else site
+            for site in raw["sites"]
+        ]
+    resolved = parse_job(yaml.safe_dump(raw, sort_keys=False), source=str(path))
+    return resolved, raw
+
+
+def resume_point(run_dir: Path) -> tuple[Job, dict[str, Any], int]:
+    """The job of a stopped run and the newest round every site has a complete
+    checkpoint of (a site killed while writing its newest has the one before)."""
+    job_path = run_dir / "job.yaml"
+    if not job_path.is_file():
+        raise RunError(f"--resume: {run_dir} is not a run directory (no job.yaml)")
+    summary_path = run_dir / "summary.json"
+    if summary_path.is_file():
+        try:
+            status = json.loads(summary_path.read_text()).get("status")
+        except ValueError:
+            status = None
+        if status == "finished":
+            raise RunError(f"--resume: the run in {run_dir} finished; nothing to go on with")
+    job = load_job(job_path)
+    raw = load_yaml(job_path.read_text())
+    rounds: set[int] | None = None
+    for site in job.sites:
+        found = {
+            checkpoint_number(p)
+            for p in complete_checkpoints(run_dir / "checkpoints" / site.name, "round")
+        }
+        rounds = found if rounds is None else rounds & found
+    if not rounds:
+        hint = (
+            "the run had train.checkpoint_every: 0 (no checkpoints); set it to resume runs"
+            if not job.train.checkpoint_every
+            else "it stopped before every site had written its first checkpoint"
+        )
+        raise RunError(f"--resume: no checkpoint that every site has in {run_dir}: {hint}")
+    return job, raw, max(rounds)
+
+
+def default_run_dir(job: Job, strategy: str) -> Path:
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{job.name}-{strategy}-{stamp}"
+
+
+def prepare_run_dir(run_dir: Path) -> None:
+    """Create the run directory; one that exists and holds anything is refused."""
+    if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+        raise RunError(
+            f"--out: {run_dir} already exists and is not empty; runs never overwrite each "
+            "other: pass another --out, or remove it"
+        )
+    try:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        (run_dir / "sites").mkdir(exist_ok=True)
+    except OSError as exc:
+        raise RunError(f"--out: cannot create {run_dir}: {exc.strerror}") from None
+
+
+class Launcher:
+    """Starts, follows and stops the processes of one run."""
+
+    def __init__(
+        self,
+        job: Job,
+        raw: dict[str, Any],
+        run_dir: Path,
+        *,
+        on_update: Callable[[RunState], None] | None = None,
+        resume_round: int | None = None,
+        restart_lost: bool = False,
+    ) -> None:
+        """``restart_lost``: start a lost site again (as its operator would) so it
+        rejoins; needs a run that survives the loss of a site."""
+        self.job = job
+        self.survives_loss = survives_site_loss(job)
+        if restart_lost and not self.survives_loss:
+            raise RunError(
+                "--restart-lost: only a run of at least 2 sites can lose a site and take it back"
+            )
+        self.restart_lost = restart_lost
+        self.resume_round = resume_round
+        self.raw = raw
+        self.run_dir = run_dir
+        self.on_update = on_update
+        self.state = RunState(
+            job=job,
+            run_dir=run_dir,
+            started=time.time(),
+            sites={s.name: SiteState(s.name, s.ranks) for s in job.sites},
+        )
+        self.emulator: subprocess.Popen | None = None
+        self.emulator_control: Any = None
+        self.broker: Any = None
+        self._control_state: Path | None = None
+        # A resumed run follows only what its sites write from now on.
+        self._tails = {
+            s.name: RecordTail(
+                run_dir / "sites" / s.name / "metrics.jsonl", from_end=resume_round is not None
+            )
+            for s in job.sites
+        }
+        self._metrics: IO[str] | None = None
+        self._files: list[IO[Any]] = []
+        self._stop_signal: int | None = None
+        self._last_link_poll = 0.0
+        self._link_bytes: dict[str, tuple[float, float]] = {}
+        self.tensorboard: Any = None
+        self.tuner: Any = None
+        self._pids: dict[str, list[int]] = {}
+        # Faults that start or end at a round wait on the rounds the launcher reports.
+        self._reports_progress = job.wan is not None and any(
+            f.at_round is not None or f.for_rounds is not None for f in job.wan.faults
+        )
+        self._reported: dict[str, int] = {}
+
+    # -- start ---------------------------------------------------------------------
+    def start(self) -> None:
+        run_dir = self.run_dir
+        (run_dir / "job.yaml").write_text(
+            "# As resolved by isthmus run: every default filled in, overrides applied.\n"
+            + yaml.safe_dump(self.raw, sort_keys=False)
+        )
+        self._metrics = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+        if self.job.control is None:
+            self._start_broker()
+        if self.job.wan is not None:
+            self._start_emulator()
+        if self.job.tune.online:
+            self._start_tuner()
+        for site in self.job.sites:
+            self._start_site(site.name)
+
+    def _start_site(self, name: str, *, rejoin: bool = False) -> None:
+        run_dir = self.run_dir
+        site = self.job.site(name)
+        total_ranks = sum(s.ranks for s in self.job.sites)
+        threads = max(1, (os.cpu_count() or 1) // total_ranks)
+        env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+        state = self.state.sites[name]
+        logs = [run_dir / "logs" / f"{name}-r{r}.log" for r in range(site.ranks)]
+        files = [log.open("ab") for log in logs]
+        self._files += files
+        command = [sys.executable, "-m", "isthmus.deploy.run.worker", str(run_dir), name]
+        if rejoin:
+            command.append("--rejoin")
+        elif self.resume_round is not None:
+            command += ["--resume-round", str(self.resume_round)]
+        state.procs = _launch(command, site.ranks, env, files)
+        state.logs = logs
+        state.started = time.time()
+        self._pids[name] = [p.pid for p in state.procs]
+        write_json_atomic(run_dir / "pids.json", self._pids)
+
+    def _start_broker(self) -> None:
+        """The control plane's embedded broker; its address goes where the sites
+        (RUN_DIR/control.json) and ``isthmus config set|watch`` (./JOB.control.json)
+        look for it."""
+        from isthmus.deploy.run.broker import EmbeddedBroker, control_state_path
+
+        self.broker = EmbeddedBroker().start()
+        state = {"broker": self.broker.address.url, "run_dir": str(self.run_dir.resolve())}
+        write_json_atomic(self.run_dir / "control.json", state)
+        self._control_state = control_state_path(self.job)
+        write_json_atomic(self._control_state, state)
+
+    def _start_tuner(self) -> None:
+        """The online H controller, a client of the run's broker like any site."""
+        from isthmus.deploy.tune.online import OnlineTuner
+        from isthmus.inter.control import Broker
+
+        if self.job.control is not None:
+            broker, wait_s = self.job.control.broker_for(None), self.job.control.wait_s
+        else:
+            broker, wait_s = Broker.from_url(self.broker.address.url), 10.0
+        try:
+            self.tuner = OnlineTuner(broker, self.job).start(wait_s)
+        except ConnectionError as exc:
+            raise RunError(f"tune.online: {exc}") from None
+
+    def _poll_tuner(self) -> None:
+        if self.tuner is None:
+            return
+        decision = self.tuner.poll()
+        if decision is None:
+            return
+        change = decision.to_dict()
+        self.state.sync_every_changes.append(change)
+        assert self._metrics is not None
+        self._metrics.write(json.dumps({**change, "site": None, "kind": "tune"}) + "\n")
+
+    def _start_emulator(self) -> None:
+        log = (self.run_dir / "logs" / "wan.log").open("ab")
+        self._files.append(log)
+        state_path = self.run_dir / "wan.json"
+        command = [sys.executable, "-m", "isthmus", "wan", "up", str(self.run_dir / "job.yaml")]
+        self.emulator = subprocess.Popen(
+            [*command, "--state", str(state_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **parent_environment()},
+        )
+        deadline = time.monotonic() + EMULATOR_START_S
+        while not state_path.exists():
+            if self.emulator.poll() is not None:
+                raise RunError(
+                    f"the WAN emulator did not start: {_tail(self.run_dir / 'logs' / 'wan.log')}"
+                )
+            if time.monotonic() > deadline:
+                raise RunError(f"the WAN emulator did not start in {EMULATOR_START_S:.0f} s")
+            time.sleep(0.05)
+        from isthmus.sim.control import ControlClient
+
+        host, port = str(load_state(state_path)["control"]).rsplit(":", 1)
+        self.emulator_control = ControlClient((host, int(port)), timeout_s=5)
+
+    # -- follow --------------------------------------------------------------------
+    def follow(self) -> str:
+        """Follow the run until it ends; returns ``finished``, ``failed`` or
+        ``interrupted``."""
+        previous = {
+            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
+        try:
+            while True:
+                self._read_records()
+                self._report_progress()
+                self._poll_links()
+                self._poll_tuner()
+                if self._stop_signal is not None:
+                    outcome = "interrupted"
+                    break
+                outcome = self._check_processes()
+                if self.on_update is not None:
+                    self.on_update(self.state)
+                if outcome:
+                    break
+                time.sleep(POLL_S)
+        finally:
+            self.stop()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        self.state.status = outcome
+        if self.on_update is not None:
+            self.on_update(self.state)
+        return outcome
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._stop_signal = signum
+
+    def _check_processes(self) -> str:
+        running = False
+        for site in self.state.sites.values():
+            if site.restart_at is not None:
+                running = True
+                if time.monotonic() >= site.restart_at:
+                    site.restart_at = None
+                    site.restarts += 1
+                    site.restarts_in_a_row += 1
+                    site.status, site.reason = "rejoining", ""
+                    self._start_site(site.name, rejoin=True)
+                continue
+            if site.status in ("failed", "lost"):
+                continue
+            # A site says "finished" before its processes exit; the exit codes decide.
+            codes = [p.poll() for p in site.procs]
+            if any(c is not None and c != 0 for c in codes):
+                code = next(c for c in codes if c is not None and c != 0)
+                rank = codes.index(code)
+                site.status = "lost" if code < 0 else "failed"
+                log = site.logs[rank]
+                if code < 0:
+                    site.reason = f"rank {rank} killed by {signal.Signals(-code).name} (log: {log})"
+                else:
+                    site.reason = f"rank {rank} exit status {code}: {_tail(log)} (log: {log})"
+                if not self.survives_loss:
+                    return "failed"
+                # The other sites train on without it (the membership protocol).
+                _terminate(site.procs)
+                if self.restart_lost and site.restarts_in_a_row < MAX_RESTARTS:
+                    site.restart_at = time.monotonic() + RESTART_AFTER_S
+                    running = True
+                continue
+            if all(c == 0 for c in codes):
+                site.status = "left" if site.status in ("left", "leaving") else "finished"
+            else:
+                running = True
+        if running:
+            return ""
+        finished = any(s.status == "finished" for s in self.state.sites.values())
+        return "finished" if finished else "failed"
+
+    def _read_records(self) -> None:
+        assert self._metrics is not None
+        for name, tail in self._tails.items():
+            site = self.state.sites[name]
+            for record in tail.read():
+                self._metrics.write(json.dumps(record) + "\n")
+                _apply(site, record)
+                if self.tensorboard is not None:
+                    self.tensorboard.add(record)
+        self._metrics.flush()
+
+    def _report_progress(self) -> None:
+        """Tell the emulator the rounds each site has completed, when they change."""
+        if not self._reports_progress or self.emulator_control is None:
+            return
+        rounds = {name: site.outer_steps for name, site in self.state.sites.items()}
+        if rounds == self._reported:
+            return
+        from isthmus.sim.control import ControlError
+
+        try:
+            self.emulator_control.progress(rounds)
+        except ControlError:  # the emulator is gone; the process check reports it
+            return
+        self._reported = rounds
+
+    def _poll_links(self) -> None:
+        if self.emulator_control is None or time.monotonic() - self._last_link_poll < 1.0:
+            return
+        self._last_link_poll = now = time.monotonic()
+        try:
+            stats = self.emulator_control.stats()
+        except Exception:  # the emulator is gone; the process check reports it
+            return
+        record = {"t": time.time(), "site": None, "kind": "link", "links": {}}
+        for link in stats.get("links", []):
+            a, b = link["between"]
+            wire = int(link[f"{a}->{b}"]["bytes"] + link[f"{b}->{a}"]["bytes"])
+            key = f"{a}<->{b}"
+            before_t, before = self._link_bytes.get(key, (now, wire))
+            rate = (wire - before) * 8 / 1e6 / (now - before_t) if now > before_t else 0.0
+            self._link_bytes[key] = (now, wire)
+            self.state.links[key] = {"bytes": wire, "mbit_s": rate}
+            record["links"][key] = wire
+        assert self._metrics is not None
+        self._metrics.write(json.dumps(record) + "\n")
+
+    # -- stop ----------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop every child still running: SIGTERM to each process group, SIGKILL
+        after the grace period. Safe to call twice."""
+        children = [p for s in self.state.sites.values() for p in s.procs]
+        for site in self.state.sites.values():
+            if site.status not in ("finished", "failed", "lost") and any(
+                p.poll() is None for p in site.procs
+            ):
+                site.status = "lost"
+                site.reason = site.reason or "stopped by the launcher before it finished"
+        if self.emulator is not None:
+            self._final_link_stats()
+        _terminate([*children, *([self.emulator] if self.emulator else [])])
+        if self.tuner is not None:
+            self.tuner.close()
+            self.tuner = None
+        if self.broker is not None:
+            self.broker.stop()
+            self.broker = None
+        if self._control_state is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self._control_state.unlink()
+        for f in self._files:
+            f.close()
+        self._files.clear()
+        if self._metrics is not None and not self._metrics.closed:
+            self._read_records()
+            self._metrics.close()
+
+    def _final_link_stats(self) -> None:
+        self._last_link_poll = 0.0
+        self._poll_links()
+
+
+def survives_site_loss(job: Job) -> bool:
+    """Whether the run goes on when a site is lost: the membership protocol runs
+    (:func:`isthmus.deploy.run.control.membership_for`). Every strategy's rounds
+    run under membership views (:mod:`isthmus.inter.member_rounds`); it takes two
+    sites."""
+    return len(job.sites) >= 2
+
+
+def _launch(
+    command: list[str], ranks: int, env: dict[str, str], logs: list[IO[bytes]]
+) -> list[subprocess.Popen]:
+    """One process per rank with torchrun's environment, each logging to its own
+    file and in its own session (a terminal's Ctrl-C reaches the launcher only); each
+    stops when the launcher is gone (:mod:`isthmus.deploy.run.orphan`)."""
+    master_port = free_port()
+    base = {**os.environ, **env, **parent_environment()}
+    return [
+        subprocess.Popen(
+            command,
+            env={**base, **rank_environment(rank, ranks, master_port)},
+            stdout=logs[rank],
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for rank in range(ranks)
+    ]
+
+
+def _terminate(procs: list[subprocess.Popen]) -> None:
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in live:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(p, signal.SIGKILL)
+            p.wait()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+
+
+def _apply(site: SiteState, record: dict[str, Any]) -> None:
+    kind = record["kind"]
+    if kind == "step":
+        now = record["t"]
+        if site.last_step_t is not None and now > site.last_step_t:
+            rate = (record["tokens"] - site.tokens) / (now - site.last_step_t)
+            site.tokens_per_s = (
+                rate if not site.tokens_per_s else 0.8 * site.tokens_per_s + 0.2 * rate
+            )
+        site.last_step_t = now
+        site.step = record["step"]
+        site.loss = record["loss"]
+        site.tokens = record["tokens"]
+        site.compute_s = record["compute_s"]
+    elif kind == "state" and site.status not in ("failed", "lost"):
+        site.status = record["state"]
+    elif kind == "round":
+        site.restarts_in_a_row = 0  # it trains: a later loss is churn, not a crash loop
+        site.outer_steps = record["outer_steps"]
+        site.wan_bytes_sent = record["wan_bytes_sent"]
+        site.wan_bytes_sent_to = record["wan_bytes_sent_to"]
+    elif kind == "eval":
+        site.eval_loss = record["eval_loss"]
+
+
+def _tail(log: Path, lines: int = 40) -> str:
+    """The most telling line of a log's end: its last error line, else its last line."""
+    try:
+        text = log.read_text(errors="replace").strip().splitlines()[-lines:]
+    except OSError:
+        return "(no log)"
+    for line in reversed(text):
+        if "error" in line.lower():
+            return line.strip()
+    return text[-1].strip() if text else "(empty log)"

@@ -1,0 +1,206 @@
+"""What a rank of ``isthmus run`` sets up before its training loop: the job's model,
+data, inner optimizer, learning rate and strategy; and what it evaluates and saves.
+
+Apart from the loop (:mod:`isthmus.deploy.run.worker`) so the loop reads top to
+bottom, and so ``isthmus eval`` builds the same model and held-out batches.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from isthmus.deploy.jobfile import Job
+from isthmus.inter.join import SiteRuntime
+from isthmus.inter.strategies import AsyncDiLoCo, DiLoCo, Strategy, StreamingDiLoCo, Sync
+from isthmus.intra.data import Dataset, ShardSpec, load_corpus
+from isthmus.intra.model import GPT, config_for, lm_loss
+from isthmus.intra.parallelize import GPT_PLAN, ModelPlan, SiteModel
+from isthmus.intra.plugins import DataContext, load_callable, load_model
+from isthmus.intra.schedule import learning_rate_at
+from isthmus.job.settings import TrainSettings
+
+EVAL_BATCHES = 8
+"""Held-out batches of 16 sequences (or samples) for each evaluation."""
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def build_model(job: Job) -> tuple[nn.Module, ModelPlan | None, Callable[..., torch.Tensor]]:
+    """The job's model, initialised from the job's seed: the same on every site."""
+    torch.manual_seed(job.seed)
+    if ":" in job.model:
+        model = load_model(job.model)
+        return model, getattr(model, "isthmus_plan", None), getattr(model, "isthmus_loss", lm_loss)
+    return GPT(config_for(job.model)), GPT_PLAN, lm_loss
+
+
+def builtin_dataset(job: Job, model: nn.Module) -> Dataset | None:
+    """The held-out split and batches of the built-in data path (None for a user's
+    data function, which brings its own batches)."""
+    if ":" in job.data and not Path(job.data).exists():
+        return None
+    seq_len = model.config.seq_len if isinstance(model, GPT) else 64
+    return Dataset(load_corpus(job.data), seq_len)
+
+
+def learning_rate(settings: TrainSettings, step: int) -> float:
+    """The inner learning rate at ``step``: warm-up, then ``settings.lr_schedule``."""
+    return learning_rate_at(
+        settings.lr_schedule, settings.inner_lr, step, settings.warmup_steps, settings.steps
+    )
+
+
+def inner_optimizer(
+    settings: TrainSettings, parameters: Iterable[torch.Tensor]
+) -> torch.optim.AdamW:
+    """The inner optimizer of ``isthmus run``: AdamW as the job's ``train:`` sets it."""
+    return torch.optim.AdamW(
+        parameters,
+        lr=learning_rate(settings, 0),
+        betas=(settings.inner_beta1, settings.inner_beta2),
+        weight_decay=settings.inner_weight_decay,
+    )
+
+
+def build_strategy(
+    settings: TrainSettings,
+    site: SiteRuntime,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tokens_per_step: int,
+    stage_group: dist.ProcessGroup | None = None,
+) -> Strategy:
+    common: dict[str, Any] = {
+        "codec": settings.codec,
+        "error_feedback": settings.error_feedback,
+        "tokens_per_step": tokens_per_step,
+    }
+    if settings.strategy == "sync":
+        return Sync(
+            site,
+            model,
+            optimizer,
+            **common,
+            rejoin_timeout_s=settings.rejoin_timeout_s,
+            max_grad_norm=settings.grad_clip or None,
+            stage_group=stage_group,
+        )
+    outer: dict[str, Any] = {
+        "sync_every": settings.sync_every,
+        "outer_lr": settings.outer_lr,
+        "outer_momentum": settings.outer_momentum,
+    }
+    if settings.strategy == "diloco":
+        return DiLoCo(
+            site,
+            model,
+            optimizer,
+            **outer,
+            **common,
+            round_seconds=settings.round_seconds,
+            rejoin_timeout_s=settings.rejoin_timeout_s,
+        )
+    if settings.strategy == "async":
+        return AsyncDiLoCo(
+            site,
+            model,
+            optimizer,
+            **outer,
+            **common,
+            rejoin_timeout_s=settings.rejoin_timeout_s,
+            late_contributions=settings.late_contributions,
+            staleness_weight=settings.staleness_weight,
+        )
+    return StreamingDiLoCo(
+        site,
+        model,
+        optimizer,
+        **outer,
+        **common,
+        rejoin_timeout_s=settings.rejoin_timeout_s,
+        fragments=settings.fragments,
+        overlap_steps=settings.overlap_steps,
+        alpha=settings.alpha,
+    )
+
+
+def train_batches(
+    job: Job, settings: TrainSettings, site: SiteRuntime, dataset: Dataset | None, start: int = 0
+) -> Iterator[Batch]:
+    """This rank's training batches from batch ``start`` on (a resumed run: a user's
+    data function is read from its beginning and the batches before ``start`` dropped,
+    so it must yield the same batches every time, as the built-in data does)."""
+    if dataset is not None:
+        dps = tuple(s.layout.dp for s in job.sites)
+        shard = ShardSpec(site.site_index, dps, site.dp_rank, seed=job.seed)
+        return dataset.batches(shard, settings.batch_size, start=start)
+    context = data_context(job, site.site_index, site.dp_rank, settings.batch_size)
+    return itertools.islice(load_callable(job.data, "data")(context), start, None)
+
+
+def data_context(
+    job: Job, site_index: int, dp_rank: int, batch_size: int, split: str = "train"
+) -> DataContext:
+    return DataContext.for_rank(
+        [s.name for s in job.sites],
+        [s.layout.dp for s in job.sites],
+        site_index,
+        dp_rank,
+        batch_size=batch_size,
+        seed=job.seed,
+        split=split,
+    )
+
+
+def held_out_batches(job: Job, model: nn.Module, dataset: Dataset | None) -> list[Batch]:
+    """The evaluation batches, the same on every site and at every evaluation: the
+    built-in data's held-out split, or what the user's data function yields for
+    ``split="eval"``."""
+    if dataset is not None:
+        return list(dataset.eval_batches(16, EVAL_BATCHES))
+    context = data_context(job, 0, 0, 16, split="eval")
+    return list(itertools.islice(load_callable(job.data, "data")(context), EVAL_BATCHES))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[Batch], loss_fn: Callable[..., torch.Tensor]) -> float:
+    """Mean loss over ``batches``."""
+    losses = [float(loss_fn(model(x), y)) for x, y in batches]
+    return sum(losses) / len(losses)
+
+
+def save_model(model: nn.Module, path: Path, job: Job) -> None:
+    """The whole model as safetensors, written beside and renamed into place."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"job": job.name, "model": job.model})
+    tmp.replace(path)
+
+
+def full_state(part: SiteModel, site: SiteRuntime) -> dict[str, torch.Tensor] | None:
+    """The whole model on rank 0: sharded parameters gathered (a collective on every
+    rank), pipeline stages merged by name. None on the other ranks."""
+    state = {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+        for k, v in part.model.state_dict().items()
+    }
+    if site.layout.pp == 1:
+        return state if site.rank == 0 else None
+    parts: list[Any] = [None] * site.site.ranks
+    dist.all_gather_object(parts, state)
+    if site.rank != 0:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for one in parts:
+        merged.update(one)
+    return merged

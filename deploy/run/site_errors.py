@@ -1,0 +1,38 @@
+"""One line, not a traceback, for the errors a site process can meet.
+
+Bad input (job file, addresses, layout, settings) exits 2 with the field and
+the fix; a peer or round failure (unreachable, refused, late) exits 1 with the
+site and link it names, an unreachable control-plane broker with its address.
+Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from isthmus.deploy.jobfile import JobFileError
+from isthmus.inter.allreduce import RoundError
+from isthmus.inter.membership import MembershipError
+from isthmus.inter.peer import PeerError
+from isthmus.intra.process_group import SiteError
+from isthmus.job.addressing import AddressError
+from isthmus.job.layout import LayoutError
+from isthmus.job.settings import SettingError
+
+
+def run_site_main(main: Callable[[], int], prog: str) -> int:
+    try:
+        return main()
+    except JobFileError as exc:
+        for line in exc.lines():
+            print(f"{prog}: error: {line}", file=sys.stderr)
+        return 2
+    except (AddressError, LayoutError, SettingError, SiteError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except (PeerError, RoundError, ConnectionError, MembershipError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
