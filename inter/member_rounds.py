@@ -51,7 +51,7 @@ from isthmus.inter.state_transfer import (
     fetch_state,
     pack_state,
 )
-from isthmus.intra.layout import Layout
+from isthmus.job.layout import Layout
 from isthmus.proto import wire_pb2
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import asyncio
 import logging
 from typing import Any, Protocol
 
-from isthmus.sim.link import LinkParams
+from isthmus.job.link import LinkParams
 from isthmus.sim.topology import Fault
 
 log = logging.getLogger(__name__)

@@ -7,8 +7,8 @@ from contextlib import contextmanager
 
 import pytest
 
+from isthmus.job.link import LinkParams
 from isthmus.sim.emulator import BackgroundEmulator
-from isthmus.sim.link import LinkParams
 from isthmus.sim.probe import ProbeServer
 from isthmus.sim.topology import Fault, Site, Topology
 

@@ -36,7 +36,7 @@ from isthmus.deploy.jobfile import (
 from isthmus.inter.allreduce import Incoming
 from isthmus.inter.chunks import checksum
 from isthmus.inter.peer import Identity, PeerServicer
-from isthmus.inter.settings import SETTING_NAMES
+from isthmus.job.settings import SETTING_NAMES
 from isthmus.proto import wire_pb2
 from isthmus.sim.tuner import TUNE_KEYS
 

@@ -506,8 +506,8 @@ def test_a_round_ends_when_its_result_is_in_and_its_last_sends_finish_after():
     """Over a 1 s RTT link a site holds the average once the peer's result arrives,
     half a round trip before the peer's acknowledgement of this site's own result
     can: the round returns without waiting for it, and the send completes after."""
+    from isthmus.job.link import LinkParams
     from isthmus.sim.emulator import BackgroundEmulator
-    from isthmus.sim.link import LinkParams
     from isthmus.sim.topology import Site, Topology
 
     async def main():

@@ -33,7 +33,7 @@ from isthmus.inter.control_topics import (
     site_of,
     status_topic,
 )
-from isthmus.inter.settings import TrainSettings
+from isthmus.job.settings import TrainSettings
 
 MOSQUITTO = shutil.which("mosquitto") or (
     "/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None

@@ -17,9 +17,9 @@ from isthmus.inter.codecs import parse_codec
 from isthmus.inter.outbox import MAX_REFUSALS
 from isthmus.inter.peer import Identity
 from isthmus.inter.transport import TransportSettings
+from isthmus.job.link import LinkParams
 from isthmus.proto import wire_pb2
 from isthmus.sim.emulator import BackgroundEmulator
-from isthmus.sim.link import LinkParams
 from isthmus.sim.topology import Site, Topology
 
 JOB = "corruption-test"

@@ -8,7 +8,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from isthmus.sim.link import LinkParams
+from isthmus.job.link import LinkParams
 
 
 def test_health_check_crosses_the_link_with_its_latency(two_sites):

@@ -393,7 +393,7 @@ def test_shipped_examples_are_valid(path):
 
 
 def test_a_fault_built_in_python_needs_one_start_and_one_end():
-    from isthmus.sim.link import LinkConfigError
+    from isthmus.job.link import LinkConfigError
     from isthmus.sim.topology import Fault, validate_fault
 
     with pytest.raises(LinkConfigError, match=r"give at_s \(seconds after the emulator started\)"):

@@ -6,8 +6,8 @@ import statistics
 
 import pytest
 
+from isthmus.job.link import DirectionParams, LinkConfigError, LinkParams, direction_params
 from isthmus.sim.jitter import JitterSampler
-from isthmus.sim.link import DirectionParams, LinkConfigError, LinkParams, direction_params
 from isthmus.sim.loss import SegmentLoss
 
 

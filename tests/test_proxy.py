@@ -15,8 +15,8 @@ import time
 
 import pytest
 
+from isthmus.job.link import LinkConfigError, LinkParams
 from isthmus.sim.emulator import BackgroundEmulator
-from isthmus.sim.link import LinkConfigError, LinkParams
 from isthmus.sim.probe import measure_one_way_ms, measure_rtt_ms, measure_throughput
 from isthmus.sim.topology import Fault, Site, Topology
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from test_gso import super_packet
 
+from isthmus.job.link import DirectionParams
 from isthmus.sim import gso
-from isthmus.sim.link import DirectionParams
 from isthmus.sim.router import PacketDirection
 
 

@@ -417,7 +417,7 @@ def test_parameter_digest_names_order_and_values():
 
 def test_learning_rate_warms_up_then_decays_to_a_tenth():
     from isthmus.deploy.run.setup import learning_rate
-    from isthmus.inter.settings import TrainSettings
+    from isthmus.job.settings import TrainSettings
 
     settings = TrainSettings(steps=100, warmup_steps=10, inner_lr=1.0)
     rates = [learning_rate(settings, s) for s in range(100)]
@@ -428,7 +428,7 @@ def test_learning_rate_warms_up_then_decays_to_a_tenth():
 
 def test_a_constant_schedule_holds_the_peak_after_the_warm_up():
     from isthmus.deploy.run.setup import learning_rate
-    from isthmus.inter.settings import TrainSettings
+    from isthmus.job.settings import TrainSettings
 
     settings = TrainSettings(steps=100, warmup_steps=10, inner_lr=1.0, lr_schedule="constant")
     rates = [learning_rate(settings, s) for s in range(100)]
@@ -438,7 +438,7 @@ def test_a_constant_schedule_holds_the_peak_after_the_warm_up():
 
 def test_wsd_holds_the_peak_then_decays_linearly_over_the_last_fifth():
     from isthmus.deploy.run.setup import learning_rate
-    from isthmus.inter.settings import TrainSettings
+    from isthmus.job.settings import TrainSettings
 
     settings = TrainSettings(steps=100, warmup_steps=10, inner_lr=1.0, lr_schedule="wsd")
     rates = [learning_rate(settings, s) for s in range(100)]

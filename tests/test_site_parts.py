@@ -10,8 +10,8 @@ import torch
 from isthmus.inter.member_rounds import state_transferable
 from isthmus.intra.data import Dataset, ShardSpec, load_corpus, stdlib_corpus
 from isthmus.intra.gradients import clip_grad_norm
-from isthmus.intra.layout import Layout, LayoutError, check_sites, stage_layers
 from isthmus.intra.model import GPT, SIZES, GPTConfig, config_for, lm_loss
+from isthmus.job.layout import Layout, LayoutError, check_sites, stage_layers
 
 
 # -- layouts ---------------------------------------------------------------------------

@@ -99,8 +99,8 @@ def test_diloco_with_a_lossy_codec_stays_identical_across_sites(tmp_path):
     ],
 )
 def test_bad_settings_are_refused_at_construction(kwargs, field):
-    from isthmus.inter.settings import SettingError
     from isthmus.inter.strategies import DiLoCo
+    from isthmus.job.settings import SettingError
 
     model = torch.nn.Linear(2, 2)
     with pytest.raises(SettingError) as info:
@@ -124,8 +124,8 @@ def test_bad_settings_are_refused_at_construction(kwargs, field):
 def test_a_strategy_refuses_a_setting_as_the_job_file_does(strategy, kwargs):
     """The same rule and the same message from ``isthmus.DiLoCo(...)`` as from a job
     file's ``train:`` section: one definition of each setting."""
-    from isthmus.inter.settings import SettingError, TrainSettings
     from isthmus.inter.strategies import AsyncDiLoCo, DiLoCo, StreamingDiLoCo, Sync
+    from isthmus.job.settings import SettingError, TrainSettings
 
     classes = {"sync": Sync, "diloco": DiLoCo, "async": AsyncDiLoCo, "streaming": StreamingDiLoCo}
     with pytest.raises(SettingError) as from_job:
@@ -138,8 +138,8 @@ def test_a_strategy_refuses_a_setting_as_the_job_file_does(strategy, kwargs):
 
 @pytest.mark.parametrize("norm", [0, -1.0, float("nan"), "1"])
 def test_a_bad_gradient_norm_limit_is_refused(norm):
-    from isthmus.inter.settings import SettingError
     from isthmus.inter.strategies import Sync
+    from isthmus.job.settings import SettingError
 
     model = torch.nn.Linear(2, 2)
     with pytest.raises(SettingError) as info:
@@ -208,8 +208,8 @@ def test_fragments_are_strided_over_blocks_and_staggered():
     ],
 )
 def test_bad_streaming_settings_are_refused(kwargs, field):
-    from isthmus.inter.settings import SettingError
     from isthmus.inter.strategies import StreamingDiLoCo
+    from isthmus.job.settings import SettingError
 
     model = GPT(config_for("tiny"))
     with pytest.raises(SettingError) as info:

@@ -19,7 +19,7 @@ from torch import nn
 
 from isthmus.inter.hierarchical import StepReport
 from isthmus.inter.strategies import AsyncDiLoCo, DiLoCo, Strategy, StreamingDiLoCo, Sync
-from isthmus.intra.layout import Layout
+from isthmus.job.layout import Layout
 
 REPORT = StepReport(0.0, 0.0, 0.0, wan_values=0, wan_bytes_sent=3, wan_bytes_received=5)
 

@@ -36,11 +36,11 @@ import yaml
 from isthmus.deploy.jobfile import Job, free_port_blocks, load_job, load_yaml, parse_job
 from isthmus.deploy.run.orphan import parent_environment
 from isthmus.deploy.run.records import RecordTail, write_json_atomic
-from isthmus.inter.settings import SettingError
 from isthmus.intra.checkpoint import checkpoint_number, complete_checkpoints
 from isthmus.intra.launch import free_port, rank_environment
 from isthmus.intra.plugins import load_callable
 from isthmus.job.addressing import load_state
+from isthmus.job.settings import SettingError
 
 STOP_GRACE_S = 10.0
 """How long a stopped process gets to exit on SIGTERM before SIGKILL."""

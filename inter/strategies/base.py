@@ -31,8 +31,8 @@ from isthmus.inter.hierarchical import PendingAverage, StepReport
 from isthmus.inter.join import SiteRuntime
 from isthmus.inter.member_rounds import MemberRounds
 from isthmus.inter.membership import View
-from isthmus.inter.settings import SettingError, TrainSettings
-from isthmus.intra.layout import Layout
+from isthmus.job.layout import Layout
+from isthmus.job.settings import SettingError, TrainSettings
 
 
 def validated(strategy: str, codec: str | Codec, **fields: Any) -> TrainSettings:

@@ -21,9 +21,9 @@ from isthmus.inter.hierarchical import PendingAverage, StepReport
 from isthmus.inter.join import SiteRuntime
 from isthmus.inter.member_rounds import EarlyExchange
 from isthmus.inter.membership import View
-from isthmus.inter.settings import SettingError
 from isthmus.inter.strategies.base import static_weights, validated
 from isthmus.inter.strategies.local_steps import LocalSteps
+from isthmus.job.settings import SettingError
 
 
 class StreamingDiLoCo(LocalSteps):

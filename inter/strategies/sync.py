@@ -22,10 +22,10 @@ from isthmus.inter.hierarchical import PendingAverage
 from isthmus.inter.join import SiteRuntime
 from isthmus.inter.member_rounds import shapes_match
 from isthmus.inter.membership import View
-from isthmus.inter.settings import SettingError
 from isthmus.inter.state_transfer import StateUnavailable
 from isthmus.inter.strategies.base import Strategy, local, static_weights, validated
 from isthmus.intra.gradients import clip_grad_norm
+from isthmus.job.settings import SettingError
 from isthmus.proto import wire_pb2
 
 
