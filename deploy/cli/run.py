@@ -69,7 +69,7 @@ def register(commands: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from isthmus.deploy.run.launcher import RunError, default_run_dir, resolve_job
+    from isthmus.deploy.run.run_dir import RunError, default_run_dir, resolve_job
 
     if args.resume is not None:
         return _resume(args)
@@ -91,7 +91,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _resume(args: argparse.Namespace) -> int:
-    from isthmus.deploy.run.launcher import RunError, resume_point
+    from isthmus.deploy.run.run_dir import RunError, resume_point
 
     if args.job is not None or args.compare or args.strategy or args.steps or args.out:
         raise UsageError(
@@ -118,9 +118,9 @@ def run_job(
     ``resume_round``: go on with a stopped run from that round's checkpoints.
     ``restart_lost``: start a lost site again, so it rejoins."""
     from isthmus.deploy.run.execute import execute_run
-    from isthmus.deploy.run.launcher import prepare_run_dir
     from isthmus.deploy.run.progress import progress_for
     from isthmus.deploy.run.report import write_report
+    from isthmus.deploy.run.run_dir import prepare_run_dir
 
     if resume_round is None:
         prepare_run_dir(run_dir)
@@ -168,7 +168,7 @@ def _print_outcome(summary: dict[str, Any], report: Path) -> None:
 
 def _compare(args: argparse.Namespace) -> int:
     from isthmus.deploy.run.compare import write_comparison
-    from isthmus.deploy.run.launcher import RunError, default_run_dir, prepare_run_dir, resolve_job
+    from isthmus.deploy.run.run_dir import RunError, default_run_dir, prepare_run_dir, resolve_job
 
     strategies = [s.strip() for s in args.compare.split(",") if s.strip()]
     unknown = [s for s in strategies if s not in STRATEGIES]

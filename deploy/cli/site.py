@@ -252,7 +252,7 @@ def prepare_site_dir(job_path: Path, job_name: str, site: str, out: Path, rejoin
     """The site's run directory, as ``isthmus run`` lays one out for each site:
     ``job.yaml`` resolved (every default filled in, no emulated WAN) and
     ``sites/SITE/``. Every rank may call it: the file is replaced atomically."""
-    from isthmus.deploy.run.launcher import RunError, resolve_job
+    from isthmus.deploy.run.run_dir import RunError, resolve_job
 
     finished = out / "sites" / site / "result.json"
     if finished.exists() and not rejoin:

@@ -78,7 +78,7 @@ def register(commands: Any) -> None:
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from isthmus.deploy.run.launcher import RunError, prepare_run_dir
+    from isthmus.deploy.run.run_dir import RunError, prepare_run_dir
 
     job_path = Path(args.job)
     job = load_job(job_path)
@@ -219,7 +219,7 @@ def _plan(
 def _run_trials(
     job_path: Path, planned: list[Candidate], steps: int, folder: Path, log: Any
 ) -> list[Any]:
-    from isthmus.deploy.run.launcher import RunError
+    from isthmus.deploy.run.run_dir import RunError
     from isthmus.deploy.tune.trials import TrialProgress, run_trial
 
     results = []

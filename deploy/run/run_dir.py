@@ -1,0 +1,124 @@
+"""The run directory of ``isthmus run``: the job it runs (the job file with the
+command line's overrides and every default filled in), where it goes, and what a
+resumed run goes on from. Apart from the launcher because ``isthmus tune``'s
+trials, ``isthmus site`` and ``--compare`` prepare jobs and directories too."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from isthmus.deploy.jobfile import Job, free_port_blocks, load_job, load_yaml, parse_job
+from isthmus.intra.checkpoint import checkpoint_number, complete_checkpoints
+from isthmus.intra.plugins import load_callable
+from isthmus.job.settings import SettingError
+
+
+class RunError(Exception):
+    """The run could not start (bad input): one line naming the field or flag and the fix."""
+
+
+def resolve_job(
+    path: Path,
+    *,
+    strategy: str | None = None,
+    steps: int | None = None,
+    train: dict[str, Any] | None = None,
+    tune: dict[str, Any] | None = None,
+) -> tuple[Job, dict[str, Any]]:
+    """The job file with the command line's overrides and every default filled in:
+    what ``job.yaml`` in the run directory holds and every site reads. ``train`` and
+    ``tune``: more overrides of those sections' keys (``isthmus tune``'s trials)."""
+    job = load_job(path)
+    changes: dict[str, Any] = dict(train or {})
+    if strategy is not None:
+        changes["strategy"] = strategy
+    if steps is not None:
+        changes["steps"] = steps
+    try:
+        settings = dataclasses.replace(job.train, **changes)
+    except SettingError as exc:
+        raise RunError(f"--{exc.field}: {exc.reason}") from None
+    if ":" in job.model:
+        try:
+            load_callable(job.model, "model")
+        except ValueError as exc:
+            raise RunError(f"{path}: {exc}") from None
+    if ":" in job.data and not Path(job.data).exists():
+        try:
+            load_callable(job.data, "data")
+        except ValueError as exc:
+            raise RunError(f"{path}: {exc}") from None
+    raw = dict(job.raw)
+    raw["train"] = settings.to_dict()
+    if tune:
+        raw["tune"] = {**(raw.get("tune") or {}), **tune}
+    raw["model"] = job.model
+    raw["data"] = job.data
+    raw["seed"] = job.seed
+    if job.wan is None and any(s.address is None for s in job.sites):
+        # No emulator to hand out addresses: give every site free loopback ports.
+        bases = iter(free_port_blocks("127.0.0.1", [s.ranks for s in job.sites]))
+        raw["sites"] = [
+            {**site, "address": f"127.0.0.1:{next(bases)}"} if "address" not in site else site
+            for site in raw["sites"]
+        ]
+    resolved = parse_job(yaml.safe_dump(raw, sort_keys=False), source=str(path))
+    return resolved, raw
+
+
+def resume_point(run_dir: Path) -> tuple[Job, dict[str, Any], int]:
+    """The job of a stopped run and the newest round every site has a complete
+    checkpoint of (a site killed while writing its newest has the one before)."""
+    job_path = run_dir / "job.yaml"
+    if not job_path.is_file():
+        raise RunError(f"--resume: {run_dir} is not a run directory (no job.yaml)")
+    summary_path = run_dir / "summary.json"
+    if summary_path.is_file():
+        try:
+            status = json.loads(summary_path.read_text()).get("status")
+        except ValueError:
+            status = None
+        if status == "finished":
+            raise RunError(f"--resume: the run in {run_dir} finished; nothing to go on with")
+    job = load_job(job_path)
+    raw = load_yaml(job_path.read_text())
+    rounds: set[int] | None = None
+    for site in job.sites:
+        found = {
+            checkpoint_number(p)
+            for p in complete_checkpoints(run_dir / "checkpoints" / site.name, "round")
+        }
+        rounds = found if rounds is None else rounds & found
+    if not rounds:
+        hint = (
+            "the run had train.checkpoint_every: 0 (no checkpoints); set it to resume runs"
+            if not job.train.checkpoint_every
+            else "it stopped before every site had written its first checkpoint"
+        )
+        raise RunError(f"--resume: no checkpoint that every site has in {run_dir}: {hint}")
+    return job, raw, max(rounds)
+
+
+def default_run_dir(job: Job, strategy: str) -> Path:
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{job.name}-{strategy}-{stamp}"
+
+
+def prepare_run_dir(run_dir: Path) -> None:
+    """Create the run directory; one that exists and holds anything is refused."""
+    if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+        raise RunError(
+            f"--out: {run_dir} already exists and is not empty; runs never overwrite each "
+            "other: pass another --out, or remove it"
+        )
+    try:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        (run_dir / "sites").mkdir(exist_ok=True)
+    except OSError as exc:
+        raise RunError(f"--out: cannot create {run_dir}: {exc.strerror}") from None
