@@ -30,7 +30,7 @@ import argparse
 import dataclasses
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,7 @@ from isthmus.deploy.run.site_errors import run_site_main
 from isthmus.inter.allocator import keep_freed_memory
 from isthmus.inter.join import SiteRuntime, start_site
 from isthmus.inter.membership import LeftTheRun
-from isthmus.inter.strategies import AsyncDiLoCo
+from isthmus.inter.strategies import AsyncDiLoCo, Blocked, Strategy
 from isthmus.intra.checkpoint import checkpoint_path, load_checkpoint, load_extra, save_checkpoint
 from isthmus.intra.gradients import clip_grad_norm
 from isthmus.intra.parallelize import ModelPlan, SiteModel
@@ -188,7 +188,8 @@ def _train(
     # Replicas in a site average their gradients over the fast fabric before every
     # inner step; FSDP does it itself, and Sync includes it in its exchange.
     replicas = site.dp_group if (site.layout.dp > 1 and not part.sharded) else None
-    average_in_site = replicas is not None and settings.strategy != "sync"
+    if settings.strategy == "sync":
+        replicas = None  # the loop leaves it to the exchange
     strategy.observer = lambda kind, start: records.write(
         "state", state=kind if start else "computing"
     )
@@ -196,19 +197,7 @@ def _train(
     if resumed:
         records.write("resume", round=resume_round, step=start_step)
     if rejoin:
-        records.write("state", state="rejoining")
-        start_step = strategy.rejoin()
-        pulled = strategy.member.caught_up[-1]
-        records.write(
-            "rejoin",
-            round=pulled.rounds,
-            step=start_step,
-            donor=pulled.donor,
-            view=pulled.view,
-            bytes=pulled.bytes,
-            seconds=pulled.seconds,
-            resumed=pulled.resumed,
-        )
+        start_step = _rejoin(strategy, records)
         batches = train_batches(job, settings, site, dataset, start_step)
         first = next(batches)
     # Views from the first on; pulls after the rejoin's own (recorded just above).
@@ -219,8 +208,7 @@ def _train(
     loss = float("nan")
     train_started = time.time() - float(resumed.get("wall_s", 0.0))
     outer_seen = strategy.outer_steps
-    round_started, round_tokens, waiting_s, blocked_s = time.perf_counter(), tokens, 0.0, 0.0
-    round_compute_s, round_step = compute_s, start_step
+    clock = _RoundClock(time.perf_counter(), tokens, compute_s, start_step)
     steps_done = start_step
     left = False
     step = start_step
@@ -230,18 +218,7 @@ def _train(
             records.write("state", state="leaving")
         x, y = first if step == start_step else next(batches)
         step_started = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(settings, step)
-        optimizer.zero_grad()
-        rank_loss = part.step(x, y)
-        if average_in_site:
-            for p in part.parameters():
-                if p.grad is not None:
-                    grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                    dist.all_reduce(grad, group=replicas)
-                    grad.div_(site.layout.dp)
-        if settings.grad_clip and settings.strategy != "sync":  # sync clips the average
-            clip_grad_norm(part.parameters(), settings.grad_clip, stage_group)
+        rank_loss = _forward_backward(part, optimizer, settings, site, step, x, y, replicas)
         try:
             optimizer.step()  # the strategy's rounds run inside this call
         except LeftTheRun as exc:
@@ -251,8 +228,7 @@ def _train(
         compute_s += time.perf_counter() - step_started - sum(b.seconds for b in strategy.blocked)
         tokens += y.numel() * site.layout.dp
         loss = site_mean(rank_loss, site)
-        waiting_s += sum(b.seconds for b in strategy.blocked if b.kind == "waiting")
-        blocked_s += sum(b.seconds for b in strategy.blocked)
+        clock.add_blocked(strategy.blocked)
         write_blocked(records, strategy)
         records.write(
             "step",
@@ -268,39 +244,19 @@ def _train(
         if round_ended:
             outer_seen = strategy.outer_steps
             totals = write_round(records, strategy, site, step + 1)
-            round_s = time.perf_counter() - round_started
             changes = control.round_ended(
                 outer_seen,
                 step + 1,
                 loss=loss,
-                tokens_per_s=(tokens - round_tokens) / round_s if round_s > 0 else None,
                 wan_bytes_sent=totals["wan_bytes_sent"],
-                round_s=round_s,
-                waiting_s=waiting_s,
-                blocked_s=blocked_s,
-                compute_s=compute_s - round_compute_s,
-                round_steps=step + 1 - round_step,
                 sync_every=settings.sync_every,
+                **clock.metrics(tokens=tokens, compute_s=compute_s, step=step + 1),
             )
-            round_started, round_tokens, waiting_s, blocked_s = (
-                time.perf_counter(),
-                tokens,
-                0.0,
-                0.0,
-            )
-            round_compute_s, round_step = compute_s, step + 1
+            clock = _RoundClock(time.perf_counter(), tokens, compute_s, step + 1)
             if changes:
                 settings = apply_settings(changes, settings, strategy, site.name)
                 records.write("config", round=outer_seen, step=step + 1, settings=changes)
-        # Held-out loss every sync_every steps (after DiLoCo's round: the global
-        # model), whatever the strategy, so runs compare at the same points; where
-        # sync_every can change live, after every round; or as train.eval_every says.
-        live_h = settings.strategy in LIVE_SYNC_EVERY or settings.round_seconds is not None
-        if settings.eval_every is not None:
-            eval_due = settings.eval_every > 0 and (step + 1) % settings.eval_every == 0
-        else:
-            eval_due = round_ended if live_h else (step + 1) % settings.sync_every == 0
-        if eval_due and site.layout.pp == 1:
+        if _eval_due(settings, step + 1, round_ended) and site.layout.pp == 1:
             eval_started = time.perf_counter()
             eval_loss = evaluate(part.model, held_out, loss_fn)  # a stage is not a model
             records.write(
@@ -318,26 +274,13 @@ def _train(
             and settings.checkpoint_every
             and outer_seen % settings.checkpoint_every == 0
         ):
-            saved = time.perf_counter()
-            extra = {
-                "strategy": strategy.state_dict(),
-                "rng": torch.get_rng_state(),
-                "settings": settings.to_dict(),
+            progress = {
                 "step": step + 1,
                 "tokens": tokens,
                 "compute_s": compute_s,
                 "wall_s": time.time() - train_started,
             }
-            path = save_checkpoint(
-                checkpoints, outer_seen, part.model, optimizer, extra=extra, kind="round"
-            )
-            records.write(
-                "checkpoint",
-                round=outer_seen,
-                step=step + 1,
-                path=str(path.relative_to(run_dir)),
-                seconds=time.perf_counter() - saved,
-            )
+            _checkpoint(run_dir, site, part, optimizer, strategy, settings, records, progress)
         if strategy.inner_steps != step + 1:
             # This site fell behind (cut off, left out) and pulled the others' state:
             # go on from their step, with the batches of that step.
@@ -355,25 +298,54 @@ def _train(
     write_blocked(records, strategy)
     wall_s = time.time() - train_started
     totals = write_round(records, strategy, site, steps_done)
-    full = full_state(part, site)
+    full = full_state(part, site)  # a collective: every rank takes part
     if not leader:
         return 0
     assert full is not None
-    final, _, _ = build_model(job)
-    final.load_state_dict(full)
-    eval_loss = evaluate(final, held_out, loss_fn)
-    records.write("eval", step=steps_done, tokens=tokens, eval_loss=eval_loss, final=True)
-    if site.site_index == 0:
-        save_model(final, run_dir / "model.safetensors", job)
     result = {
         "status": "left" if left else "finished",
         "final_loss": loss,
-        "eval_loss": eval_loss,
         "tokens": tokens,
-        "inner_steps": strategy.inner_steps,
-        "outer_steps": strategy.outer_steps,
         "compute_seconds": compute_s,
         "wall_seconds": wall_s,
+    }
+    _write_result(
+        job, run_dir, site, strategy, full, held_out, loss_fn, records, steps_done, result, totals
+    )
+    return 0
+
+
+def _write_result(
+    job: Job,
+    run_dir: Path,
+    site: SiteRuntime,
+    strategy: Strategy,
+    full: dict[str, torch.Tensor],
+    held_out: Any,
+    loss_fn: Callable[..., torch.Tensor],
+    records: RecordWriter,
+    steps_done: int,
+    result: dict[str, Any],
+    totals: dict[str, Any],
+) -> None:
+    """(Rank 0.) The final model's held-out loss, the model file (the job's first
+    site), and the site's ``result.json``, with the digest that shows every site
+    ended with the same model."""
+    final, _, _ = build_model(job)
+    final.load_state_dict(full)
+    eval_loss = evaluate(final, held_out, loss_fn)
+    records.write("eval", step=steps_done, tokens=result["tokens"], eval_loss=eval_loss, final=True)
+    if site.site_index == 0:
+        save_model(final, run_dir / "model.safetensors", job)
+    result = {
+        "status": result["status"],
+        "final_loss": result["final_loss"],
+        "eval_loss": eval_loss,
+        "tokens": result["tokens"],
+        "inner_steps": strategy.inner_steps,
+        "outer_steps": strategy.outer_steps,
+        "compute_seconds": result["compute_seconds"],
+        "wall_seconds": result["wall_seconds"],
         "wan_bytes_sent": totals["wan_bytes_sent"],
         "wan_bytes_received": totals["wan_bytes_received"],
         "wan_bytes_sent_to": totals["wan_bytes_sent_to"],
@@ -383,7 +355,131 @@ def _train(
         result["late_contributions_applied"] = strategy.late_contributions_applied
     write_json_atomic(run_dir / "sites" / site.name / "result.json", result)
     records.write("state", state=result["status"])
-    return 0
+
+
+def _rejoin(strategy: Strategy, records: RecordWriter) -> int:
+    """A restarted site: wait to be let in, pull the others' state, record where it
+    came from; returns the inner step to train on from."""
+    records.write("state", state="rejoining")
+    start_step = strategy.rejoin()
+    pulled = strategy.member.caught_up[-1]
+    records.write(
+        "rejoin",
+        round=pulled.rounds,
+        step=start_step,
+        donor=pulled.donor,
+        view=pulled.view,
+        bytes=pulled.bytes,
+        seconds=pulled.seconds,
+        resumed=pulled.resumed,
+    )
+    return start_step
+
+
+@dataclasses.dataclass
+class _RoundClock:
+    """Where the round under way began (time, tokens, compute, step) and how long the
+    loop was blocked in it: the control plane's metrics when it ends."""
+
+    started: float
+    tokens: int
+    compute_s: float
+    step: int
+    waiting_s: float = 0.0
+    blocked_s: float = 0.0
+
+    def add_blocked(self, blocked: Iterable[Blocked]) -> None:
+        for span in blocked:
+            self.blocked_s += span.seconds
+            if span.kind == "waiting":
+                self.waiting_s += span.seconds
+
+    def metrics(self, *, tokens: int, compute_s: float, step: int) -> dict[str, Any]:
+        round_s = time.perf_counter() - self.started
+        return {
+            "tokens_per_s": (tokens - self.tokens) / round_s if round_s > 0 else None,
+            "round_s": round_s,
+            "waiting_s": self.waiting_s,
+            "blocked_s": self.blocked_s,
+            "compute_s": compute_s - self.compute_s,
+            "round_steps": step - self.step,
+        }
+
+
+def _forward_backward(
+    part: SiteModel,
+    optimizer: torch.optim.Optimizer,
+    settings: TrainSettings,
+    site: SiteRuntime,
+    step: int,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    replicas: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """One inner step up to the optimizer's: this rank's loss, its gradients
+    averaged over the site's replicas (``replicas``: where the loop does it) and
+    clipped by the whole model's norm."""
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(settings, step)
+    optimizer.zero_grad()
+    rank_loss = part.step(x, y)
+    if replicas is not None:
+        for p in part.parameters():
+            if p.grad is not None:
+                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                dist.all_reduce(grad, group=replicas)
+                grad.div_(site.layout.dp)
+    if settings.grad_clip and settings.strategy != "sync":  # sync clips the average
+        clip_grad_norm(part.parameters(), settings.grad_clip, part.stage_group)
+    return rank_loss
+
+
+def _eval_due(settings: TrainSettings, steps: int, round_ended: bool) -> bool:
+    """Held-out loss every sync_every steps (after DiLoCo's round: the global model),
+    whatever the strategy, so runs compare at the same points; where sync_every can
+    change live, after every round; or as train.eval_every says."""
+    if settings.eval_every is not None:
+        return settings.eval_every > 0 and steps % settings.eval_every == 0
+    if settings.strategy in LIVE_SYNC_EVERY or settings.round_seconds is not None:
+        return round_ended
+    return steps % settings.sync_every == 0
+
+
+def _checkpoint(
+    run_dir: Path,
+    site: SiteRuntime,
+    part: SiteModel,
+    optimizer: torch.optim.Optimizer,
+    strategy: Strategy,
+    settings: TrainSettings,
+    records: RecordWriter,
+    progress: dict[str, Any],
+) -> None:
+    """Every rank's checkpoint after this round (the same round in every site), and
+    its record: what ``--resume-round`` goes on from, bit for bit."""
+    saved = time.perf_counter()
+    extra = {
+        "strategy": strategy.state_dict(),
+        "rng": torch.get_rng_state(),
+        "settings": settings.to_dict(),
+        **progress,
+    }
+    rounds = strategy.outer_steps
+    path = save_checkpoint(
+        run_dir / "checkpoints" / site.name,
+        rounds,
+        part.model,
+        optimizer,
+        extra=extra,
+        kind="round",
+    )
+    records.write(
+        "checkpoint",
+        round=rounds,
+        step=progress["step"],
+        path=str(path.relative_to(run_dir)),
+        seconds=time.perf_counter() - saved,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
