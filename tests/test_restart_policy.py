@@ -22,8 +22,9 @@ def test_a_completed_round_resets_the_crash_loop_count_but_not_the_total():
     for lost in range(1, 3 * MAX_RESTARTS + 1):
         site.restarts += 1
         site.restarts_in_a_row += 1
-        assert site.restarts_in_a_row < MAX_RESTARTS + 1
+        assert site.restarts_in_a_row == 1  # the round before reset it
         _apply(site, round_record(lost))  # back in training: it was churn
+        assert site.restarts_in_a_row == 0
     assert site.restarts == 3 * MAX_RESTARTS
     assert site.restarts_in_a_row == 0
 
