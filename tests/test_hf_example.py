@@ -15,7 +15,10 @@ import re
 import subprocess
 import sys
 import tokenize
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -24,6 +27,7 @@ pytest.importorskip("transformers")
 import torch
 
 from isthmus.deploy.examples import hf_train
+from isthmus.job.settings import TrainSettings
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "deploy" / "examples" / "hf_train.py"
@@ -78,6 +82,39 @@ def test_plain_loop_trains(tokens: torch.Tensor) -> None:
         losses.append(loss.item())
     assert all(math.isfinite(v) for v in losses)
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+class StandInSite:
+    """What ``main()`` uses of ``isthmus.join()``'s site, with no job behind it: the
+    loop runs as it would on one site alone."""
+
+    def __init__(self, steps: int) -> None:
+        self.job = SimpleNamespace(train=TrainSettings(steps=steps, batch_size=2))
+        self.site_index, self.dp_rank, self.device = 1, 0, torch.device("cpu")
+        self.logged: list[dict[str, float]] = []
+        self.entered: tuple[object, object] | None = None
+
+    @contextmanager
+    def strategy(self, model: object, optimizer: object) -> Iterator[None]:
+        self.entered = (model, optimizer)
+        yield
+
+    def steps(self) -> Iterator[int]:
+        yield from range(self.job.train.steps)
+
+    def log(self, **metrics: float) -> None:
+        self.logged.append(metrics)
+
+
+def test_main_runs_its_loop_on_a_stand_in_site(monkeypatch: pytest.MonkeyPatch) -> None:
+    site = StandInSite(steps=4)
+    monkeypatch.setattr(hf_train.isthmus, "join", lambda: site, raising=False)
+    hf_train.main()
+    model, optimizer = site.entered  # type: ignore[misc]
+    assert isinstance(model, torch.nn.Module) and isinstance(optimizer, torch.optim.AdamW)
+    assert optimizer.param_groups[0]["lr"] == site.job.train.inner_lr
+    assert [m["tokens"] for m in site.logged] == [2 * hf_train.SEQ_LEN] * 4
+    assert all(math.isfinite(m["loss"]) for m in site.logged)
 
 
 def test_isthmus_adds_at_most_15_lines() -> None:
