@@ -143,6 +143,17 @@ class SiteRuntime:
         self.close()
 
 
+def runtime_of(site: Any) -> SiteRuntime:
+    """The :class:`SiteRuntime` of ``site``: itself, or the one a higher-level
+    handle holds (``isthmus.join()`` returns a ``Site`` with ``.runtime``)."""
+    if isinstance(site, SiteRuntime):
+        return site
+    runtime = getattr(site, "runtime", None)
+    if isinstance(runtime, SiteRuntime):
+        return runtime
+    raise TypeError(f"expected a joined site (isthmus.join()), got {type(site).__name__}")
+
+
 def start_site(
     job: Job,
     site: str,

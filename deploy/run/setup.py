@@ -19,7 +19,6 @@ from torch.distributed.tensor import DTensor
 
 from isthmus.deploy.jobfile import Job
 from isthmus.inter.join import SiteRuntime
-from isthmus.inter.strategies import AsyncDiLoCo, DiLoCo, Strategy, StreamingDiLoCo, Sync
 from isthmus.intra.data import Dataset, ShardSpec, load_corpus
 from isthmus.intra.model import GPT, config_for, lm_loss
 from isthmus.intra.parallelize import GPT_PLAN, ModelPlan, SiteModel
@@ -67,68 +66,6 @@ def inner_optimizer(
         lr=learning_rate(settings, 0),
         betas=(settings.inner_beta1, settings.inner_beta2),
         weight_decay=settings.inner_weight_decay,
-    )
-
-
-def build_strategy(
-    settings: TrainSettings,
-    site: SiteRuntime,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    tokens_per_step: int,
-    stage_group: dist.ProcessGroup | None = None,
-) -> Strategy:
-    common: dict[str, Any] = {
-        "codec": settings.codec,
-        "error_feedback": settings.error_feedback,
-        "tokens_per_step": tokens_per_step,
-    }
-    if settings.strategy == "sync":
-        return Sync(
-            site,
-            model,
-            optimizer,
-            **common,
-            rejoin_timeout_s=settings.rejoin_timeout_s,
-            max_grad_norm=settings.grad_clip or None,
-            stage_group=stage_group,
-        )
-    outer: dict[str, Any] = {
-        "sync_every": settings.sync_every,
-        "outer_lr": settings.outer_lr,
-        "outer_momentum": settings.outer_momentum,
-    }
-    if settings.strategy == "diloco":
-        return DiLoCo(
-            site,
-            model,
-            optimizer,
-            **outer,
-            **common,
-            round_seconds=settings.round_seconds,
-            rejoin_timeout_s=settings.rejoin_timeout_s,
-        )
-    if settings.strategy == "async":
-        return AsyncDiLoCo(
-            site,
-            model,
-            optimizer,
-            **outer,
-            **common,
-            rejoin_timeout_s=settings.rejoin_timeout_s,
-            late_contributions=settings.late_contributions,
-            staleness_weight=settings.staleness_weight,
-        )
-    return StreamingDiLoCo(
-        site,
-        model,
-        optimizer,
-        **outer,
-        **common,
-        rejoin_timeout_s=settings.rejoin_timeout_s,
-        fragments=settings.fragments,
-        overlap_steps=settings.overlap_steps,
-        alpha=settings.alpha,
     )
 
 

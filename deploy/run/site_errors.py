@@ -12,6 +12,8 @@ import sys
 from collections.abc import Callable
 
 from isthmus.deploy.jobfile import JobFileError
+from isthmus.deploy.session.environment import NotLaunched
+from isthmus.inter.agreement import ModelMismatch
 from isthmus.inter.allreduce import RoundError
 from isthmus.inter.membership import MembershipError
 from isthmus.inter.peer import PeerError
@@ -28,7 +30,7 @@ def run_site_main(main: Callable[[], int], prog: str) -> int:
         for line in exc.lines():
             print(f"{prog}: error: {line}", file=sys.stderr)
         return 2
-    except (AddressError, LayoutError, SettingError, SiteError) as exc:
+    except (AddressError, LayoutError, SettingError, SiteError, NotLaunched, ModelMismatch) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     except (PeerError, RoundError, ConnectionError, MembershipError) as exc:

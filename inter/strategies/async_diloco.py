@@ -20,7 +20,7 @@ from torch import nn
 
 from isthmus.inter.codecs import Codec
 from isthmus.inter.hierarchical import PendingAverage, StepReport
-from isthmus.inter.join import SiteRuntime
+from isthmus.inter.join import SiteRuntime, runtime_of
 from isthmus.inter.member_rounds import EarlyExchange
 from isthmus.inter.membership import View
 from isthmus.inter.state_transfer import StateUnavailable
@@ -75,6 +75,7 @@ class AsyncDiLoCo(LocalSteps):
         late_contributions: str = "drop",
         staleness_weight: float = 0.5,
     ) -> None:
+        site = runtime_of(site)  # isthmus.join() gives a Site that holds one
         validated(
             "async",
             codec,

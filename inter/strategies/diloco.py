@@ -21,7 +21,7 @@ from torch import nn
 
 from isthmus.inter.codecs import Codec
 from isthmus.inter.commit import Seal, seal_round
-from isthmus.inter.join import SiteRuntime
+from isthmus.inter.join import SiteRuntime, runtime_of
 from isthmus.inter.membership import View
 from isthmus.inter.strategies.base import validated
 from isthmus.inter.strategies.local_steps import LocalSteps
@@ -66,6 +66,7 @@ class DiLoCo(LocalSteps):
         round_seconds: float | None = None,
         rejoin_timeout_s: float = 600.0,
     ) -> None:
+        site = runtime_of(site)  # isthmus.join() gives a Site that holds one
         validated(
             "diloco",
             codec,

@@ -19,7 +19,7 @@ from torch import nn
 
 from isthmus.inter.codecs import Codec
 from isthmus.inter.hierarchical import PendingAverage, StepReport
-from isthmus.inter.join import SiteRuntime
+from isthmus.inter.join import SiteRuntime, runtime_of
 from isthmus.inter.member_rounds import EarlyExchange, shapes_match
 from isthmus.inter.membership import View
 from isthmus.inter.outer import OuterOptimizer
@@ -46,6 +46,7 @@ class LocalSteps(Strategy):
         outer_device: str,
         error_feedback: bool,
     ) -> None:
+        site = runtime_of(site)  # isthmus.join() gives a Site that holds one
         super().__init__(
             site,
             model,

@@ -18,7 +18,7 @@ from torch import nn
 from isthmus.inter.codecs import Codec
 from isthmus.inter.fragments import assign_fragments, count_blocks, sync_offsets
 from isthmus.inter.hierarchical import PendingAverage, StepReport
-from isthmus.inter.join import SiteRuntime
+from isthmus.inter.join import SiteRuntime, runtime_of
 from isthmus.inter.member_rounds import EarlyExchange
 from isthmus.inter.membership import View
 from isthmus.inter.strategies.base import static_weights, validated
@@ -62,6 +62,7 @@ class StreamingDiLoCo(LocalSteps):
         outer_device: str = "cpu",
         rejoin_timeout_s: float = 600.0,
     ) -> None:
+        site = runtime_of(site)  # isthmus.join() gives a Site that holds one
         # The general rules first (the checks below rely on them), then what only a
         # strategy holding the model can check.
         validated(

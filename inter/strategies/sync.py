@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from isthmus.inter.codecs import Codec
 from isthmus.inter.hierarchical import PendingAverage
-from isthmus.inter.join import SiteRuntime
+from isthmus.inter.join import SiteRuntime, runtime_of
 from isthmus.inter.member_rounds import shapes_match
 from isthmus.inter.membership import View
 from isthmus.inter.state_transfer import StateUnavailable
@@ -75,6 +75,7 @@ class Sync(Strategy):
         max_grad_norm: float | None = None,
         stage_group: dist.ProcessGroup | None = None,
     ) -> None:
+        site = runtime_of(site)  # isthmus.join() gives a Site that holds one
         validated("sync", codec, error_feedback=error_feedback)
         if not (isinstance(bucket_mb, int | float) and bucket_mb > 0):
             raise SettingError("bucket_mb", f"must be a number > 0, got {bucket_mb!r}")
