@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,33 @@ from isthmus.deploy.cli.registry import UsageError, add_command
 from isthmus.job.settings import STRATEGIES
 
 EXIT_CODES = {"finished": 0, "failed": 1, "interrupted": 130}
+JOIN_TIMEOUT_S = 300.0  # isthmus.deploy.run.launcher's, not imported: --help stays light
+
+
+def accept_command(parser: argparse.ArgumentParser) -> None:
+    """Everything after the first ``--`` is a command to run, left whole in
+    ``args.command`` (None without ``--``).
+
+    argparse alone cannot do it: a ``nargs="*"`` positional after an optional
+    one is filled (empty) at the first positional, and it drops every ``--`` of
+    the command itself. The subcommand's parser is called with its own
+    arguments, so it splits them before it parses them.
+    """
+    parse = parser.parse_known_args
+
+    def parse_known_args(
+        args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        given = list(sys.argv[1:] if args is None else args)
+        command = None
+        if "--" in given:
+            split = given.index("--")
+            given, command = given[:split], given[split + 1 :]
+        namespace, extras = parse(given, namespace)
+        namespace.command = command
+        return namespace, extras
+
+    parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
 
 
 def register(commands: Any) -> None:
@@ -21,7 +50,21 @@ def register(commands: Any) -> None:
         _run,
         help="train a job's sites on this machine through the emulated WAN, with live "
         "progress, summary.json and a report",
+        description="Train a job's sites on this machine through the emulated WAN, with "
+        "live progress, summary.json and a report. Every rank of every site runs CMD "
+        "(your training script, which calls isthmus.join()), or Isthmus's built-in "
+        "training loop without -- CMD.",
     )
+    run.usage = (
+        "%(prog)s [options] JOB.yaml [-- CMD [ARGS...]]\n"
+        "       %(prog)s [options] --resume RUN_DIR [-- CMD [ARGS...]]"
+    )
+    run.epilog = (
+        "-- CMD [ARGS...]: the command every rank runs, e.g. `isthmus run job.yaml -- "
+        "python train.py --lr 3e-4`; it learns its job, site and rank from the "
+        "environment (ISTHMUS_JOB, ISTHMUS_SITE, RANK, ...; see docs/run.md)."
+    )
+    accept_command(run)
     run.add_argument("job", metavar="JOB.yaml", nargs="?", help="the job file")
     run.add_argument(
         "--resume",
@@ -55,6 +98,15 @@ def register(commands: Any) -> None:
         help=f"run the job once per strategy ({','.join(STRATEGIES)}) with the same data and "
         "tokens, and write one comparison report",
     )
+    run.add_argument(
+        "--join-timeout",
+        type=float,
+        metavar="SECONDS",
+        default=JOIN_TIMEOUT_S,
+        help="a site whose command has not called isthmus.join() this long after it "
+        f"started has failed (default {JOIN_TIMEOUT_S:g}); raise it for a script that "
+        "does much before it joins",
+    )
     evaluate = add_command(
         commands,
         "eval",
@@ -69,6 +121,7 @@ def register(commands: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    _check_command(args)  # before the imports below, which load torch
     from isthmus.deploy.run.run_dir import RunError, default_run_dir, resolve_job
 
     if args.resume is not None:
@@ -84,14 +137,30 @@ def _run(args: argparse.Namespace) -> int:
     try:
         job, raw = resolve_job(Path(args.job), strategy=args.strategy, steps=args.steps)
         run_dir = args.out or default_run_dir(job, job.train.strategy)
-        summary = run_job(job, raw, run_dir, restart_lost=args.restart_lost)
+        summary = run_job(job, raw, run_dir, **_launch_options(args))
     except RunError as exc:
         raise UsageError(str(exc)) from None
     return EXIT_CODES[summary["status"]]
 
 
+def _check_command(args: argparse.Namespace) -> None:
+    command = getattr(args, "command", None)  # None: parsed without accept_command
+    if command is not None and not command:
+        raise UsageError("--: name the command every rank runs after it, e.g. -- python train.py")
+    if not args.join_timeout > 0:
+        raise UsageError(f"--join-timeout: must be > 0 seconds, got {args.join_timeout:g}")
+
+
+def _launch_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "restart_lost": args.restart_lost,
+        "command": getattr(args, "command", None),
+        "join_timeout_s": args.join_timeout,
+    }
+
+
 def _resume(args: argparse.Namespace) -> int:
-    from isthmus.deploy.run.run_dir import RunError, resume_point
+    from isthmus.deploy.run.run_dir import RunError, resume_point, saved_command
 
     if args.job is not None or args.compare or args.strategy or args.steps or args.out:
         raise UsageError(
@@ -100,7 +169,10 @@ def _resume(args: argparse.Namespace) -> int:
         )
     try:
         job, raw, round = resume_point(args.resume)
-        summary = run_job(job, raw, args.resume, resume_round=round, restart_lost=args.restart_lost)
+        options = _launch_options(args)
+        if options["command"] is None:  # the run's own, unless a new one is given
+            options["command"] = saved_command(args.resume)
+        summary = run_job(job, raw, args.resume, resume_round=round, **options)
     except RunError as exc:
         raise UsageError(str(exc)) from None
     return EXIT_CODES[summary["status"]]
@@ -113,23 +185,29 @@ def run_job(
     *,
     resume_round: int | None = None,
     restart_lost: bool = False,
+    command: list[str] | None = None,
+    join_timeout_s: float = JOIN_TIMEOUT_S,
 ) -> dict[str, Any]:
     """One run, start to report; prints progress and where the report is.
     ``resume_round``: go on with a stopped run from that round's checkpoints.
-    ``restart_lost``: start a lost site again, so it rejoins."""
+    ``restart_lost``: start a lost site again, so it rejoins. ``command``: what
+    every rank runs (None: the built-in loop), kept in the run directory for
+    ``--resume``. ``join_timeout_s``: see ``--join-timeout``."""
     from isthmus.deploy.run.execute import execute_run
     from isthmus.deploy.run.progress import progress_for
     from isthmus.deploy.run.report import write_report
-    from isthmus.deploy.run.run_dir import prepare_run_dir
+    from isthmus.deploy.run.run_dir import prepare_run_dir, save_command
 
     if resume_round is None:
         prepare_run_dir(run_dir)
         what = "run"
     else:
         what = f"resuming after round {resume_round}:"
+    save_command(run_dir, command)
+    runs = f", each rank runs {shlex.join(command)}" if command else ""
     print(
         f"{what} {job.name}: {len(job.sites)} sites, {job.train.strategy}, "
-        f"{job.train.steps} steps -> {run_dir}",
+        f"{job.train.steps} steps{runs} -> {run_dir}",
         flush=True,
     )
     progress = progress_for(sys.stdout)
@@ -141,6 +219,8 @@ def run_job(
             on_update=progress.update,
             resume_round=resume_round,
             restart_lost=restart_lost,
+            command=command,
+            join_timeout_s=join_timeout_s,
         )
     report = write_report(run_dir)
     _print_outcome(summary, report)
@@ -187,7 +267,7 @@ def _compare(args: argparse.Namespace) -> int:
         summaries = {}
         for strategy in strategies:
             job, raw = resolve_job(Path(args.job), strategy=strategy, steps=args.steps)
-            summaries[strategy] = run_job(job, raw, out / strategy)
+            summaries[strategy] = run_job(job, raw, out / strategy, **_launch_options(args))
             if summaries[strategy]["status"] == "interrupted":
                 break
     except RunError as exc:

@@ -14,6 +14,10 @@ Two ways to start a site's ranks:
   the same command runs on every node), and a one-rank site trains in this
   process.
 
+Each rank runs the user's command after ``--`` (``isthmus site JOB --site NAME
+-- python train.py``), which learns its job, site and rank from the environment
+(:mod:`isthmus.deploy.session.environment`), or without one the built-in loop.
+
 Nothing assumes one machine: addresses come from the job file (never
 loopback), each site writes only its own ``--out`` directory, and rounds, not
 clocks, order what the sites do.
@@ -38,6 +42,7 @@ from typing import Any
 import yaml
 
 from isthmus.deploy.cli.registry import UsageError, add_command
+from isthmus.deploy.cli.run import accept_command
 from isthmus.deploy.jobfile import Job, SiteSpec, load_job, parse_address
 from isthmus.deploy.run.host_tuning import tcp_advice
 from isthmus.job.addressing import resolve
@@ -55,8 +60,17 @@ def register(commands: Any) -> None:
         help="run one site of a job on this cluster (under torchrun, or starting it)",
         description="Run one site of a job on a real cluster. Under torchrun every rank "
         "runs this command; otherwise it starts torchrun with the site's layout from the "
-        "job file (on every node of a multi-node site, with --rdzv-endpoint).",
+        "job file (on every node of a multi-node site, with --rdzv-endpoint). Every rank "
+        "runs CMD (your training script, which calls isthmus.join()), or Isthmus's "
+        "built-in training loop without -- CMD.",
     )
+    sub.usage = "%(prog)s JOB.yaml --site NAME [options] [-- CMD [ARGS...]]"
+    sub.epilog = (
+        "-- CMD [ARGS...]: the command every rank of the site runs, e.g. `isthmus site "
+        "job.yaml --site a -- python train.py`; it learns its job, site and rank from the "
+        "environment (ISTHMUS_JOB, ISTHMUS_SITE, RANK, ...; see docs/run.md)."
+    )
+    accept_command(sub)
     sub.add_argument("job", metavar="JOB.yaml")
     sub.add_argument("--site", required=True, metavar="NAME", help="which of the job's sites")
     sub.add_argument(
@@ -90,6 +104,9 @@ def _site(args: argparse.Namespace) -> int:
     if args.print_ports:
         print(describe_ports(job, spec))
         return 0
+    command = getattr(args, "command", None)
+    if command is not None and not command:
+        raise UsageError("--: name the command every rank runs after it, e.g. -- python train.py")
     check_real_network(job, spec)
     out = args.out or Path("runs") / f"{job.name}-{spec.name}"
     launcher = TorchrunLayout.from_environment()
@@ -99,10 +116,14 @@ def _site(args: argparse.Namespace) -> int:
     if launcher is not None:
         launcher.check(spec, index)
         check_can_listen(spec, index, ranks=[launcher.rank])
+        if command is not None:
+            return _exec_command(command, Path(args.job), job, spec, out, args.rejoin)
         return _train_rank(Path(args.job), job, spec, out, args.rejoin, launcher.rank)
     check_gpus(spec, index, spec.ranks_per_node)
     if spec.ranks == 1:
         check_can_listen(spec, index, ranks=[0])
+        if command is not None:
+            return run_one_rank(command, Path(args.job), job, spec, out, args.rejoin)
         return _train_rank(Path(args.job), job, spec, out, args.rejoin, 0)
     if spec.nodes == 1:
         check_can_listen(spec, index, ranks=range(spec.ranks))
@@ -314,21 +335,92 @@ def _train_rank(
     return code
 
 
+def launch_environment(out: Path, site: str, rejoin: bool) -> dict[str, str]:
+    """The ``ISTHMUS_*`` variables of the site's ranks; paths absolute, for a script
+    that changes its directory."""
+    from isthmus.deploy.session.environment import LaunchEnvironment
+
+    run_dir = out.resolve()
+    return LaunchEnvironment(
+        job=run_dir / "job.yaml", site=site, run_dir=run_dir, rejoin=rejoin
+    ).to_environ()
+
+
+def _exec_command(
+    command: list[str], job_path: Path, job: Job, spec: SiteSpec, out: Path, rejoin: bool
+) -> int:
+    """Under torchrun: this rank becomes the command, in torchrun's environment with
+    the launcher's variables added."""
+    prepare_site_dir(job_path, job.name, spec.name, out, rejoin)
+    env = {**os.environ, **launch_environment(out, spec.name, rejoin)}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execvpe(command[0], command, env)
+    except OSError as exc:
+        raise UsageError(f"-- CMD: cannot run {command[0]!r}: {exc.strerror}") from None
+
+
+def run_one_rank(
+    command: list[str], job_path: Path, job: Job, spec: SiteSpec, out: Path, rejoin: bool
+) -> int:
+    """A one-rank site without torchrun: the command as a child with torchrun's
+    variables and the launcher's, the operator's signals passed on, the site's
+    progress printed; returns the command's exit status (128 + N for signal N)."""
+    from isthmus.deploy.run.orphan import parent_environment
+    from isthmus.intra.launch import free_port, rank_environment
+
+    prepare_site_dir(job_path, job.name, spec.name, out, rejoin)
+    env = {**os.environ, **rank_environment(0, 1, free_port())}
+    env |= {**launch_environment(out, spec.name, rejoin), **parent_environment()}
+    try:
+        # Its own session: a terminal's Ctrl-C reaches this process, which passes it on once.
+        proc = subprocess.Popen(command, env=env, start_new_session=True)
+    except OSError as exc:
+        raise UsageError(f"-- CMD: cannot run {command[0]!r}: {exc.strerror}") from None
+    forwarding = _pass_signals(proc)
+    progress = SiteProgress(out, spec.name).start()
+    try:
+        code = proc.wait()
+    finally:
+        progress.stop()
+        for sig, previous in forwarding.items():
+            signal.signal(sig, previous)
+    return code if code >= 0 else 128 - code
+
+
+def _pass_signals(proc: subprocess.Popen) -> dict[int, Any]:
+    """SIGINT, SIGTERM and SIGUSR1 (leave the run) go to the command as they came."""
+
+    def forward(signum: int, frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signum)
+
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+    return {sig: signal.signal(sig, forward) for sig in sigs}
+
+
 def run_torchrun(args: argparse.Namespace, job: Job, spec: SiteSpec, out: Path) -> int:
     """Start torchrun with the site's layout, print the site's progress, pass on
-    the operator's signals, and return torchrun's exit status."""
+    the operator's signals, and return torchrun's exit status. Its ranks run the
+    user's command (``--no-python``: torchrun runs it as it is) or this command."""
     command = [sys.executable, "-m", "torch.distributed.run"]
     command += torchrun_layout_flags(job, spec, args.rdzv_endpoint)
-    command += ["--module", "isthmus", "site", str(args.job), "--site", spec.name]
-    command += ["--out", str(out)]
-    if args.rejoin:
-        command.append("--rejoin")
+    user_command = getattr(args, "command", None)
+    env = {**os.environ, SPAWNED_BY_SITE: "1"}
+    if user_command is not None:
+        command += ["--no-python", *user_command]
+        env |= launch_environment(out, spec.name, args.rejoin)  # torchrun passes it on
+    else:
+        command += ["--module", "isthmus", "site", str(args.job), "--site", spec.name]
+        command += ["--out", str(out)]
+        if args.rejoin:
+            command.append("--rejoin")
     prepare_site_dir(Path(args.job), job.name, spec.name, out, args.rejoin)
     print(
         f"isthmus site {spec.name}: {spec.ranks} ranks on {spec.nodes} node(s) through torchrun",
         file=sys.stderr,
     )
-    env = {**os.environ, SPAWNED_BY_SITE: "1"}
     proc = subprocess.Popen(command, env=env, start_new_session=True)
     forwarding = _forward_signals(proc)
     progress = SiteProgress(out, spec.name).start()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy.run.launcher import Launcher
+from isthmus.deploy.run.launcher import JOIN_TIMEOUT_S, Launcher
 from isthmus.deploy.run.records import write_json_atomic
 from isthmus.deploy.run.summary import build_summary
 from isthmus.deploy.run.tensorboard import TensorBoardWriter
@@ -23,9 +23,12 @@ def execute_run(
     on_update: Any = None,
     resume_round: int | None = None,
     restart_lost: bool = False,
+    command: list[str] | None = None,
+    join_timeout_s: float = JOIN_TIMEOUT_S,
 ) -> dict[str, Any]:
     """Launch, follow and stop one run in a prepared directory; write its TensorBoard
-    events and summary.json and return the summary. Prints nothing."""
+    events and summary.json and return the summary. Prints nothing. ``command``:
+    what every rank runs (None: the built-in loop)."""
     launcher = Launcher(
         job,
         raw,
@@ -33,6 +36,8 @@ def execute_run(
         on_update=on_update,
         resume_round=resume_round,
         restart_lost=restart_lost,
+        command=command,
+        join_timeout_s=join_timeout_s,
     )
     launcher.tensorboard = TensorBoardWriter(run_dir / "tensorboard", [s.name for s in job.sites])
     try:

@@ -7,6 +7,12 @@ reaches the launcher alone and the launcher stops them in order), follows
 what the sites write, and ends with ``summary.json`` and the report. It is the
 only writer of the run's ``metrics.jsonl``; sites write their own files.
 
+Each rank runs the user's command (``isthmus run JOB -- CMD``) or the built-in
+training loop (:mod:`isthmus.deploy.run.site_processes`). A site whose command
+never calls ``isthmus.join()`` (within ``join_timeout_s``, or before its
+processes exit) has failed: nothing else would tell the operator why it never
+trains.
+
 Ending: when every site has finished or left; or at SIGINT/SIGTERM. A site
 that is lost (a rank killed) or fails does not end a run of two or more sites:
 every strategy runs its rounds under membership views, so the others train on
@@ -35,11 +41,16 @@ from isthmus.deploy.jobfile import Job
 from isthmus.deploy.run.orphan import parent_environment
 from isthmus.deploy.run.records import RecordTail, write_json_atomic
 from isthmus.deploy.run.run_dir import RunError
-from isthmus.intra.launch import free_port, rank_environment
+from isthmus.deploy.run.site_processes import (
+    builtin_command,
+    exit_reason,
+    launch,
+    log_tail,
+    site_environment,
+    terminate,
+)
 from isthmus.job.addressing import load_state
 
-STOP_GRACE_S = 10.0
-"""How long a stopped process gets to exit on SIGTERM before SIGKILL."""
 EMULATOR_START_S = 60.0
 POLL_S = 0.25
 RESTART_AFTER_S = 2.0
@@ -48,6 +59,10 @@ MAX_RESTARTS = 3
 """Restarts in a row of a site that never completed a round in between: one that
 keeps dying before it trains (a crash loop) is not restarted forever, while one
 that trains between losses (churn) is restarted every time."""
+JOIN_TIMEOUT_S = 300.0
+"""How long a site's processes may run before its rank 0 has called
+``isthmus.join()`` (``isthmus run --join-timeout``): a script that never joins
+would otherwise hold the run forever with nothing to show."""
 
 
 @dataclass
@@ -78,6 +93,10 @@ class SiteState:
     """Restarts since the site last completed a round (see MAX_RESTARTS)."""
     restart_at: float | None = None
     """``time.monotonic()`` at which a lost site is started again (None: not pending)."""
+    joined: bool = False
+    """Its rank 0 has called ``isthmus.join()`` since the site was last started."""
+    launched_at: float = 0.0
+    """``time.monotonic()`` at which its processes were last started."""
 
 
 @dataclass
@@ -93,6 +112,8 @@ class RunState:
     status: str = "running"
     sync_every_changes: list[dict[str, Any]] = field(default_factory=list)
     """What the online H controller (``tune: {online: true}``) published, in order."""
+    command: list[str] | None = None
+    """What every rank runs (``isthmus run JOB -- CMD``); None: the built-in loop."""
 
     @property
     def steps(self) -> int:
@@ -122,9 +143,17 @@ class Launcher:
         on_update: Callable[[RunState], None] | None = None,
         resume_round: int | None = None,
         restart_lost: bool = False,
+        command: list[str] | None = None,
+        join_timeout_s: float = JOIN_TIMEOUT_S,
     ) -> None:
         """``restart_lost``: start a lost site again (as its operator would) so it
-        rejoins; needs a run that survives the loss of a site."""
+        rejoins; needs a run that survives the loss of a site. ``command``: what
+        every rank runs (None: the built-in loop). ``join_timeout_s``: how long a
+        site may run without calling ``isthmus.join()`` before it has failed."""
+        if join_timeout_s <= 0:
+            raise RunError(f"--join-timeout: must be > 0 seconds, got {join_timeout_s:g}")
+        if command is not None and not command:
+            raise RunError("-- CMD: name the command every rank runs after --")
         self.job = job
         self.survives_loss = survives_site_loss(job)
         if restart_lost and not self.survives_loss:
@@ -133,6 +162,8 @@ class Launcher:
             )
         self.restart_lost = restart_lost
         self.resume_round = resume_round
+        self.command = command
+        self.join_timeout_s = join_timeout_s
         self.raw = raw
         self.run_dir = run_dir
         self.on_update = on_update
@@ -141,6 +172,7 @@ class Launcher:
             run_dir=run_dir,
             started=time.time(),
             sites={s.name: SiteState(s.name, s.ranks) for s in job.sites},
+            command=command,
         )
         self.emulator: subprocess.Popen | None = None
         self.emulator_control: Any = None
@@ -194,14 +226,14 @@ class Launcher:
         logs = [run_dir / "logs" / f"{name}-r{r}.log" for r in range(site.ranks)]
         files = [log.open("ab") for log in logs]
         self._files += files
-        command = [sys.executable, "-m", "isthmus.deploy.run.worker", str(run_dir), name]
-        if rejoin:
-            command.append("--rejoin")
-        elif self.resume_round is not None:
-            command += ["--resume-round", str(self.resume_round)]
-        state.procs = _launch(command, site.ranks, env, files)
+        how = {"rejoin": rejoin, "resume_round": self.resume_round}
+        command = self.command or builtin_command(run_dir, name, **how)
+        env |= site_environment(run_dir, name, **how)
+        state.procs = launch(command, site.ranks, env, files)
         state.logs = logs
         state.started = time.time()
+        state.launched_at = time.monotonic()
+        state.joined = False
         self._pids[name] = [p.pid for p in state.procs]
         write_json_atomic(run_dir / "pids.json", self._pids)
 
@@ -258,7 +290,8 @@ class Launcher:
         while not state_path.exists():
             if self.emulator.poll() is not None:
                 raise RunError(
-                    f"the WAN emulator did not start: {_tail(self.run_dir / 'logs' / 'wan.log')}"
+                    "the WAN emulator did not start: "
+                    + (log_tail(self.run_dir / "logs" / "wan.log") or "(empty log)")
                 )
             if time.monotonic() > deadline:
                 raise RunError(f"the WAN emulator did not start in {EMULATOR_START_S:.0f} s")
@@ -322,18 +355,20 @@ class Launcher:
                 code = next(c for c in codes if c is not None and c != 0)
                 rank = codes.index(code)
                 site.status = "lost" if code < 0 else "failed"
-                log = site.logs[rank]
-                if code < 0:
-                    site.reason = f"rank {rank} killed by {signal.Signals(-code).name} (log: {log})"
-                else:
-                    site.reason = f"rank {rank} exit status {code}: {_tail(log)} (log: {log})"
+                site.reason = exit_reason(rank, code, site.logs[rank])
                 if not self.survives_loss:
                     return "failed"
                 # The other sites train on without it (the membership protocol).
-                _terminate(site.procs)
+                terminate(site.procs)
                 if self.restart_lost and site.restarts_in_a_row < MAX_RESTARTS:
                     site.restart_at = time.monotonic() + RESTART_AFTER_S
                     running = True
+                continue
+            if not self._check_joined(site, exited=all(c == 0 for c in codes)):
+                if not self.survives_loss:
+                    return "failed"
+                # Not restarted: a script that does not join will not join next time.
+                terminate(site.procs)
                 continue
             if all(c == 0 for c in codes):
                 site.status = "left" if site.status in ("left", "leaving") else "finished"
@@ -343,6 +378,30 @@ class Launcher:
             return ""
         finished = any(s.status == "finished" for s in self.state.sites.values())
         return "finished" if finished else "failed"
+
+    def _check_joined(self, site: SiteState, *, exited: bool) -> bool:
+        """Whether the site has joined or may still; else it has failed, with why."""
+        if site.joined:
+            return True
+        if exited:  # it may have written its records just before it exited
+            self._read_records()
+            if site.joined:
+                return True
+        elif time.monotonic() - site.launched_at < self.join_timeout_s:
+            return True
+        log = site.logs[0] if site.logs else self.run_dir / "logs"
+        what = (
+            "exited without calling isthmus.join()"
+            if exited
+            else f"never called isthmus.join() in {self.join_timeout_s:g} s"
+        )
+        site.status = "failed"
+        site.reason = (
+            f"the command {what} (rank 0 log: {log}); call isthmus.join() at the start of "
+            "the script, before the model is built"
+            + ("" if exited else ", or raise --join-timeout")
+        )
+        return False
 
     def _read_records(self) -> None:
         assert self._metrics is not None
@@ -404,7 +463,7 @@ class Launcher:
                 site.reason = site.reason or "stopped by the launcher before it finished"
         if self.emulator is not None:
             self._final_link_stats()
-        _terminate([*children, *([self.emulator] if self.emulator else [])])
+        terminate([*children, *([self.emulator] if self.emulator else [])])
         if self.tuner is not None:
             self.tuner.close()
             self.tuner = None
@@ -434,46 +493,11 @@ def survives_site_loss(job: Job) -> bool:
     return len(job.sites) >= 2
 
 
-def _launch(
-    command: list[str], ranks: int, env: dict[str, str], logs: list[IO[bytes]]
-) -> list[subprocess.Popen]:
-    """One process per rank with torchrun's environment, each logging to its own
-    file and in its own session (a terminal's Ctrl-C reaches the launcher only); each
-    stops when the launcher is gone (:mod:`isthmus.deploy.run.orphan`)."""
-    master_port = free_port()
-    base = {**os.environ, **env, **parent_environment()}
-    return [
-        subprocess.Popen(
-            command,
-            env={**base, **rank_environment(rank, ranks, master_port)},
-            stdout=logs[rank],
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        for rank in range(ranks)
-    ]
-
-
-def _terminate(procs: list[subprocess.Popen]) -> None:
-    live = [p for p in procs if p.poll() is None]
-    for p in live:
-        _signal_group(p, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
-    for p in live:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _signal_group(p, signal.SIGKILL)
-            p.wait()
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, sig)
-
-
 def _apply(site: SiteState, record: dict[str, Any]) -> None:
     kind = record["kind"]
+    # Only a joined site writes records: "joined" says so first, but any record does
+    # (the built-in loop wrote none of that kind before it joined through the session).
+    site.joined = True
     if kind == "step":
         now = record["t"]
         if site.last_step_t is not None and now > site.last_step_t:
@@ -495,15 +519,3 @@ def _apply(site: SiteState, record: dict[str, Any]) -> None:
         site.wan_bytes_sent_to = record["wan_bytes_sent_to"]
     elif kind == "eval":
         site.eval_loss = record["eval_loss"]
-
-
-def _tail(log: Path, lines: int = 40) -> str:
-    """The most telling line of a log's end: its last error line, else its last line."""
-    try:
-        text = log.read_text(errors="replace").strip().splitlines()[-lines:]
-    except OSError:
-        return "(no log)"
-    for line in reversed(text):
-        if "error" in line.lower():
-            return line.strip()
-    return text[-1].strip() if text else "(empty log)"

@@ -122,3 +122,31 @@ def prepare_run_dir(run_dir: Path) -> None:
         (run_dir / "sites").mkdir(exist_ok=True)
     except OSError as exc:
         raise RunError(f"--out: cannot create {run_dir}: {exc.strerror}") from None
+
+
+COMMAND_FILE = "command.json"
+"""Where a run keeps what its ranks run, for ``--resume`` to run it again."""
+
+
+def save_command(run_dir: Path, command: list[str] | None) -> None:
+    """Record the run's command (None: the built-in loop) in its directory."""
+    from isthmus.deploy.run.records import write_json_atomic
+
+    write_json_atomic(run_dir / COMMAND_FILE, {"command": command})
+
+
+def saved_command(run_dir: Path) -> list[str] | None:
+    """The command a run was started with (None: the built-in loop, or a run from
+    before runs recorded it)."""
+    path = run_dir / COMMAND_FILE
+    if not path.is_file():
+        return None
+    try:
+        command = json.loads(path.read_text()).get("command")
+    except (ValueError, AttributeError):
+        raise RunError(f"--resume: {path} is not what isthmus run wrote; pass -- CMD") from None
+    if command is not None and (
+        not isinstance(command, list) or not all(isinstance(a, str) for a in command)
+    ):
+        raise RunError(f"--resume: {path}: 'command' is not a list of strings; pass -- CMD")
+    return command

@@ -61,6 +61,7 @@ def build_summary(state: RunState, *, ended: float | None = None) -> dict[str, A
     summary: dict[str, Any] = {
         "job": state.job.name,
         "strategy": state.job.train.strategy,
+        "command": state.command,
         "status": state.status,
         "wall_seconds": ended - state.started,
         "compute_utilization": statistics.fmean(utilisation) if utilisation else 0.0,

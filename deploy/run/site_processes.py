@@ -1,0 +1,123 @@
+"""The processes of one site of ``isthmus run``: what each rank runs, in what
+environment, and how they are stopped.
+
+Each rank runs the user's command (``isthmus run JOB -- CMD``) or the built-in
+training loop, with torchrun's variables and the launcher's word on the job
+(:class:`~isthmus.deploy.session.environment.LaunchEnvironment`); the script
+learns its job, site and rank from them when it calls ``isthmus.join()``.
+Apart from the launcher, which follows the run, so that it stays one idea.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO
+
+from isthmus.deploy.run.orphan import parent_environment
+from isthmus.deploy.session.environment import LaunchEnvironment
+from isthmus.intra.launch import free_port, rank_environment
+
+STOP_GRACE_S = 10.0
+"""How long a stopped process gets to exit on SIGTERM before SIGKILL."""
+
+
+def builtin_command(
+    run_dir: Path, site: str, *, rejoin: bool = False, resume_round: int | None = None
+) -> list[str]:
+    """What every rank runs without ``-- CMD``: Isthmus's own training loop.
+
+    The loop takes its run directory and site as arguments until it reads them
+    from the environment (which every rank gets anyway, see :func:`site_environment`).
+    """
+    command = [sys.executable, "-m", "isthmus.deploy.run.worker", str(run_dir), site]
+    if rejoin:
+        command.append("--rejoin")
+    elif resume_round is not None:
+        command += ["--resume-round", str(resume_round)]
+    return command
+
+
+def site_environment(
+    run_dir: Path, site: str, *, rejoin: bool = False, resume_round: int | None = None
+) -> dict[str, str]:
+    """The ``ISTHMUS_*`` variables of every rank of ``site`` (torchrun's are per rank);
+    paths absolute, for a script that changes its directory."""
+    run_dir = run_dir.resolve()
+    wan_state = run_dir / "wan.json"
+    return LaunchEnvironment(
+        job=run_dir / "job.yaml",
+        site=site,
+        run_dir=run_dir,
+        wan_state=wan_state if wan_state.exists() else None,
+        rejoin=rejoin,
+        # A rejoining site pulls the others' state; it has no checkpoint to go on from.
+        resume_round=None if rejoin else resume_round,
+    ).to_environ()
+
+
+def launch(
+    command: list[str], ranks: int, env: dict[str, str], logs: list[IO[bytes]]
+) -> list[subprocess.Popen]:
+    """One process per rank with torchrun's environment, each logging to its own
+    file and in its own session (a terminal's Ctrl-C reaches the launcher only); each
+    stops when the launcher is gone (:mod:`isthmus.deploy.run.orphan`)."""
+    master_port = free_port()
+    base = {**os.environ, **env, **parent_environment()}
+    return [
+        subprocess.Popen(
+            command,
+            env={**base, **rank_environment(rank, ranks, master_port)},
+            stdout=logs[rank],
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for rank in range(ranks)
+    ]
+
+
+def terminate(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM to each live process group, SIGKILL to those still there after the grace."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in live:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(p, signal.SIGKILL)
+            p.wait()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+
+
+def exit_reason(rank: int, code: int, log: Path) -> str:
+    """Why a rank ended badly, for the site's reason: its signal or its exit status
+    and the most telling line of its log."""
+    if code < 0:
+        return f"rank {rank} killed by {signal.Signals(-code).name} (log: {log})"
+    line = log_tail(log)
+    said = f": {line}" if line else " and printed nothing"
+    return f"rank {rank} exit status {code}{said} (log: {log})"
+
+
+def log_tail(log: Path, lines: int = 40) -> str:
+    """The most telling line of a log's end: its last error line, else its last
+    line ("" for an empty or missing log)."""
+    try:
+        text = log.read_text(errors="replace").strip().splitlines()[-lines:]
+    except OSError:
+        return ""
+    for line in reversed(text):
+        if "error" in line.lower():
+            return line.strip()
+    return text[-1].strip() if text else ""
