@@ -8,7 +8,7 @@ what the sites write, and ends with ``summary.json`` and the report. It is the
 only writer of the run's ``metrics.jsonl``; sites write their own files.
 
 Each rank runs the user's command (``isthmus run JOB -- CMD``) or the built-in
-training loop (:mod:`isthmus.deploy.run.site_processes`). A site whose command
+training loop (:func:`builtin_command`). A site whose command
 never calls ``isthmus.join()`` (within ``join_timeout_s``, or before its
 processes exit) has failed: nothing else would tell the operator why it never
 trains.
@@ -42,7 +42,6 @@ from isthmus.deploy.run.orphan import parent_environment
 from isthmus.deploy.run.records import RecordTail, write_json_atomic
 from isthmus.deploy.run.run_dir import RunError
 from isthmus.deploy.run.site_processes import (
-    builtin_command,
     exit_reason,
     launch,
     log_tail,
@@ -483,6 +482,22 @@ class Launcher:
     def _final_link_stats(self) -> None:
         self._last_link_poll = 0.0
         self._poll_links()
+
+
+def builtin_command(
+    run_dir: Path, site: str, *, rejoin: bool = False, resume_round: int | None = None
+) -> list[str]:
+    """What every rank runs without ``-- CMD``: Isthmus's own training loop.
+
+    The loop takes its run directory and site as arguments until it reads them
+    from the environment (which every rank gets anyway, see :func:`site_environment`).
+    """
+    command = [sys.executable, "-m", "isthmus.deploy.run.worker", str(run_dir), site]
+    if rejoin:
+        command.append("--rejoin")
+    elif resume_round is not None:
+        command += ["--resume-round", str(resume_round)]
+    return command
 
 
 def survives_site_loss(job: Job) -> bool:

@@ -6,6 +6,8 @@ Every record is one JSON object on one line with ``t`` (wall-clock seconds,
 ==========  ===========================================================================
 kind        fields
 ==========  ===========================================================================
+joined      written by rank 0 when the script calls ``isthmus.join()``: the launcher
+            fails a site that has not joined within ``--join-timeout``
 start       ``ranks``, ``strategy``, ``steps``
 step        ``step`` (1-based), ``loss`` (mean over the site's ranks), ``tokens``
             (cumulative, every data-parallel rank), ``compute_s`` (cumulative seconds

@@ -1,11 +1,12 @@
-"""The processes of one site of ``isthmus run``: what each rank runs, in what
-environment, and how they are stopped.
+"""The processes of one site of ``isthmus run``: the environment its ranks get,
+how they start and stop, and how their end is told.
 
 Each rank runs the user's command (``isthmus run JOB -- CMD``) or the built-in
-training loop, with torchrun's variables and the launcher's word on the job
+training loop (:func:`isthmus.deploy.run.launcher.builtin_command`), with
+torchrun's variables and the launcher's word on the job
 (:class:`~isthmus.deploy.session.environment.LaunchEnvironment`); the script
 learns its job, site and rank from them when it calls ``isthmus.join()``.
-Apart from the launcher, which follows the run, so that it stays one idea.
+Apart from the launcher, which follows the run, so that each stays one idea.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import IO
@@ -25,22 +25,6 @@ from isthmus.intra.launch import free_port, rank_environment
 
 STOP_GRACE_S = 10.0
 """How long a stopped process gets to exit on SIGTERM before SIGKILL."""
-
-
-def builtin_command(
-    run_dir: Path, site: str, *, rejoin: bool = False, resume_round: int | None = None
-) -> list[str]:
-    """What every rank runs without ``-- CMD``: Isthmus's own training loop.
-
-    The loop takes its run directory and site as arguments until it reads them
-    from the environment (which every rank gets anyway, see :func:`site_environment`).
-    """
-    command = [sys.executable, "-m", "isthmus.deploy.run.worker", str(run_dir), site]
-    if rejoin:
-        command.append("--rejoin")
-    elif resume_round is not None:
-        command += ["--resume-round", str(resume_round)]
-    return command
 
 
 def site_environment(
