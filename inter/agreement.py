@@ -64,11 +64,21 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _site_sum(values: torch.Tensor, site: SiteRuntime) -> torch.Tensor:
-    """The sum over the site's ranks (each rank's own digest of its shard)."""
-    if site.site.ranks > 1:
-        dist.all_reduce(values)
-    return values
+def _site_digest(digest: bytes, site: SiteRuntime) -> list[float]:
+    """The site's digest of its values from each rank's: replicas hold the same
+    values (counted once, so 2 data-parallel replicas match 1 rank), shards and
+    stages their own parts (all of them count, in rank order)."""
+    if site.site.ranks == 1:
+        return _pieces(digest)
+    mine = torch.tensor(list(digest), dtype=torch.int64)
+    every = [torch.zeros_like(mine) for _ in range(site.site.ranks)]
+    dist.all_gather(every, mine)
+    distinct: list[bytes] = []
+    for rank_digest in every:
+        one = bytes(rank_digest.tolist())
+        if one not in distinct:
+            distinct.append(one)
+    return _pieces(b"".join(distinct))
 
 
 def _site_max(values: torch.Tensor, site: SiteRuntime) -> torch.Tensor:
@@ -123,9 +133,8 @@ def _agree(
     values = hashlib.sha256()
     for _, p in named:
         values.update(_local(p).detach().float().contiguous().cpu().numpy().tobytes())
-    value_pieces = _site_sum(torch.tensor(_pieces(values.digest()), dtype=torch.float64), site)
     mine = torch.tensor(
-        [float(len(named)), *_pieces(shapes), *(value_pieces % 65536.0).tolist()],
+        [float(len(named)), *_pieces(shapes), *_site_digest(values.digest(), site)],
         dtype=torch.float32,
         device=device,
     )

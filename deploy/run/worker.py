@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import isthmus
+from isthmus.deploy.jobfile import load_job
 from isthmus.deploy.run.setup import (
     build_model,
     builtin_dataset,
@@ -48,9 +49,12 @@ from isthmus.job.tune import LIVE_SYNC_EVERY
 
 
 def train() -> int:
-    site = isthmus.join()
-    job, settings = site.job, site.job.train
+    # The model first: a job whose model cannot be built fails on every site at once,
+    # before any site waits on the others' handshake.
+    job = load_job(LaunchEnvironment.from_environ().job)
     model, plan, loss_fn = build_model(job)
+    site = isthmus.join()
+    settings = job.train
     part = SiteModel(model, site.layout, site.rank, loss_fn=loss_fn, plan=plan)
     dataset = builtin_dataset(job, model)
     held_out = held_out_batches(job, model, dataset)

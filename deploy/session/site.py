@@ -122,7 +122,8 @@ class Site:
         """The job's ``train.strategy``, with its settings, over ``model`` (plain,
         DDP-wrapped or sharded) and its inner ``optimizer``; use it as a ``with``
         block. ``tokens_per_step``: tokens one rank trains on per step, which weighs
-        the sites (default: ``train.batch_size`` x ``train.seq_len``)."""
+        the sites in each average (default: ``train.batch_size``: sites
+        weighed by samples; only the ratio between sites matters)."""
         if self.run is not None and self.run.strategy is not None and not self._done:
             raise RuntimeError("site.strategy(): this site already trains (one block per run)")
         self.run = TrainingRun(

@@ -137,7 +137,7 @@ class TrainingRun:
             site.runtime,
             self.model,
             self.optimizer,
-            self._tokens_per_step or self.settings.batch_size * self.settings.seq_len,
+            self._tokens_per_step or self.settings.batch_size,
             self.stage_group,
         )
         if self._resumed:
