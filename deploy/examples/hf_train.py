@@ -63,6 +63,8 @@ def main() -> None:
     train = site.job.train  # isthmus
     device = site.device  # isthmus
     model = build_model().to(device)
+    if torch.distributed.is_initialized():  # a site of several ranks: replicas, as under torchrun
+        model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=train.inner_lr)  # isthmus: the job's
     tokens = corpus()
     with site.strategy(model, optimizer):  # isthmus

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from isthmus.deploy.run.control import apply_settings
 from isthmus.deploy.run.round_records import write_blocked, write_round, write_views
@@ -86,6 +87,10 @@ class TrainingRun:
         stage_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.site = site
+        # DDP only wraps the model (its parameters are the module's): names and state
+        # as every site has them, whether it runs DDP or has one rank.
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
         self.model = model
         self.optimizer = optimizer
         self.settings = site.job.train
