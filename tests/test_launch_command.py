@@ -82,14 +82,26 @@ def test_a_bad_command_or_join_timeout_is_refused(tmp_path, capsys, flags, messa
     assert not out.exists()
 
 
-def test_a_resumed_run_reuses_its_command_unless_given_another(tmp_path):
+@pytest.mark.parametrize(
+    ("given", "ran"),
+    [([], ["python", "train.py"]), (["--", "python", "new.py"], ["python", "new.py"])],
+)
+def test_a_resumed_run_runs_its_own_command_unless_given_another(tmp_path, monkeypatch, given, ran):
+    from isthmus.deploy.cli import run as run_cli_module
+    from isthmus.deploy.run import run_dir
     from isthmus.deploy.run.run_dir import save_command, saved_command
 
     assert saved_command(tmp_path) is None  # a run from before commands were kept
     save_command(tmp_path, ["python", "train.py"])
-    assert saved_command(tmp_path) == ["python", "train.py"]
-    save_command(tmp_path, None)
-    assert saved_command(tmp_path) is None
+    calls = []
+    monkeypatch.setattr(run_dir, "resume_point", lambda path: ("job", {}, 3))
+    monkeypatch.setattr(
+        run_cli_module,
+        "run_job",
+        lambda *args, **options: calls.append(options) or {"status": "finished"},
+    )
+    assert main(["run", "--resume", str(tmp_path), *given]) == 0
+    assert calls[0]["command"] == ran and calls[0]["resume_round"] == 3
 
 
 # -- isthmus run ------------------------------------------------------------------------
@@ -158,20 +170,27 @@ def test_every_rank_sees_its_job_site_and_rank_and_one_that_never_joins_fails(tm
 # -- isthmus site -----------------------------------------------------------------------
 
 
-def test_a_one_rank_site_runs_the_command_with_its_environment(tmp_path, capsys):
-    base = free_port_blocks("127.0.0.1", [2])[0]
+def site_job(tmp_path: Path) -> Path:
+    """Site a of two ranks, site b of one, on loopback; the broker is never dialled
+    (the commands do not join)."""
+    base = free_port_blocks("127.0.0.1", [3])[0]
     job = tmp_path / "job.yaml"
     job.write_text(
         textwrap.dedent(
             f"""\
             name: clusters
             sites:
-              - {{name: a, ranks: 1, address: 127.0.0.1:{base}}}
-              - {{name: b, ranks: 1, address: 127.0.0.1:{base + 1}}}
+              - {{name: a, ranks: 2, address: 127.0.0.1:{base}}}
+              - {{name: b, ranks: 1, address: 127.0.0.1:{base + 2}}}
             control: {{broker: mqtt://127.0.0.1:1883}}
             """
         )
     )
+    return job
+
+
+def test_a_one_rank_site_runs_the_command_with_its_environment(tmp_path, capsys):
+    job = site_job(tmp_path)
     script = tmp_path / "write_env.py"
     script.write_text(WRITE_ENV + "raise SystemExit(5)\n")
     env_dir = tmp_path / "env"
@@ -185,3 +204,28 @@ def test_a_one_rank_site_runs_the_command_with_its_environment(tmp_path, capsys)
     assert env["ISTHMUS_JOB"] == str(out.resolve() / "job.yaml")
     assert env["ISTHMUS_RUN_DIR"] == str(out.resolve()) and env["ISTHMUS_REJOIN"] == "1"
     assert (out / "job.yaml").is_file()  # resolved for the script to read
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("under_torchrun", [False, True])
+def test_a_multi_rank_site_runs_the_command_as_every_rank(tmp_path, under_torchrun):
+    """Through the torchrun ``isthmus site`` starts (``--no-python``), or under the
+    user's own, where each rank becomes the command."""
+    job = site_job(tmp_path)
+    script = tmp_path / "write_env.py"
+    script.write_text(WRITE_ENV)
+    env_dir = tmp_path / "env"
+    env_dir.mkdir()
+    out = tmp_path / "out"
+    site = ["site", str(job), "--site", "a", "--out", str(out)]
+    site += ["--", sys.executable, str(script), str(env_dir)]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    torchrun += ["--nproc-per-node", "2", "-m", "isthmus"]
+    command = [*torchrun, *site] if under_torchrun else [*ISTHMUS, *site]
+    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    seen = written_env(env_dir)
+    assert sorted(seen) == ["a-0", "a-1"]
+    for rank, env in enumerate(seen.values()):
+        assert env["ISTHMUS_SITE"] == "a" and env["RANK"] == str(rank)
+        assert env["WORLD_SIZE"] == "2" and env["ISTHMUS_RUN_DIR"] == str(out.resolve())
