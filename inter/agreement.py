@@ -188,8 +188,9 @@ def _mismatch(
     others = ", ".join(differing)
     if me not in differing:
         return (
-            f"the model's parameters differ between sites: {others} differ from "
-            f"site {first!r} in names or shapes (their logs name the first parameter); {fix}"
+            f"the model's parameters differ between sites: sites that differ from site "
+            f"{first!r} in names or shapes: {others} (their logs name the first parameter); "
+            f"{fix}"
         )
     for i, (name, p) in enumerate(named[:first_count]):
         if not torch.equal(

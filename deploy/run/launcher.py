@@ -226,7 +226,7 @@ class Launcher:
         files = [log.open("ab") for log in logs]
         self._files += files
         how = {"rejoin": rejoin, "resume_round": self.resume_round}
-        command = self.command or builtin_command(run_dir, name, **how)
+        command = self.command or builtin_command()
         env |= site_environment(run_dir, name, **how)
         state.procs = launch(command, site.ranks, env, files)
         state.logs = logs
@@ -484,20 +484,11 @@ class Launcher:
         self._poll_links()
 
 
-def builtin_command(
-    run_dir: Path, site: str, *, rejoin: bool = False, resume_round: int | None = None
-) -> list[str]:
-    """What every rank runs without ``-- CMD``: Isthmus's own training loop.
-
-    The loop takes its run directory and site as arguments until it reads them
-    from the environment (which every rank gets anyway, see :func:`site_environment`).
-    """
-    command = [sys.executable, "-m", "isthmus.deploy.run.worker", str(run_dir), site]
-    if rejoin:
-        command.append("--rejoin")
-    elif resume_round is not None:
-        command += ["--resume-round", str(resume_round)]
-    return command
+def builtin_command() -> list[str]:
+    """What every rank runs without ``-- CMD``: Isthmus's own training loop, a script
+    like any other (it learns its job, site and run directory from the environment
+    every rank gets, see :func:`site_environment`)."""
+    return [sys.executable, "-m", "isthmus.deploy.run.worker"]
 
 
 def survives_site_loss(job: Job) -> bool:
