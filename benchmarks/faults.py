@@ -33,7 +33,7 @@ to finish the round under way). Medians over ``--repeats`` runs.
 
     python benchmarks/faults.py corrupt [--chunks 10000] [--json FILE]
     python benchmarks/faults.py partition [--for-s 30] [--json FILE]
-    python benchmarks/faults.py kill [--after-rounds 5] [--repeats 3] [--json FILE]
+    python benchmarks/faults.py kill [--after-rounds 5] [--repeats 3] [--script PY] [--json FILE]
     python benchmarks/faults.py churn [--sites 4] [--minutes 10] [--kill-every-s 60]
 
 ``churn``: goodput while a random site is killed every T seconds (see churn.py).
@@ -258,8 +258,11 @@ def kill_once(args: argparse.Namespace) -> dict[str, Any]:
         )
         out = Path(tmp) / "run"
         command = [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)]
+        command.append("--restart-lost")
+        if args.script is not None:  # a user's script instead of the built-in loop
+            command += ["--", sys.executable, str(args.script.resolve())]
         run = subprocess.Popen(
-            [*command, "--restart-lost"],
+            command,
             cwd=tmp,  # the run writes ./JOB.control.json for `isthmus config`
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -319,6 +322,12 @@ def main() -> int:
         help="the strategy (with sync, a round is a step; with streaming, a fragment's exchange)",
     )
     k.add_argument("--repeats", type=int, default=3, help="runs; medians are printed")
+    k.add_argument(
+        "--script",
+        type=Path,
+        help="every rank runs this training script (isthmus run JOB -- python SCRIPT) "
+        "instead of the built-in loop",
+    )
     k.add_argument("--json", type=Path, help="also write the figures here")
     churn_benchmark.add_arguments(
         commands.add_parser("churn", help="a random site killed every T s: goodput, agreement")
