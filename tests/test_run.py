@@ -233,13 +233,17 @@ def test_ctrl_c_stops_every_process_and_leaves_whole_files(tmp_path, sig):
 
 
 def processes_of(out: Path) -> list[int]:
-    """Every live process whose command line names the run directory."""
+    """Every live process whose command line or environment names the run directory."""
     found = []
     for proc in Path("/proc").iterdir():
         try:
             if not proc.name.isdigit():
                 continue
-            if str(out) in (proc / "cmdline").read_text(errors="replace") and alive(int(proc.name)):
+            named = str(out) in (proc / "cmdline").read_text(errors="replace")
+            # A site's ranks name it in their environment (ISTHMUS_RUN_DIR), not argv.
+            environ = (proc / "environ").read_text(errors="replace").split("\0")
+            named = named or f"ISTHMUS_RUN_DIR={out}" in environ
+            if named and alive(int(proc.name)):
                 found.append(int(proc.name))
         except OSError:
             continue  # gone meanwhile

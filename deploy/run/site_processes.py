@@ -95,12 +95,21 @@ def exit_reason(rank: int, code: int, log: Path) -> str:
 
 
 def log_tail(log: Path, lines: int = 40) -> str:
-    """The most telling line of a log's end: its last error line, else its last
-    line ("" for an empty or missing log)."""
+    """The most telling line of a log's end: the exception line of its last
+    traceback (a script's own exception need not say "error"), else its last error
+    line, else its last line ("" for an empty or missing log)."""
     try:
-        text = log.read_text(errors="replace").strip().splitlines()[-lines:]
+        text = log.read_text(errors="replace").strip().splitlines()
     except OSError:
         return ""
+    tracebacks = [i for i, line in enumerate(text) if line.startswith("Traceback (most recent")]
+    if tracebacks:
+        # The exception line: the first unindented line after the traceback's frames
+        # (a background thread may log after it, so it is not the log's last line).
+        for line in text[tracebacks[-1] + 1 :]:
+            if line and not line[0].isspace():
+                return line.strip()
+    text = text[-lines:]
     for line in reversed(text):
         if "error" in line.lower():
             return line.strip()

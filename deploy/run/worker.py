@@ -42,6 +42,7 @@ from isthmus.deploy.run.setup import (
 from isthmus.deploy.run.site_errors import run_site_main
 from isthmus.deploy.session.environment import LaunchEnvironment
 from isthmus.deploy.session.site import Site, Stopped
+from isthmus.inter.allocator import keep_freed_memory
 from isthmus.intra.gradients import clip_grad_norm
 from isthmus.intra.parallelize import SiteModel
 from isthmus.job.settings import TrainSettings
@@ -49,6 +50,7 @@ from isthmus.job.tune import LIVE_SYNC_EVERY
 
 
 def train() -> int:
+    keep_freed_memory()  # this process's own choice, before its first large allocation
     # The model first: a job whose model cannot be built fails on every site at once,
     # before any site waits on the others' handshake.
     job = load_job(LaunchEnvironment.from_environ().job)

@@ -232,7 +232,10 @@ class TrainingRun:
     def _after_step(self, step: int, started: float) -> int | None:
         site, records, strategy = self.site, self.site.records, self._active()
         logged = self._logged
-        self.compute_s += time.perf_counter() - started - sum(b.seconds for b in strategy.blocked)
+        # Compute: the step's time less what the strategy blocked it and a held-out
+        # evaluation the script timed (eval_seconds): neither is training.
+        blocked = sum(b.seconds for b in strategy.blocked) + logged.get("eval_seconds", 0.0)
+        self.compute_s += time.perf_counter() - started - blocked
         loss, tokens = self._site_totals(logged)
         self.loss = loss
         self.tokens += tokens
