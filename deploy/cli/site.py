@@ -379,14 +379,22 @@ def run_one_rank(
     except OSError as exc:
         raise UsageError(f"-- CMD: cannot run {command[0]!r}: {exc.strerror}") from None
     forwarding = _pass_signals(proc)
-    progress = SiteProgress(out, spec.name).start()
+    code = _wait_with_progress(proc, forwarding, out, spec.name)
+    return code if code >= 0 else 128 - code
+
+
+def _wait_with_progress(
+    proc: subprocess.Popen, forwarding: dict[int, Any], out: Path, site: str
+) -> int:
+    """Print the site's progress until ``proc`` ends, then put the signal handlers
+    that ``forwarding`` replaced back; returns its exit status."""
+    progress = SiteProgress(out, site).start()
     try:
-        code = proc.wait()
+        return proc.wait()
     finally:
         progress.stop()
         for sig, previous in forwarding.items():
             signal.signal(sig, previous)
-    return code if code >= 0 else 128 - code
 
 
 def _pass_signals(proc: subprocess.Popen) -> dict[int, Any]:
@@ -423,13 +431,7 @@ def run_torchrun(args: argparse.Namespace, job: Job, spec: SiteSpec, out: Path) 
     )
     proc = subprocess.Popen(command, env=env, start_new_session=True)
     forwarding = _forward_signals(proc)
-    progress = SiteProgress(out, spec.name).start()
-    try:
-        code = proc.wait()
-    finally:
-        progress.stop()
-        for sig, previous in forwarding.items():
-            signal.signal(sig, previous)
+    code = _wait_with_progress(proc, forwarding, out, spec.name)
     return code
 
 

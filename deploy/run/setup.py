@@ -10,18 +10,15 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from isthmus.deploy.jobfile import Job
 from isthmus.inter.join import SiteRuntime
 from isthmus.intra.data import Dataset, ShardSpec, load_corpus
 from isthmus.intra.model import GPT, config_for, lm_loss
-from isthmus.intra.parallelize import GPT_PLAN, ModelPlan, SiteModel
+from isthmus.intra.parallelize import GPT_PLAN, ModelPlan
 from isthmus.intra.plugins import DataContext, load_callable, load_model
 from isthmus.intra.schedule import learning_rate_at
 from isthmus.job.settings import TrainSettings
@@ -122,22 +119,3 @@ def save_model(model: nn.Module, path: Path, job: Job) -> None:
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"job": job.name, "model": job.model})
     tmp.replace(path)
-
-
-def full_state(part: SiteModel, site: SiteRuntime) -> dict[str, torch.Tensor] | None:
-    """The whole model on rank 0: sharded parameters gathered (a collective on every
-    rank), pipeline stages merged by name. None on the other ranks."""
-    state = {
-        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
-        for k, v in part.model.state_dict().items()
-    }
-    if site.layout.pp == 1:
-        return state if site.rank == 0 else None
-    parts: list[Any] = [None] * site.site.ranks
-    dist.all_gather_object(parts, state)
-    if site.rank != 0:
-        return None
-    merged: dict[str, torch.Tensor] = {}
-    for one in parts:
-        merged.update(one)
-    return merged
