@@ -17,6 +17,9 @@ from isthmus.job.basics import CODECS, FieldError, is_number
 
 STRATEGIES = ("sync", "diloco", "streaming", "async")
 SCHEDULES = ("cosine", "constant", "wsd")
+DEVICES = ("auto", "cuda", "cpu")
+PRECISIONS = ("fp32", "bf16")
+OUTER_STATES = ("device", "host")
 """What follows the linear warm-up of the inner learning rate: ``cosine`` decay to 10%
 of the peak, the peak rate held (``constant``: local steps stay useful to the end,
 which short DiLoCo runs from scratch need; see the README's convergence table), or
@@ -148,6 +151,25 @@ class TrainSettings:
     (restarted, cut off, below quorum) before it gives up. Longer than
     ``round_deadline_s``: the others may need that long to notice the site was gone."""
 
+    device: str = "auto"
+    """Where each rank computes: ``cuda`` (its GPU, ``cuda:LOCAL_RANK``: one process
+    per GPU), ``cpu``, or ``auto``: the GPU when the rank sees one, else the CPU."""
+
+    precision: str = "fp32"
+    """``isthmus run``: ``fp32``, or ``bf16``: the forward and backward in bfloat16
+    under autocast while the weights, the optimizer state, the gradient reductions
+    and everything that crosses the WAN stay float32."""
+
+    compile: bool = False
+    """``isthmus run``: ``torch.compile`` each transformer block of the built-in model
+    (the first steps take longer while it compiles)."""
+
+    outer_state: str = "device"
+    """Where the DiLoCo family keeps its outer parameters and momentum (two float32
+    copies of the rank's share of the model): ``device`` (beside the model, fastest)
+    or ``host`` (pinned CPU memory, for a model whose extra copies do not fit on the
+    GPU; each round then copies the pseudo-gradient out and the new model back)."""
+
     min_sites: int = 0
     """``isthmus run``: the quorum. When sites are lost, the others
     train on while at least this many sites remain, and pause (saying so) below
@@ -263,6 +285,11 @@ class TrainSettings:
                 "as the others take to notice it was gone; raise it, or lower round_deadline_s",
             )
         _non_negative_int("min_sites", self.min_sites, "sites; 0: half the job's, rounded up")
+        _one_of("device", self.device, DEVICES, "where each rank computes")
+        _one_of("precision", self.precision, PRECISIONS, "the compute precision")
+        if not isinstance(self.compile, bool):
+            raise SettingError("compile", f"must be true or false, got {self.compile!r}")
+        _one_of("outer_state", self.outer_state, OUTER_STATES, "where the outer state lives")
 
     @property
     def site_wait_s(self) -> float:
@@ -300,6 +327,13 @@ def check_late_contributions(late: Any, weight: Any) -> None:
         )
     if not (is_number(weight) and 0 < weight <= 1):
         raise SettingError("staleness_weight", f"must be a number in (0, 1], got {weight!r}")
+
+
+def _one_of(name: str, value: Any, choices: tuple[str, ...], meaning: str) -> None:
+    if value not in choices:
+        raise SettingError(
+            name, f"unknown value {value!r} ({meaning}); use one of {', '.join(choices)}"
+        )
 
 
 def _non_negative_int(name: str, value: Any, meaning: str) -> None:
