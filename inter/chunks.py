@@ -6,6 +6,11 @@ decodes chunk k while k+1 arrives. A chunk carries its position (``offset``,
 in values), a CRC-32 of its payload and fields, and everything needed to
 decode it. A chunk that fails verification is refused with the reason, never
 applied; the sender sends it again.
+
+Values and buffers may live on any device: a chunk is encoded where its values
+are and decoded where its buffer is, and only its payload, host bytes, goes
+through here (``staging``: how those bytes cross to and from the device, see
+:mod:`isthmus.inter.staging`; None takes the device's shared one).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 import zstandard
 
 from isthmus.inter.codecs import VALUE_BYTES, Codec, CodecError, Encoded, parse_codec
+from isthmus.inter.staging import Staging
 from isthmus.proto import wire_pb2
 
 
@@ -83,10 +89,12 @@ def encode_chunk(
     count: int,
     weight: float,
     lane: int = 0,
+    staging: Staging | None = None,
 ) -> wire_pb2.Chunk:
-    """One chunk message holding ``values`` (which start at ``offset`` in the shard)."""
+    """One chunk message holding ``values`` (which start at ``offset`` in the shard),
+    encoded on their device."""
     return _message(
-        codec.encode(values),
+        codec.encode(values, staging=staging),
         round=round,
         shard=shard,
         offset=offset,
@@ -238,8 +246,11 @@ class ReceivedChunk:
             chunk.lane,
         )
 
-    def decode_into(self, shard_buffer: torch.Tensor) -> torch.Tensor:
-        """Decode into ``shard_buffer[offset : offset + elements]``; return that slice."""
+    def decode_into(
+        self, shard_buffer: torch.Tensor, staging: Staging | None = None
+    ) -> torch.Tensor:
+        """Decode into ``shard_buffer[offset : offset + elements]``, on the buffer's
+        device; return that slice."""
         target = shard_buffer[self.offset : self.offset + self.encoded.count]
         if target.numel() != self.encoded.count:
             raise ChunkError(
@@ -248,7 +259,7 @@ class ReceivedChunk:
                 f"shard of {shard_buffer.numel()}",
             )
         try:
-            return self.codec.decode(self.encoded, out=target)
+            return self.codec.decode(self.encoded, out=target, staging=staging)
         except (CodecError, zstandard.ZstdError, RuntimeError, ValueError) as exc:
             # The checksum held, so the sender built a payload its own fields do
             # not describe (torch says so with a RuntimeError on mismatched

@@ -1,6 +1,6 @@
 """Codecs: how a float32 tensor is turned into bytes for the WAN, and back.
 
-Every codec maps a flat float32 CPU tensor to an :class:`Encoded` (bytes plus
+Every codec maps a flat float32 tensor to an :class:`Encoded` (host bytes plus
 what is needed to decode them) and back. The lossy part is one of
 
 * ``none``  exact float32;
@@ -20,17 +20,25 @@ times accumulates up to k bounds (see the collective engine).
 
 :class:`ErrorFeedback` carries each site's residual (what the codec lost) into
 its next encode, so quantisation error does not accumulate over rounds.
+
+The lossy stage runs as torch ops on the values' device (a GPU's values are
+quantised there); only its bytes go to the host (:mod:`isthmus.inter.staging`),
+where the lossless stage runs. Decoding is the way back: host bytes, once
+decompressed, go to the ``out`` tensor's device and are dequantised there. The
+same input gives the same bytes on every device, so sites on GPUs and on CPUs
+end a round bitwise identical: every step is one IEEE operation, rounded to
+nearest, that CPU and CUDA kernels compute alike (see :func:`_quantize`).
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 import zstandard
 
+from isthmus.inter.staging import Buffer, Staging, staging_for
 from isthmus.job.basics import CODECS
 
 LOSSY = CODECS
@@ -56,7 +64,8 @@ class Encoded:
     """The codec's spec, e.g. ``int8`` or ``bf16+zstd``."""
     count: int
     """Number of float32 values encoded."""
-    payload: bytes | bytearray
+    payload: Buffer
+    """Host bytes (never device memory: they go on the wire)."""
     block_size: int = 0
     """Values per scale (int8, int4, int2); 0 otherwise."""
     meta: dict[str, int] = field(default_factory=dict)
@@ -108,15 +117,19 @@ class Codec:
         return per_block.repeat_interleave(self.block_size)[: values.numel()] + x.abs() * 2.0**-22
 
     # -- encode ----------------------------------------------------------------------
-    def encode(self, values: torch.Tensor) -> Encoded:
+    def encode(self, values: torch.Tensor, *, staging: Staging | None = None) -> Encoded:
+        """``values``, on any device, as host bytes. ``staging``: how the encoded bytes
+        reach the host (default: the shared one of the values' device)."""
         values = _check(values)
+        staging = _staging(staging, values.device)
         if self.name in ("none", "fp16", "bf16"):
-            payload = self._encode_float(values)
-            sections = {"values": len(payload), "element": _ELEMENT[self.name]}
+            raw = self._encode_float(values, staging)
+            sections = {"values": raw.numel(), "element": _ELEMENT[self.name]}
             scales_len = 0
         else:
-            payload, scales_len = self._encode_blocks(values)
-            sections = {"scales": scales_len, "values": len(payload) - scales_len, "element": 1}
+            raw, scales_len = self._encode_blocks(values, staging)
+            sections = {"scales": scales_len, "values": raw.numel() - scales_len, "element": 1}
+        payload = staging.to_host(raw)  # only the encoded bytes leave the device
         if self.zstd:
             view = memoryview(payload)
             body = byte_shuffle(bytes(view[scales_len:]), sections["element"])
@@ -130,9 +143,13 @@ class Codec:
             meta=sections,
         )
 
-    def _encode_float(self, values: torch.Tensor) -> bytes:
+    def _encode_float(self, values: torch.Tensor, staging: Staging) -> torch.Tensor:
+        """The values as float32, fp16 or bf16 (rounded to nearest even, on any
+        device), written straight into the payload's bytes."""
+        raw = staging.empty(values.numel() * _ELEMENT[self.name])
         if self.name == "none":
-            return values.numpy().tobytes()
+            raw.view(torch.float32).copy_(values)
+            return raw
         if self.name == "fp16":
             peak = float(torch.maximum(values.amax(), -values.amin())) if values.numel() else 0.0
             if peak > FP16_MAX:
@@ -140,34 +157,52 @@ class Codec:
                     f"a value of magnitude {peak:.3g} exceeds fp16's range (65504); "
                     "use bf16 or int8 for this tensor"
                 )
-            return values.to(torch.float16).view(torch.int16).numpy().tobytes()
-        return values.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+            raw.view(torch.float16).copy_(values)
+            return raw
+        raw.view(torch.bfloat16).copy_(values)
+        return raw
 
-    def _encode_blocks(self, values: torch.Tensor) -> tuple[bytearray, int]:
+    def _encode_blocks(self, values: torch.Tensor, staging: Staging) -> tuple[torch.Tensor, int]:
         """Payload = float32 scale per block, then the int8 (or packed int4, int2) values.
-        Written straight into one buffer: no intermediate copies of the values."""
+        Written straight into one buffer: no intermediate copies of the values (int8
+        is quantised in place there; int4 and int2 go through a packing step)."""
         levels = BLOCKWISE_LEVELS[self.name]
-        parts = [_quantize(b, levels) for b in _block_views(values, self.block_size)]
-        if self.name == "int4":
-            parts = [(scale, _pack_nibbles(q)) for scale, q in parts]
-        elif self.name == "int2":
-            parts = [(scale, _pack_crumbs(q)) for scale, q in parts]
-        scales_len = 4 * sum(scale.numel() for scale, _ in parts)
-        payload = bytearray(scales_len + sum(q.numel() for _, q in parts))
-        scale_out = torch.frombuffer(payload, dtype=torch.float32, count=scales_len // 4)
-        value_out = torch.frombuffer(payload, dtype=torch.int8, offset=scales_len)
-        s_at = v_at = 0
-        for scale, q in parts:
-            scale_out[s_at : s_at + scale.numel()] = scale
-            value_out[v_at : v_at + q.numel()] = q
-            s_at += scale.numel()
-            v_at += q.numel()
-        return payload, scales_len
+        per_byte = _PER_BYTE[self.name]
+        parts = _block_views(values, self.block_size)
+        blocks = sum(part.shape[0] for part in parts)
+        scales_len = 4 * blocks
+        raw = staging.empty(scales_len + blocks * self.block_size // per_byte)
+        scale_out = raw[:scales_len].view(torch.float32)
+        value_out = raw[scales_len:].view(torch.int8)
+        row = at = 0
+        for part in parts:
+            rows = part.shape[0]
+            size = rows * self.block_size // per_byte
+            scales, target = scale_out[row : row + rows], value_out[at : at + size]
+            if per_byte == 1:
+                _quantize(part, levels, scales, target)
+            else:
+                q = torch.empty(part.numel(), dtype=torch.int8, device=part.device)
+                _quantize(part, levels, scales, q)
+                target.copy_(_pack_nibbles(q) if per_byte == 2 else _pack_crumbs(q))
+            row += rows
+            at += size
+        return raw, scales_len
 
     # -- decode -----------------------------------------------------------------------
-    def decode(self, encoded: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The values of ``encoded`` as float32; into ``out`` (``count`` values) when
-        given: a buffer reused across rounds saves the page faults of a fresh one."""
+    def decode(
+        self,
+        encoded: Encoded,
+        out: torch.Tensor | None = None,
+        *,
+        device: torch.device | str | None = None,
+        staging: Staging | None = None,
+    ) -> torch.Tensor:
+        """The values of ``encoded`` as float32; into ``out`` (``count`` values, on any
+        device) when given: a buffer reused across rounds saves the page faults of a
+        fresh one. Without ``out``, a new tensor on ``device`` (default: the CPU).
+        The received bytes go to that device (``staging``: how; default the shared
+        one of the device) and are dequantised there."""
         if out is not None and (out.dtype != torch.float32 or out.numel() != encoded.count):
             raise CodecError(
                 f"out must be float32 with {encoded.count} values, got {out.dtype} "
@@ -175,10 +210,12 @@ class Codec:
             )
         if encoded.codec != self.spec:
             raise CodecError(f"payload was encoded with {encoded.codec!r}, not {self.spec!r}")
+        where = out.device if out is not None else torch.device(device or "cpu")
+        staging = _staging(staging, where)
         meta = encoded.meta
         scales_len = meta.get("scales", 0)
         view = memoryview(encoded.payload)
-        body: bytes | memoryview = view[scales_len:]
+        body: Buffer = view[scales_len:]
         if self.zstd:
             body = byte_unshuffle(
                 zstandard.ZstdDecompressor().decompress(body, max_output_size=meta["values"]),
@@ -187,14 +224,13 @@ class Codec:
         if len(body) != meta["values"]:
             raise CodecError(f"payload holds {len(body)} value bytes, expected {meta['values']}")
         n = encoded.count
-        result = torch.empty(n, dtype=torch.float32) if out is None else out.view(-1)
-        if self.name == "none":
-            return result.copy_(_read_only(body, torch.float32)[:n])
-        if self.name in ("fp16", "bf16"):
-            dtype = torch.float16 if self.name == "fp16" else torch.bfloat16
-            return result.copy_(_read_only(body, torch.int16).view(dtype)[:n])
-        scale = _read_only(view[:scales_len], torch.float32)
-        q = _read_only(body, torch.int8)
+        result = torch.empty(n, dtype=torch.float32, device=where) if out is None else out.view(-1)
+        if self.name in _FLOAT_DTYPE:
+            (raw,) = staging.to_device([body])
+            return result.copy_(raw.view(_FLOAT_DTYPE[self.name])[:n])
+        scales, raw = staging.to_device([view[:scales_len], body])
+        scale = scales.view(torch.float32)
+        q = raw.view(torch.int8)
         if self.name == "int4":
             packed = q.view(torch.uint8)
             q = torch.stack((packed & 0x0F, packed >> 4), dim=1).view(-1).view(torch.int8) - 8
@@ -204,6 +240,14 @@ class Codec:
             q = torch.stack(crumbs, dim=1).view(-1).view(torch.int8) - 1
         _dequantize(q.view(-1, encoded.block_size), scale, result)
         return result
+
+
+def _staging(staging: Staging | None, device: torch.device) -> Staging:
+    if staging is None:
+        return staging_for(device)
+    if staging.device != device:
+        raise CodecError(f"a staging for {staging.device} cannot move a tensor on {device}")
+    return staging
 
 
 def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -219,17 +263,10 @@ def _pack_crumbs(q: torch.Tensor) -> torch.Tensor:
     return packed.view(torch.int8)
 
 
-def _read_only(buffer: bytes | memoryview, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor over received bytes without copying them. torch warns that the
-    buffer is read-only; decoding only ever reads it."""
-    if len(buffer) == 0:
-        return torch.empty(0, dtype=dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(buffer, dtype=dtype)
-
-
 _ELEMENT = {"none": 4, "fp16": 2, "bf16": 2}
+_FLOAT_DTYPE = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_PER_BYTE = {"int8": 1, "int4": 2, "int2": 4}
+"""Blockwise codecs: values packed into one byte."""
 
 
 def parse_codec(spec: str, **options: int) -> Codec:
@@ -245,8 +282,6 @@ def _check(values: torch.Tensor) -> torch.Tensor:
         raise CodecError(f"expected a torch.Tensor, got {type(values).__name__}")
     if values.dtype != torch.float32:
         raise CodecError(f"expected float32 values, got {values.dtype}; convert with .float()")
-    if values.device.type != "cpu":
-        raise CodecError(f"expected a CPU tensor, got one on {values.device}")
     return values.reshape(-1).contiguous()
 
 
@@ -257,7 +292,7 @@ def _block_views(values: torch.Tensor, block_size: int) -> list[torch.Tensor]:
     whole = flat.numel() // block_size * block_size
     parts = [flat[:whole].view(-1, block_size)] if whole else []
     if whole < flat.numel() or not parts:
-        tail = torch.zeros(block_size, dtype=torch.float32)
+        tail = torch.zeros(block_size, dtype=torch.float32, device=flat.device)
         tail[: flat.numel() - whole] = flat[whole:]
         parts.append(tail.view(1, block_size))
     return parts
@@ -269,26 +304,34 @@ def _block_views(values: torch.Tensor, block_size: int) -> list[torch.Tensor]:
 _QUANTIZE_CHUNK_VALUES = 1 << 18
 
 
-def _quantize(blocks: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blockwise absmax quantisation to -levels..levels: (scale per block, int8 values).
+def _quantize(blocks: torch.Tensor, levels: int, scale: torch.Tensor, q: torch.Tensor) -> None:
+    """Blockwise absmax quantisation to -levels..levels: ``scale`` per block (float32)
+    and ``q`` (int8, one per value), written into the tensors given.
 
     Written for speed on one core: max and min instead of abs().amax(), multiply
     by the reciprocal, no clamp (|x| * levels / absmax <= levels already), and
-    the work done in cache-sized chunks through one scratch buffer."""
-    absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_())
-    scale = absmax / levels
-    # A block of zeros has scale 0: multiply by 0 instead, it quantises to 0.
-    inverse = torch.where(absmax > 0, levels / absmax, torch.zeros_like(absmax))
-    q = torch.empty(blocks.shape, dtype=torch.int8)
+    the work done in cache-sized chunks through one scratch buffer.
+
+    The same bytes on every device: max/min are exact in any order; ``abs_`` makes
+    an all-zero block's absmax +0 whichever zero a kernel picks (a -0 scale
+    would decode to -0); the scale divides by a tensor, not a Python number (CUDA
+    turns ``x / 127`` into ``x * (1/127)``, one rounding more); the inverse is
+    ``reciprocal() * levels``, what ``levels / absmax`` always meant on the CPU;
+    products, round-half-even and the int8 cast are exact IEEE steps everywhere.
+    An inverse that overflows (absmax below ~1e-37, or 0) quantises its block to
+    0: ``x * inf`` would make NaN, whose cast to int8 is undefined."""
+    absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()).abs_()
+    torch.div(absmax, torch.full_like(absmax, levels), out=scale)
+    inverse = absmax.reciprocal_().mul_(levels).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    q = q.view(blocks.shape)
     rows = max(1, _QUANTIZE_CHUNK_VALUES // blocks.shape[1])
-    scratch = torch.empty((rows, blocks.shape[1]), dtype=torch.float32)
+    scratch = torch.empty((rows, blocks.shape[1]), dtype=torch.float32, device=blocks.device)
     for start in range(0, blocks.shape[0], rows):
         stop = min(start + rows, blocks.shape[0])
         out = scratch[: stop - start]
         torch.mul(blocks[start:stop], inverse[start:stop, None], out=out)
         out.round_()
         q[start:stop].copy_(out)
-    return scale, q.view(-1)
 
 
 def _dequantize(blocks: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
@@ -314,7 +357,7 @@ def _dequantize(blocks: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) ->
 def _blocks(values: torch.Tensor, block_size: int) -> torch.Tensor:
     flat = values.reshape(-1)
     blocks = max(1, math.ceil(flat.numel() / block_size))
-    padded = torch.zeros(blocks * block_size, dtype=torch.float32)
+    padded = torch.zeros(blocks * block_size, dtype=torch.float32, device=flat.device)
     padded[: flat.numel()] = flat
     return padded.view(blocks, block_size)
 
@@ -350,5 +393,5 @@ class ErrorFeedback:
         values = _check(values)
         corrected = values if self.residual is None else values + self.residual
         encoded = self.codec.encode(corrected)
-        self.residual = corrected - self.codec.decode(encoded)
+        self.residual = corrected - self.codec.decode(encoded, device=corrected.device)
         return encoded

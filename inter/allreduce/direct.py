@@ -16,6 +16,10 @@ Both phases are pipelined by chunks: as soon as every site's chunk k of this
 site's slice is in, chunk k of the result is reduced, encoded and on its way,
 while later chunks of the reduce-scatter still arrive. Wire tags:
 reduce-scatter chunks carry ``shard = j``, all-gather chunks ``shard = S + j``.
+
+Every buffer (contributions, results, the own slice through the codec, the
+error-feedback loss) lives on the values' device, ``round.staging.device``:
+a GPU's values are reduced on the GPU and only encoded bytes leave it.
 """
 
 from __future__ import annotations
@@ -128,8 +132,10 @@ class DirectRound:
     def expect_contributions(self) -> None:
         """The other sites' shares of this site's slice, decoded as they arrive."""
         size = self.b - self.a
+        r = self.round
         self.contributions = {
-            s: self.inbox.expect(self.round.number, self.mine, s, size) for _, s in self.others
+            s: self.inbox.expect(r.number, self.mine, s, size, staging=r.staging)
+            for _, s in self.others
         }
 
     def send_contributions(self) -> None:
@@ -145,6 +151,7 @@ class DirectRound:
                 shard=j,
                 sent=self.sent,
                 lost=None if self.lost is None else self.lost[lo:hi],
+                staging=r.staging,
             )
             send = self.outgoing.send(
                 s, chunks, round=r.number, deadline_s=r.deadline_s, handed_over=self.handed_over[s]
@@ -155,11 +162,12 @@ class DirectRound:
         """Every other slice's result is decoded straight into its place in ``out``
         as it arrives: no buffer to allocate and copy over at the end of the round,
         where that work would come after the last byte."""
+        r = self.round
         for j, s in self.others:
             lo, hi = self.bounds(j)
             shard = self.n + j
             self.results[s] = self.inbox.expect(
-                self.round.number, shard, s, hi - lo, into=self.out[lo:hi]
+                self.round.number, shard, s, hi - lo, into=self.out[lo:hi], staging=r.staging
             )
 
     def send_results(self) -> None:
@@ -184,7 +192,7 @@ class DirectRound:
         # With an exact codec, decode(encode(x)) is x bit for bit: this site's own
         # values are used as they are (the bytes sent are the same either way).
         exact = r.codec.name == "none"
-        own_values = mine_flat if exact else torch.empty(size, dtype=torch.float32)
+        own_values = mine_flat if exact else torch.empty_like(mine_flat)
         for index, (lo, hi) in enumerate(ranges):
             if not exact:
                 await self.pass_own_through_codec(mine_flat, own_values, lo, hi, index, len(ranges))
@@ -193,11 +201,11 @@ class DirectRound:
             reduced = self.reduce(own_values, lo, hi)
             result = await self.outgoing.encode(
                 r.codec, reduced, round=r.number, shard=self.n + self.mine, offset=lo,
-                index=index, count=len(ranges),
+                index=index, count=len(ranges), staging=r.staging,
             )  # fmt: skip
             self.share(result)
             if not exact:
-                own_chunk(result, r.codec).decode_into(self.out[self.a : self.b])
+                own_chunk(result, r.codec).decode_into(self.out[self.a : self.b], r.staging)
         for queue in self.queues.values():
             queue.put_nowait(None)
         self.phases["contributions"] = loop.time() - r.started
@@ -220,9 +228,9 @@ class DirectRound:
         r = self.round
         chunk = await self.outgoing.encode(
             r.codec, mine_flat[lo:hi], round=r.number, shard=self.mine, offset=lo,
-            index=index, count=count,
+            index=index, count=count, staging=r.staging,
         )  # fmt: skip
-        own_chunk(chunk, r.codec).decode_into(own_values)
+        own_chunk(chunk, r.codec).decode_into(own_values, r.staging)
         if self.lost is not None:
             self.lost[self.a + lo : self.a + hi] = mine_flat[lo:hi] - own_values[lo:hi]
 

@@ -13,6 +13,11 @@ seals that decision for the round); the engine never decides membership. A
 contribution that is not finite, or of the wrong size, is refused with an
 error naming the site; a peer that does not deliver by the deadline fails the
 round with an error naming the site and its address.
+
+The tensor may live on any device (a GPU's pseudo-gradient): the round's
+buffers, its reduction and its error-feedback residual stay there, and only
+encoded bytes cross to the host and back (:mod:`isthmus.inter.staging`). The
+result is on the tensor's device, ready on every stream when the round returns.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from isthmus.inter.allreduce.sending import ChunkFilter, Outgoing
 from isthmus.inter.chunks import ReceivedChunk
 from isthmus.inter.codecs import Codec
 from isthmus.inter.peer import Identity, PeerClient, PeerError, PeerServer
+from isthmus.inter.staging import Staging, staging_for
 from isthmus.inter.transport import TransportSettings
 from isthmus.sim.cost import LinkLookup, choose
 
@@ -63,6 +69,7 @@ class CrossSiteAllReduce:
         lane: int = 0,
         server: PeerServer | None = None,
         chunk_filter: ChunkFilter | None = None,
+        staging: Staging | None = None,
     ) -> None:
         """``peers``: site -> address of this rank's counterpart there. ``link_costs``
         (the same on every site: configured, or measured and sealed by the strategy)
@@ -75,7 +82,12 @@ class CrossSiteAllReduce:
 
         ``chunk_filter``: applied to each outgoing chunk after its checksum, for
         faults in tests and the fault benchmark (see :mod:`.faults`); None, the
-        default, sends chunks as they are."""
+        default, sends chunks as they are.
+
+        ``staging``: how encoded bytes move between the tensors' device and the
+        host; None, the default, takes the shared one of each round's tensor's
+        device (:func:`isthmus.inter.staging.staging_for`). A round whose tensor
+        is on another device than a given staging's is refused."""
         self.link_costs = link_costs
         self.uplink_bytes_per_s = dict(uplink_bytes_per_s or {})
         self.last_algorithm: str | None = None
@@ -95,6 +107,7 @@ class CrossSiteAllReduce:
         self.inbox = Inbox()
         self.outgoing = Outgoing(self.clients, lane=lane, chunk_filter=chunk_filter)
         self.error_feedback = ErrorFeedback()
+        self.staging = staging
         self.last: RoundStats | None = None
         self._warned_ring = False
 
@@ -254,6 +267,7 @@ class CrossSiteAllReduce:
         sites = sorted(participants)
         self._check_participants(round, sites, weights)
         flat = self._own_values(tensor, round)
+        staging = self._staging_for(flat.device)
         loop = asyncio.get_running_loop()
         started = loop.time()
         plan = Round(
@@ -268,6 +282,7 @@ class CrossSiteAllReduce:
             deadline=started + self.deadline_s,
             deadline_s=self.deadline_s,
             addresses=self.peers,
+            staging=staging,
         )
         if algorithm == "ring" and len(sites) > 1:
             self._say_feedback_is_off(round, feedback)
@@ -283,7 +298,20 @@ class CrossSiteAllReduce:
                 feedback=self.error_feedback,
                 key=feedback,
             )
+        # The last decodes may still run on the device: the caller may read the
+        # result from another stream or thread (CPU: nothing to wait for).
+        staging.settle()
         return out.view_as(tensor)
+
+    def _staging_for(self, device: torch.device) -> Staging:
+        if self.staging is None:
+            return staging_for(device)
+        if self.staging.device != device:
+            raise ValueError(
+                f"this engine stages for {self.staging.device}, got a tensor on {device}; "
+                "pass tensors on that device, or staging=None"
+            )
+        return self.staging
 
     def _pick_algorithm(
         self, algorithm: str, tensor: torch.Tensor, participants: Sequence[str]
@@ -318,7 +346,8 @@ class CrossSiteAllReduce:
 
     def _own_values(self, tensor: torch.Tensor, round: int) -> torch.Tensor:
         """``tensor`` as one flat float32 vector, refused if not finite: this site's
-        own NaN must never reach the others."""
+        own NaN must never reach the others. On a GPU the check is a sync point:
+        the tensor must be complete on the current stream (see the module doc)."""
         if tensor.dtype != torch.float32:
             raise ValueError(f"expected a float32 tensor, got {tensor.dtype}")
         flat = tensor.detach().reshape(-1).contiguous()

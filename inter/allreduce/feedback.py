@@ -13,7 +13,9 @@ every hop, where one site's loss is not separable from the others'. With the
 exact codec (``none``) there is nothing to feed back.
 
 The residuals are part of a checkpoint taken between rounds: with a lossy
-codec, resuming without them would not be bit-for-bit.
+codec, resuming without them would not be bit-for-bit. A residual lives on the
+device of the values it corrects (loaded from a CPU checkpoint, it moves there
+at its next round); :meth:`ErrorFeedback.state` gives them where they are.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class ErrorFeedback:
             return flat, None
         residual = self._residuals.get(key)
         if residual is not None and residual.numel() == flat.numel():
-            flat = flat + residual
+            flat = flat + residual.to(flat.device)
         return flat, torch.zeros_like(flat)
 
     def keep(self, key: str, lost: torch.Tensor) -> None:

@@ -8,6 +8,9 @@ holds every buffer of one engine and decides which chunks are worth keeping:
 those of rounds below the oldest one running are stragglers of rounds that
 are over (nobody waits for them), and those too far ahead are refused, so a
 peer out of step cannot fill memory.
+
+A buffer lives on the round's device (its staging's): chunks arrive as host
+bytes and are decoded there, so a GPU's buffers never pass through the host.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 
 from isthmus.inter.allreduce.rounds import Round, RoundError, all_finite
 from isthmus.inter.chunks import ChunkError, ReceivedChunk
+from isthmus.inter.staging import HOST, Staging
 from isthmus.proto import wire_pb2
 
 MAX_ROUNDS_AHEAD = 16
@@ -46,14 +50,26 @@ class Incoming:
         self.kept: dict[int, ReceivedChunk] = {}
         """With ``keep``: the chunks themselves, to forward them unchanged (ring)."""
         self._keep = False
+        self._staging: Staging = HOST
 
-    def open(self, size: int, *, keep: bool = False, into: torch.Tensor | None = None) -> None:
+    def open(
+        self,
+        size: int,
+        *,
+        keep: bool = False,
+        into: torch.Tensor | None = None,
+        staging: Staging = HOST,
+    ) -> None:
         """Give the chunks a buffer of ``size`` values: ``into`` (where the caller wants
-        them, e.g. their place in the round's output: no copy after), or a new one."""
+        them, e.g. their place in the round's output: no copy after), or a new one
+        on ``staging``'s device, which decodes every chunk there."""
         self._keep = keep
+        self._staging = staging
         if into is not None and into.numel() != size:
             raise ValueError(f"buffer of {into.numel()} values for a shard of {size}")
-        self.buffer = torch.empty(size, dtype=torch.float32) if into is None else into
+        if into is None:
+            into = torch.empty(size, dtype=torch.float32, device=staging.device)
+        self.buffer = into
         for chunk in self.pending:
             self._place(chunk)
         self.pending.clear()
@@ -82,7 +98,7 @@ class Incoming:
         if self._keep:
             self.kept[chunk.index] = chunk
         try:
-            values = chunk.decode_into(self.buffer)
+            values = chunk.decode_into(self.buffer, self._staging)
         except ChunkError as exc:
             self._fail(RoundError(chunk.site, f"round {chunk.round}: site {chunk.site!r}: {exc}"))
             return
@@ -163,11 +179,12 @@ class Inbox:
         *,
         keep: bool = False,
         into: torch.Tensor | None = None,
+        staging: Staging = HOST,
     ) -> Incoming:
         """The buffer for ``site``'s chunks of ``shard``, opened for ``size`` values
-        (with those that came early already in place)."""
+        on ``staging``'s device (with those that came early already in place)."""
         incoming = self.buffers.setdefault((round, shard, site), Incoming())
-        incoming.open(size, keep=keep, into=into)
+        incoming.open(size, keep=keep, into=into, staging=staging)
         return incoming
 
     def forget(self, round: int, shard: int, site: str) -> None:

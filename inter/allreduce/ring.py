@@ -14,6 +14,9 @@ bytes. Chunk k of a step leaves as soon as chunk k of the previous step is in.
 Partial sums are re-encoded at every hop, so a value is encoded up to S times
 (the direct algorithm: twice), and error feedback is off: a site's own loss
 is not separable from the others'.
+
+Buffers live on the values' device (``round.staging.device``), as in the
+direct algorithm; forwarded chunks stay host bytes and are never decoded twice.
 """
 
 from __future__ import annotations
@@ -56,12 +59,15 @@ class RingRound:
         # Step t of the reduce-scatter brings segment (i - t - 1), of the all-gather
         # segment (i - t), both from the predecessor; the all-gather's chunks are
         # kept whole, to be forwarded unchanged.
+        staging = round.staging
         self.rs_in = {
-            t: inbox.expect(number, (i - t - 1) % n, pred, self.size(i - t - 1))
+            t: inbox.expect(number, (i - t - 1) % n, pred, self.size(i - t - 1), staging=staging)
             for t in range(n - 1)
         }
         self.ag_in = {
-            t: inbox.expect(number, n + (i - t) % n, pred, self.size(i - t), keep=True)
+            t: inbox.expect(
+                number, n + (i - t) % n, pred, self.size(i - t), keep=True, staging=staging
+            )
             for t in range(n - 1)
         }
         self.out = torch.empty_like(flat)
@@ -130,7 +136,7 @@ class RingRound:
                     part = incoming.buffer[c_lo:c_hi] + part  # type: ignore[index]
                 chunk = await self.outgoing.encode(
                     r.codec, part, round=r.number, shard=segment, offset=c_lo,
-                    index=index, count=len(spans),
+                    index=index, count=len(spans), staging=r.staging,
                 )  # fmt: skip
                 self.sent.append(payload_size(chunk))
                 yield chunk
@@ -147,9 +153,9 @@ class RingRound:
             part = incoming.buffer[c_lo:c_hi] + self.local[lo + c_lo : lo + c_hi]  # type: ignore[index]
             chunk = await self.outgoing.encode(
                 r.codec, part, round=r.number, shard=self.n + self.owned_segment, offset=c_lo,
-                index=index, count=len(spans),
+                index=index, count=len(spans), staging=r.staging,
             )  # fmt: skip
-            own_chunk(chunk, r.codec).decode_into(self.out[lo:hi])
+            own_chunk(chunk, r.codec).decode_into(self.out[lo:hi], r.staging)
             self.owned.append(chunk)
             self.owned_ready.set()
 

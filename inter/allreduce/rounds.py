@@ -17,6 +17,7 @@ import torch
 
 from isthmus.inter.chunks import ReceivedChunk
 from isthmus.inter.codecs import Codec
+from isthmus.inter.staging import HOST, Staging
 from isthmus.proto import wire_pb2
 
 
@@ -63,6 +64,9 @@ class Round:
     deadline_s: float
     addresses: Mapping[str, str]
     """Site -> this rank's counterpart there, for messages naming a late peer."""
+    staging: Staging = HOST
+    """How encoded bytes move between the values' device and the host: every
+    buffer of the round lives on ``staging.device``, the device of the values."""
 
     @property
     def total_weight(self) -> float:

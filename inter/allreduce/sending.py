@@ -9,6 +9,10 @@ A round is over for this site once its result is in place; its last chunks
 may still be on their way (:meth:`Outgoing.outlive`), and :meth:`Outgoing.flush`
 waits for them before the engine closes.
 
+Values may live on any device: each chunk is encoded there and only its
+bytes come to the host, on the encoder thread (see :mod:`isthmus.inter.staging`),
+so a GPU's copy of chunk k+1 overlaps the sending of chunk k as its encoding does.
+
 Faults for tests come in from outside as a :data:`ChunkFilter` (see
 :mod:`.faults`): applied to each chunk as it goes on the wire, after its
 checksum. Without one (the default) the stream is not wrapped at all.
@@ -31,6 +35,7 @@ from isthmus.inter.chunks import chunk_ranges, encode_chunk, to_encoded, values_
 from isthmus.inter.codecs import Codec
 from isthmus.inter.outbox import SendFailed, send_reliably
 from isthmus.inter.peer import PeerClient
+from isthmus.inter.staging import Staging
 from isthmus.proto import wire_pb2
 
 log = logging.getLogger(__name__)
@@ -69,9 +74,13 @@ class Outgoing:
         """Sends of rounds that are over here, still waiting for acknowledgements: what
         each is (round and site), for the log."""
 
-    async def encode(self, codec: Codec, values: torch.Tensor, **where: int) -> wire_pb2.Chunk:
-        """One chunk, encoded on the worker thread."""
-        encode = functools.partial(encode_chunk, codec, values, weight=1.0, lane=self.lane, **where)
+    async def encode(
+        self, codec: Codec, values: torch.Tensor, *, staging: Staging | None = None, **where: int
+    ) -> wire_pb2.Chunk:
+        """One chunk, encoded on the worker thread (on the values' device)."""
+        encode = functools.partial(
+            encode_chunk, codec, values, weight=1.0, lane=self.lane, staging=staging, **where
+        )
         return await asyncio.get_running_loop().run_in_executor(self._pool, encode)
 
     async def encoded_chunks(
@@ -84,6 +93,7 @@ class Outgoing:
         shard: int,
         sent: list[int],
         lost: torch.Tensor | None = None,
+        staging: Staging | None = None,
     ) -> AsyncIterator[wire_pb2.Chunk]:
         """The chunks of ``values``, each encoded on the worker thread just before it
         is needed; adds their payload sizes to ``sent``. ``lost`` (as long as
@@ -102,10 +112,12 @@ class Outgoing:
                 count=len(ranges),
                 weight=1.0,
                 lane=self.lane,
+                staging=staging,
             )
             chunk = await loop.run_in_executor(self._pool, encode)
             if lost is not None:
-                await loop.run_in_executor(self._pool, codec_loss, chunk, codec, values, lost)
+                loss = functools.partial(codec_loss, chunk, codec, values, lost, staging)
+                await loop.run_in_executor(self._pool, loss)
             sent.append(payload_size(chunk))
             yield chunk
 
@@ -201,12 +213,18 @@ class Outgoing:
 
 
 def codec_loss(
-    chunk: wire_pb2.Chunk, codec: Codec, values: torch.Tensor, lost: torch.Tensor
+    chunk: wire_pb2.Chunk,
+    codec: Codec,
+    values: torch.Tensor,
+    lost: torch.Tensor,
+    staging: Staging | None = None,
 ) -> None:
-    """``lost[chunk] = values[chunk] - decode(chunk)``: what encoding lost there."""
+    """``lost[chunk] = values[chunk] - decode(chunk)``: what encoding lost there
+    (decoded straight into ``lost``, on its device)."""
     encoded = to_encoded(chunk, chunk.payload)
     span = slice(chunk.offset, chunk.offset + encoded.count)
-    torch.sub(values[span], codec.decode(encoded), out=lost[span])
+    decoded = codec.decode(encoded, out=lost[span], staging=staging)
+    torch.sub(values[span], decoded, out=decoded)
 
 
 async def unless_a_send_fails(
