@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from isthmus.inter.codecs import parse_codec
 from isthmus.inter.join import SiteRuntime
+from isthmus.intra import collectives
 
 PIECES = 4
 """16-bit pieces per digest: 64 bits, exact in float32."""
@@ -70,9 +71,9 @@ def _site_digest(digest: bytes, site: SiteRuntime) -> list[float]:
     stages their own parts (all of them count, in rank order)."""
     if site.site.ranks == 1:
         return _pieces(digest)
-    mine = torch.tensor(list(digest), dtype=torch.int64)
+    mine = torch.tensor(list(digest), dtype=torch.int64, device=site.device)
     every = [torch.zeros_like(mine) for _ in range(site.site.ranks)]
-    dist.all_gather(every, mine)
+    collectives.all_gather(every, mine, device=site.device, where="agreement.site_digest")
     distinct: list[bytes] = []
     for rank_digest in every:
         one = bytes(rank_digest.tolist())
@@ -83,7 +84,9 @@ def _site_digest(digest: bytes, site: SiteRuntime) -> list[float]:
 
 def _site_max(values: torch.Tensor, site: SiteRuntime) -> torch.Tensor:
     if site.site.ranks > 1:
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        collectives.all_reduce(
+            values, op=dist.ReduceOp.MAX, device=site.device, where="agreement.site_flags"
+        )
     return values
 
 
@@ -144,7 +147,7 @@ def _agree(
     value_differs = not torch.equal(theirs[1 + PIECES :], mine[1 + PIECES :].cpu())
 
     me = names.index(site.name)
-    flags = torch.zeros(2 * len(names), dtype=torch.float32)
+    flags = torch.zeros(2 * len(names), dtype=torch.float32, device=site.device)
     flags[me] = float(shape_differs)
     flags[len(names) + me] = float(value_differs)
     flags = _site_max(flags, site)  # a site differs when any of its ranks does

@@ -20,6 +20,10 @@ Sharded inputs (FSDP2's DTensors) are gathered to their full value first
 (``full_tensor``): simple and layout-independent, at the cost of holding the
 full vector during the step. Redistributing shards straight to lane owners
 would avoid that; see docs/ARCHITECTURE.md.
+
+The in-site parts run on the rank's compute device (``device``: NCCL on a GPU);
+the cross-site engine takes its lanes on ``wan_device``, the CPU until it
+encodes on the GPU itself, so each lane is copied out and its result back.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from torch.distributed.tensor.placement_types import Placement
 from isthmus.inter.allreduce import RoundStats
 from isthmus.inter.background import BackgroundLoop
 from isthmus.inter.lanes import RankEndpoint, owned_lanes
+from isthmus.intra import collectives
 
 ABORT_POLL_S = 0.1
 """How often a wait that can be abandoned checks whether it must be."""
@@ -79,11 +84,15 @@ class HierarchicalStep:
         timeout_s: float | None = None,
         wait_group: dist.ProcessGroup | None = None,
         dp_wait_group: dist.ProcessGroup | None = None,
+        device: torch.device | str = "cpu",
+        wan_device: torch.device | str = "cpu",
     ) -> None:
         """``dp_group``: this rank's data-parallel peers in the site (None with one).
         ``wait_group``, ``dp_wait_group``: the site's ranks and this rank's
         data-parallel peers, for the collectives after the WAN part, where a rank
-        waits while the others finish theirs (None: the site group, ``dp_group``)."""
+        waits while the others finish theirs (None: the site group, ``dp_group``).
+        ``device``: where this rank computes (its in-site collectives run there);
+        ``wan_device``: where the cross-site engine takes its values."""
         if dp_size > 1 and dp_group is None:
             raise ValueError("a site with several data-parallel ranks needs their process group")
         if lanes % dp_size:
@@ -98,6 +107,8 @@ class HierarchicalStep:
         self.wait_group = wait_group
         self.dp_wait_group = dp_wait_group or dp_group
         self.my_lanes = owned_lanes(dp_rank, dp_size, lanes)
+        self.device = torch.device(device)
+        self.wan_device = torch.device(wan_device)
 
     def average(
         self,
@@ -146,32 +157,43 @@ class HierarchicalStep:
         returned :meth:`PendingAverage.wait` finishes it (every rank of the group
         calls it at the same point). ``tensors`` must not change until then.
         ``feedback``: the engine's error-feedback key for this vector (None: off)."""
+        device = self.device
         local = [_dp_replicated(t) if isinstance(t, DTensor) else t for t in tensors]
-        flat = (
-            torch.cat([t.detach().reshape(-1).float() for t in local]) if local else torch.empty(0)
-        )
-        numel = flat.numel()
+        numel = sum(t.numel() for t in local)
         lane_len = math.ceil(numel / self.lanes)
         block_len = lane_len * len(self.my_lanes)
-        padded = torch.zeros(lane_len * self.lanes)
-        padded[:numel] = flat
+        padded = torch.zeros(lane_len * self.lanes, device=device)
+        offset = 0
+        for t in local:
+            # Straight into the padded buffer on the device (copy_ converts to float32
+            # and brings a tensor kept elsewhere, e.g. outer state on the host, over).
+            padded[offset : offset + t.numel()].view(t.shape).copy_(t.detach())
+            offset += t.numel()
 
         started = time.perf_counter()
         if self.dp_size > 1 and in_site_reduce:
-            total = torch.tensor([float(rank_weight)], dtype=torch.float64)
-            dist.all_reduce(total, group=self.dp_group)
-            padded.mul_(rank_weight / float(total))
-            block = torch.empty(block_len)
-            dist.reduce_scatter_single(block, padded, group=self.dp_group)
+            total = collectives.all_reduce_values(
+                [float(rank_weight)],
+                group=self.dp_group,
+                device=device,
+                where="hierarchical.rank_weights",
+            )
+            padded.mul_(rank_weight / float(total[0]))
+            block = torch.empty(block_len, device=device)
+            collectives.reduce_scatter_tensor(
+                block, padded, group=self.dp_group, device=device, where="hierarchical.reduce"
+            )
         else:
             first = self.dp_rank * block_len
             block = padded[first : first + block_len].clone()
         reduced_s = time.perf_counter() - started
 
-        values = {}
+        slices, values = {}, {}
         for position, lane in enumerate(self.my_lanes):
             real = max(0, min(lane_len, numel - lane * lane_len))  # the last lanes may be short
-            values[lane] = block[position * lane_len : position * lane_len + real]
+            slices[lane] = block[position * lane_len : position * lane_len + real]
+            # A view on the engine's own device; a copy (from the GPU) otherwise.
+            values[lane] = slices[lane].to(self.wan_device)
         future = self.loop.submit(
             self.endpoint.allreduce_with_stats(
                 values,
@@ -182,7 +204,9 @@ class HierarchicalStep:
                 feedback=feedback,
             )
         )
-        return PendingAverage(self, tensors, values, block, numel, lane_len, future, reduced_s)
+        return PendingAverage(
+            self, tensors, slices, values, block, numel, lane_len, future, reduced_s
+        )
 
 
 class PendingAverage:
@@ -192,6 +216,7 @@ class PendingAverage:
         self,
         step: HierarchicalStep,
         tensors: Sequence[torch.Tensor],
+        slices: dict[int, torch.Tensor],
         values: dict[int, torch.Tensor],
         block: torch.Tensor,
         numel: int,
@@ -201,6 +226,7 @@ class PendingAverage:
     ) -> None:
         self._step = step
         self._tensors = tensors
+        self._slices = slices
         self._values = values
         self._block = block
         self._numel = numel
@@ -228,12 +254,18 @@ class PendingAverage:
         else:
             results, stats = self._wait_agreed(abort)
         for lane, result in results.items():
-            self._values[lane].copy_(result)
+            self._slices[lane].copy_(result)  # back into the block, on the device
         wan_s = time.perf_counter() - self._started
         gather_started = time.perf_counter()
         if step.dp_size > 1:
-            gathered = torch.empty(self._lane_len * step.lanes)
-            dist.all_gather_single(gathered, self._block, group=step.dp_wait_group)
+            gathered = torch.empty(self._lane_len * step.lanes, device=step.device)
+            collectives.all_gather_into_tensor(
+                gathered,
+                self._block,
+                group=step.dp_wait_group,
+                device=step.device,
+                where="hierarchical.gather",
+            )
         else:
             gathered = self._block
         _write_back(self._tensors, gathered[: self._numel])
@@ -257,8 +289,14 @@ class PendingAverage:
         except Exception as exc:
             outcome, error = None, exc
         if dist.is_initialized() and dist.get_world_size() > 1:
-            flag = torch.tensor([0 if error is not None else 1], dtype=torch.int64)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._step.wait_group)
+            flag = collectives.all_reduce_values(
+                [0 if error is not None else 1],
+                op=dist.ReduceOp.MIN,
+                group=self._step.wait_group,
+                device=self._step.device,
+                dtype=torch.int64,
+                where="hierarchical.outcome",
+            )
             if error is None and not flag.item():
                 error = RoundAborted("another rank of this site could not finish the round")
         if error is not None:

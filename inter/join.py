@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from isthmus.inter.membership import Membership
 from isthmus.inter.peer import Identity, PeerClient
 from isthmus.inter.tls import SiteTls
 from isthmus.inter.transport import TransportSettings
+from isthmus.intra.devices import compute_device
 from isthmus.intra.process_group import SiteError, dp_group, init_site_group, waiting_group
 from isthmus.job.addressing import SiteAddresses, resolve
 from isthmus.job.layout import Layout
@@ -62,6 +63,9 @@ class SiteRuntime:
     membership: Membership | None = None
     """Who takes part in each round, when sites may be lost and rejoin (the
     control plane carries it); None: every site of the job, always."""
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """Where this rank computes (``train.device`` resolved): every tensor of an
+    in-site collective is made here (:mod:`isthmus.intra.collectives`)."""
     _round: int = -1
 
     @property
@@ -162,6 +166,7 @@ def start_site(
     rejoining: bool = False,
     collective_timeout_s: float | None = None,
     site_wait_s: float | None = None,
+    device: torch.device | str | None = None,
 ) -> SiteRuntime:
     """Start this rank of ``site``. ``parameters``: (name, shape) of what will cross
     the WAN, for the layout check at the handshake. ``state``: the emulator's
@@ -169,11 +174,15 @@ def start_site(
     other sites are training already, and some may be down: connect to those that
     answer, and to the others when they come back. ``collective_timeout_s``: the
     site group's timeout (a hung rank); ``site_wait_s``: the timeout of the groups
-    whose collectives wait on other sites (see :class:`SiteRuntime`)."""
+    whose collectives wait on other sites (see :class:`SiteRuntime`). ``device``:
+    where this rank computes (default: ``train.device`` resolved for this rank)."""
     try:
         spec = job.site(site)
     except KeyError as exc:
         raise SiteError(exc.args[0]) from None
+    # Resolved before the group starts: a job asking for a GPU this machine lacks
+    # fails here, naming the setting, not at its first collective.
+    device = compute_device(job.train.device) if device is None else torch.device(device)
     rank = init_site_group(site, spec.ranks, backend, collective_timeout_s)
     layout = spec.layout
     group = dp_group(layout, rank) if spec.ranks > 1 else None
@@ -229,6 +238,7 @@ def start_site(
         timeout_s=deadline_s * 2,
         wait_group=waiting,
         dp_wait_group=dp_waiting,
+        device=device,
     )
     return SiteRuntime(
         job=job,
@@ -243,6 +253,7 @@ def start_site(
         step=step,
         dp_group=group,
         wait_group=waiting,
+        device=device,
     )
 
 

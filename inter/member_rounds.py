@@ -51,6 +51,7 @@ from isthmus.inter.state_transfer import (
     fetch_state,
     pack_state,
 )
+from isthmus.intra import collectives
 from isthmus.job.layout import Layout
 from isthmus.proto import wire_pb2
 
@@ -320,8 +321,14 @@ class MemberRounds:
                 )
             if self.site.layout.size == 1:
                 return view
-            epochs = torch.tensor([-view.epoch, view.epoch], dtype=torch.int64)
-            dist.all_reduce(epochs, op=dist.ReduceOp.MAX, group=self.site.wait_group)
+            epochs = collectives.all_reduce_values(
+                [-view.epoch, view.epoch],
+                op=dist.ReduceOp.MAX,
+                group=self.site.wait_group,
+                device=self.site.device,
+                dtype=torch.int64,
+                where="member_rounds.view_epochs",
+            )
             lowest, highest = -int(epochs[0]), int(epochs[1])
             if lowest == highest:
                 return view
@@ -417,8 +424,14 @@ class MemberRounds:
         several)."""
         if self.site.layout.size == 1:
             return flag
-        value = torch.tensor([int(flag)], dtype=torch.int64)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.site.wait_group)
+        value = collectives.all_reduce_values(
+            [int(flag)],
+            op=dist.ReduceOp.MAX,
+            group=self.site.wait_group,
+            device=self.site.device,
+            dtype=torch.int64,
+            where="member_rounds.site_any",
+        )
         return bool(value.item())
 
     def _say_waiting(self, why: str) -> None:

@@ -29,7 +29,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+
+from isthmus.intra import collectives
 
 META = "meta.json"
 _NUMBERED = re.compile(r"^([a-z]+)-(\d+)$")
@@ -39,9 +42,16 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
+def _barrier(model: nn.Module) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        collectives.barrier(device=_device(model), where="checkpoint.save")
+
+
+def _device(model: nn.Module) -> torch.device:
+    """Where the rank computes, read off its model (the barrier's GPU on NCCL)."""
+    for p in model.parameters():
+        return collectives.device_of(p.to_local() if isinstance(p, DTensor) else p)
+    return torch.device("cpu")
 
 
 def checkpoint_path(folder: str | Path, number: int, kind: str = "step") -> Path:
@@ -70,7 +80,7 @@ def save_checkpoint(
         tmp = target.with_name(f".{target.name}.tmp")
         torch.save(extra, tmp)
         os.replace(tmp, target)
-    _barrier()  # every rank's part is on disk: only now may the checkpoint count
+    _barrier(model)  # every rank's part is on disk: only now may the checkpoint count
     if _rank() == 0:
         record = {kind: step, **(meta or {})}
         tmp = path / f".{META}.tmp"
@@ -78,7 +88,7 @@ def save_checkpoint(
         os.replace(tmp, path / META)
         for old in complete_checkpoints(Path(folder), kind)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    _barrier(model)
     return path
 
 

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
+import torch
 
 from isthmus.deploy.jobfile import Job
 from isthmus.deploy.run.launcher import survives_site_loss
@@ -23,6 +23,8 @@ from isthmus.inter import newcomers
 from isthmus.inter.control import Broker, ControlPlane
 from isthmus.inter.membership import Membership
 from isthmus.inter.strategies import Strategy, StreamingDiLoCo, Sync
+from isthmus.intra import collectives
+from isthmus.intra.devices import compute_device
 from isthmus.job.settings import TrainSettings
 
 log = logging.getLogger("isthmus.control")
@@ -74,11 +76,14 @@ class SiteControl:
         ranks: int,
         address: str,
         membership: Membership | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         """``address``: where the site's rank 0 serves its peers (host:port).
         ``membership``: the site's side of the membership protocol, which the
-        control plane carries."""
+        control plane carries. ``device``: where this rank computes (default:
+        ``train.device`` resolved), which the settings' broadcast stages on."""
         self.ranks = ranks
+        self.device = compute_device(job.train.device) if device is None else torch.device(device)
         self.plane: ControlPlane | None = None
         self.observer: ControlPlane | None = None
         """The other ranks' read-only client: each rank follows the membership views
@@ -135,7 +140,9 @@ class SiteControl:
             changes = self.plane.changes_due(outer_round)
         if self.ranks > 1:
             shared = [changes]
-            dist.broadcast_object_list(shared, src=0)
+            collectives.broadcast_object_list(
+                shared, src=0, device=self.device, where="control.live_settings"
+            )
             changes = shared[0]
         return changes
 

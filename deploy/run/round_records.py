@@ -8,11 +8,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from isthmus.deploy.run.records import RecordWriter
 from isthmus.inter.join import SiteRuntime
 from isthmus.inter.strategies import Strategy
+from isthmus.intra import collectives
 
 
 def site_mean(loss: float | None, site: SiteRuntime) -> float:
@@ -20,8 +20,12 @@ def site_mean(loss: float | None, site: SiteRuntime) -> float:
     pipeline stages, only the last does)."""
     if site.site.ranks == 1:
         return float("nan") if loss is None else float(loss)
-    both = torch.tensor([0.0 if loss is None else float(loss), 0.0 if loss is None else 1.0])
-    dist.all_reduce(both)
+    both = collectives.all_reduce_values(
+        [0.0 if loss is None else float(loss), 0.0 if loss is None else 1.0],
+        device=site.device,
+        dtype=torch.float32,
+        where="round_records.site_mean",
+    )
     return float(both[0] / both[1]) if both[1] else float("nan")
 
 
@@ -73,16 +77,21 @@ def write_round(
     """The site's WAN counters (every rank's, summed: a collective) as a round record."""
     peers = [n for n in site.names if n != site.name]
     sent_to = site.endpoint.bytes_sent_to()
-    values = torch.tensor(
-        [strategy.wan_bytes_sent, strategy.wan_bytes_received, *(sent_to.get(p, 0) for p in peers)],
-        dtype=torch.float64,
-    )
+    counts = [
+        strategy.wan_bytes_sent,
+        strategy.wan_bytes_received,
+        *(sent_to.get(p, 0) for p in peers),
+    ]
+    values = [float(v) for v in counts]
     if site.site.ranks > 1:
-        dist.all_reduce(values)
+        # float64: byte counts stay exact to 2^53
+        values = collectives.all_reduce_values(
+            values, device=site.device, where="round_records.write_round"
+        ).tolist()
     totals = {
         "wan_bytes_sent": int(values[0]),
         "wan_bytes_received": int(values[1]),
-        "wan_bytes_sent_to": {p: int(v) for p, v in zip(peers, values[2:].tolist(), strict=True)},
+        "wan_bytes_sent_to": {p: int(v) for p, v in zip(peers, values[2:], strict=True)},
     }
     records.write("round", step=step, outer_steps=strategy.outer_steps, **totals)
     return totals

@@ -25,6 +25,7 @@ from isthmus.inter.join import SiteRuntime, runtime_of
 from isthmus.inter.membership import View
 from isthmus.inter.strategies.base import validated
 from isthmus.inter.strategies.local_steps import LocalSteps
+from isthmus.intra import collectives
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +118,12 @@ class DiLoCo(LocalSteps):
             # Every rank of the site must end the round at the same step, and their
             # clocks differ: the site ends it when its first rank's time is up (a
             # one-value all-reduce per step over the fast fabric).
-            flag = torch.tensor([1.0 if over else 0.0])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            flag = collectives.all_reduce_values(
+                [1.0 if over else 0.0],
+                op=dist.ReduceOp.MAX,
+                device=self.site.device,
+                where="diloco.round_seconds",
+            )
             over = bool(flag.item())
         if not over:
             return False
