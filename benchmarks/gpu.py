@@ -160,7 +160,11 @@ def inner(ctx: Context) -> dict[str, Any]:
         f"{ctx.inner_skip} warm-up steps, timed with one synchronise at each end",
     ]
     if ctx.peak_flops is None:
-        notes.append("MFU null: this GPU is not in gpu_parts.GPU_SPECS")
+        notes.append(
+            "MFU null: this GPU is not in gpu_parts.GPU_SPECS"
+            if ctx.cuda
+            else "MFU null: no GPU, no peak to count against"
+        )
     return {"figures": figures, "targets": targets, "notes": notes}
 
 
