@@ -15,6 +15,7 @@ not at its first collective minutes later.
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
@@ -114,12 +115,30 @@ def describe_gpu_map(placement: dict) -> str:
     return "device: " + "; ".join(parts) + (" (sites share GPUs, as emulation)" if shared else "")
 
 
+def out_of_memory_message(exc: BaseException, site: str, rank: int) -> str:
+    """One line for a rank that ran out of device memory: which rank, how much it
+    asked for (torch's message says), what the device holds, and the settings that
+    lower the need."""
+    asked = re.search(r"[Tt]ried to allocate ([0-9.]+ [KMGT]?i?B)", str(exc))
+    held = ""
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        held = f"; the GPU has {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB"
+    return (
+        f"site {site!r} rank {rank} ran out of device memory "
+        f"(asked for {asked.group(1) if asked else 'more than was free'}{held}); lower "
+        "train.batch_size, use train.precision: bf16, train.outer_state: host, or shard "
+        "the model over more ranks (parallel.dp_shard)"
+    )
+
+
 __all__ = [
     "check_site_fits",
     "compute_device",
     "describe_gpu_map",
     "emulated_gpu_map",
     "local_rank",
+    "out_of_memory_message",
     "visible_gpus",
     "wants_cuda",
 ]

@@ -11,7 +11,11 @@ Composition order (as torchtitan does it, and for the same reasons):
    columns, with one all-reduce per block half;
 3. **FSDP2** over the data-parallel dimensions (``dp_shard``, and HSDP with
    ``dp_replicate``): every block its own unit, the root holding the rest;
-4. activation checkpointing, optional, per block.
+4. activation checkpointing, optional, per block;
+5. ``torch.compile`` per block (``train.compile``), after tensor parallelism and
+   before FSDP so each compiled block is one FSDP unit (torchtitan's order);
+6. storage last (:func:`materialise`): a model built on the meta device gets
+   memory on the rank's device only for its own shard and stage.
 
 A user's own model takes the same path with its own :class:`ModelPlan`: its
 blocks, a tensor-parallel plan (``{"submodule.path": ColwiseParallel, ...}``
@@ -20,7 +24,9 @@ per block) and a pipeline stage function; see docs/sites.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+import itertools
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +63,46 @@ def site_mesh(layout: Layout, device_type: str | None = None) -> DeviceMesh:
     """The site's DeviceMesh, dimensions named as in :mod:`isthmus.job.layout`."""
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     return init_device_mesh(device_type, layout.shape, mesh_dim_names=DIMENSIONS)
+
+
+def materialise(model: nn.Module, device: torch.device, seed: int) -> nn.Module:
+    """Give ``model`` (or this rank's part of it, once tensor, pipeline and FSDP have
+    cut it) storage on ``device``, initialised from ``seed``.
+
+    A model built for real is moved. One built on the meta device is allocated
+    on ``device`` and initialised by its ``reset_parameters()`` after the seed:
+    that is also how the built-in model is initialised when it is built for real
+    (:func:`isthmus.deploy.run.setup.build_model`), so on one rank both give the
+    same values. Sharded (DTensor) parameters are initialised shard by shard;
+    sites with other layouts are brought to the same values when the sites agree
+    on the starting model (the first site's values are taken)."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    if not any(t.is_meta for t in tensors):
+        return model.to(device)
+    reset = getattr(model, "reset_parameters", None)
+    if not callable(reset):
+        raise ValueError(
+            f"model: {type(model).__name__} was built on the meta device but has no "
+            "reset_parameters() to initialise it after allocation; build it for real, or "
+            "give it a reset_parameters() that initialises every parameter"
+        )
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        reset()
+    return model
+
+
+@contextlib.contextmanager
+def autocast(device: torch.device, precision: str) -> Iterator[None]:
+    """``train.precision`` around a forward (and the backward it records): bf16
+    matrix work under autocast, float32 weights, gradients and reductions; nothing
+    for fp32."""
+    if precision == "fp32":
+        yield
+        return
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+        yield
 
 
 def pipeline_stage_module(model: GPT, stage: int, stages: int) -> GPT:
@@ -144,7 +190,13 @@ class SiteModel:
         plan: ModelPlan | None = GPT_PLAN,
         microbatches: int = 2,
         activation_checkpointing: bool = False,
+        device: torch.device | None = None,
+        seed: int = 0,
+        precision: str = "fp32",
+        compile_blocks: bool = False,
     ) -> None:
+        self.device = device or torch.device("cpu")
+        self.precision = precision
         self.layout = layout
         self.coords = layout.coordinates(rank)
         self.mesh = site_mesh(layout) if layout.size > 1 else None
@@ -161,17 +213,19 @@ class SiteModel:
         blocks = plan.blocks(model)
         if activation_checkpointing:
             apply_activation_checkpointing(blocks)
-        if self.mesh is not None:
-            if layout.tp > 1:
-                if plan.tp_plan is None:
-                    raise ValueError(
-                        f"parallel.tp = {layout.tp}, but the model's plan has no tensor-parallel "
-                        "plan; give ModelPlan(tp_plan=...) or use tp: 1"
-                    )
-                apply_tensor_parallel(blocks.values(), self.mesh["tp"], plan.tp_plan)
-            if layout.dp_shard > 1:
-                apply_fsdp(model, self.mesh, blocks.values())
-        self.model = model
+        if self.mesh is not None and layout.tp > 1:
+            if plan.tp_plan is None:
+                raise ValueError(
+                    f"parallel.tp = {layout.tp}, but the model's plan has no tensor-parallel "
+                    "plan; give ModelPlan(tp_plan=...) or use tp: 1"
+                )
+            apply_tensor_parallel(blocks.values(), self.mesh["tp"], plan.tp_plan)
+        if compile_blocks:
+            for block in blocks.values():
+                block.compile()  # in place: the parameter names stay as they are
+        if self.mesh is not None and layout.dp_shard > 1:
+            apply_fsdp(model, self.mesh, blocks.values())
+        self.model = materialise(model, self.device, seed)
         self.sharded = layout.dp_shard > 1
         """Whether FSDP averages gradients over the site's data-parallel ranks itself."""
         self._schedule = None
@@ -183,7 +237,7 @@ class SiteModel:
                 model,
                 stage_index=stage,
                 num_stages=stages,
-                device=torch.device("cpu"),
+                device=self.device,
                 group=self.mesh["pp"].get_group(),
             )
             # The schedule sums the microbatches' gradients and divides by their
@@ -215,16 +269,18 @@ class SiteModel:
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
         if self._schedule is None:
-            loss = self._loss_fn(self.model(inputs), targets)
+            with autocast(self.device, self.precision):
+                loss = self._loss_fn(self.model(inputs), targets)
             loss.backward()
             return loss.item()
         losses: list[torch.Tensor] = []
-        if self.first_stage:
-            self._schedule.step(inputs)
-        elif self.last_stage:
-            self._schedule.step(target=targets, losses=losses)
-        else:
-            self._schedule.step()
+        with autocast(self.device, self.precision):
+            if self.first_stage:
+                self._schedule.step(inputs)
+            elif self.last_stage:
+                self._schedule.step(target=targets, losses=losses)
+            else:
+                self._schedule.step()
         if self.last_stage:
             return sum(loss.item() for loss in losses) / len(losses)
         return None

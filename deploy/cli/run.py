@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from isthmus.deploy.cli.registry import UsageError, add_command
+from isthmus.job.basics import FieldError
 from isthmus.job.settings import STRATEGIES
 
 EXIT_CODES = {"finished": 0, "failed": 1, "interrupted": 130}
@@ -203,6 +204,7 @@ def run_job(
         what = "run"
     else:
         what = f"resuming after round {resume_round}:"
+    placement = _gpu_placement(job)
     save_command(run_dir, command)
     runs = f", each rank runs {shlex.join(command)}" if command else ""
     print(
@@ -210,6 +212,10 @@ def run_job(
         f"{job.train.steps} steps{runs} -> {run_dir}",
         flush=True,
     )
+    if placement:
+        from isthmus.intra.devices import describe_gpu_map
+
+        print(describe_gpu_map(placement), flush=True)
     progress = progress_for(sys.stdout)
     with progress:
         summary = execute_run(
@@ -225,6 +231,17 @@ def run_job(
     report = write_report(run_dir)
     _print_outcome(summary, report)
     return summary
+
+
+def _gpu_placement(job: Any) -> dict[str, list[int]]:
+    """Which GPUs each site's ranks use on this machine (empty on the CPU); a job
+    this machine cannot place is refused before anything starts."""
+    from isthmus.intra.devices import emulated_gpu_map
+
+    try:
+        return emulated_gpu_map([(s.name, s.ranks) for s in job.sites], job.train.device)
+    except FieldError as exc:
+        raise UsageError(f"train.{exc}") from None
 
 
 def _print_outcome(summary: dict[str, Any], report: Path) -> None:

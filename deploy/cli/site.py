@@ -46,6 +46,7 @@ from isthmus.deploy.cli.run import accept_command
 from isthmus.deploy.jobfile import Job, SiteSpec, load_job, parse_address
 from isthmus.deploy.run.host_tuning import tcp_advice
 from isthmus.job.addressing import resolve
+from isthmus.job.basics import FieldError
 from isthmus.job.ports import RDZV_PORT
 
 SPAWNED_BY_SITE = "ISTHMUS_SITE_LAUNCHER"
@@ -114,12 +115,12 @@ def _site(args: argparse.Namespace) -> int:
         for line in tcp_advice():
             print(f"warning: {line}", file=sys.stderr)
     if launcher is not None:
-        launcher.check(spec, index)
+        launcher.check(job, spec, index)
         check_can_listen(spec, index, ranks=[launcher.rank])
         if command is not None:
             return _exec_command(command, Path(args.job), job, spec, out, args.rejoin)
         return _train_rank(Path(args.job), job, spec, out, args.rejoin, launcher.rank)
-    check_gpus(spec, index, spec.ranks_per_node)
+    check_gpus(job, spec, index, spec.ranks_per_node)
     if spec.ranks == 1:
         check_can_listen(spec, index, ranks=[0])
         if command is not None:
@@ -211,19 +212,16 @@ def _bind_problem(index: int, rank: int, host: str, port: int, exc: OSError) -> 
     return f"{where}: {exc.strerror}"
 
 
-def check_gpus(spec: SiteSpec, index: int, local_ranks: int) -> None:
-    """On GPU machines each local rank takes one GPU; more ranks than GPUs is a mistake."""
-    import torch
+def check_gpus(job: Any, spec: SiteSpec, index: int, local_ranks: int) -> None:
+    """On GPU machines each local rank takes one GPU (``train.device``); more ranks
+    than GPUs, or ``device: cuda`` on a machine without one, is refused with the fix."""
+    from isthmus.intra.devices import check_site_fits
 
-    if not torch.cuda.is_available():
-        return
-    gpus = torch.cuda.device_count()
-    if local_ranks > gpus:
-        raise UsageError(
-            f"sites[{index}]: {local_ranks} ranks per node (ranks {spec.ranks} / nodes "
-            f"{spec.nodes}) but this node has {gpus} GPU(s); set ranks to nodes x GPUs per "
-            "node, or nodes to ranks / GPUs per node"
-        )
+    try:
+        check_site_fits(spec.name, local_ranks, job.train.device)
+    except FieldError as exc:
+        where = f"sites[{index}]: ranks {spec.ranks}, nodes {spec.nodes}"
+        raise UsageError(f"train.{exc} ({where})") from None
 
 
 @dataclass(frozen=True)
@@ -251,7 +249,7 @@ class TorchrunLayout:
     def nodes(self) -> int:
         return self.world_size // self.local_world_size
 
-    def check(self, spec: SiteSpec, index: int) -> None:
+    def check(self, job: Job, spec: SiteSpec, index: int) -> None:
         if self.world_size != spec.ranks:
             raise UsageError(
                 f"sites[{index}].ranks: the job file gives site {spec.name!r} {spec.ranks} "
@@ -266,7 +264,7 @@ class TorchrunLayout:
                 f"per node); run torchrun with --nnodes {spec.nodes} --nproc-per-node "
                 f"{spec.ranks_per_node}, or change nodes"
             )
-        check_gpus(spec, index, self.local_world_size)
+        check_gpus(job, spec, index, self.local_world_size)
 
 
 def prepare_site_dir(job_path: Path, job_name: str, site: str, out: Path, rejoin: bool) -> None:

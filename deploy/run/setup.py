@@ -18,7 +18,7 @@ from isthmus.deploy.jobfile import Job
 from isthmus.inter.join import SiteRuntime
 from isthmus.intra.data import Dataset, ShardSpec, load_corpus
 from isthmus.intra.model import GPT, config_for, lm_loss
-from isthmus.intra.parallelize import GPT_PLAN, ModelPlan
+from isthmus.intra.parallelize import GPT_PLAN, ModelPlan, autocast, materialise
 from isthmus.intra.plugins import DataContext, load_callable, load_model
 from isthmus.intra.schedule import learning_rate_at
 from isthmus.job.settings import TrainSettings
@@ -29,13 +29,38 @@ EVAL_BATCHES = 8
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def build_model(job: Job) -> tuple[nn.Module, ModelPlan | None, Callable[..., torch.Tensor]]:
-    """The job's model, initialised from the job's seed: the same on every site."""
+def build_model(
+    job: Job, *, on_meta: bool = False
+) -> tuple[nn.Module, ModelPlan | None, Callable[..., torch.Tensor]]:
+    """The job's model, initialised from the job's seed: the same on every site.
+
+    ``on_meta``: build it on the meta device, shapes without storage, so that a rank
+    allocates only its own part once the site's layout has cut it down
+    (:func:`materialise`); a 7B model then never sits whole in one rank's host memory.
+    A user's function is called as it is, after the seed: it may build on the meta
+    device itself when its model has a ``reset_parameters()``."""
     torch.manual_seed(job.seed)
     if ":" in job.model:
         model = load_model(job.model)
-        return model, getattr(model, "isthmus_plan", None), getattr(model, "isthmus_loss", lm_loss)
-    return GPT(config_for(job.model)), GPT_PLAN, lm_loss
+        plan = getattr(model, "isthmus_plan", None)
+        return model, plan, getattr(model, "isthmus_loss", lm_loss)
+    with torch.device("meta"):
+        model = GPT(config_for(job.model))
+    if not on_meta:
+        materialise(model, torch.device("cpu"), job.seed)
+    return model, GPT_PLAN, lm_loss
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    """A batch on the rank's device: from pinned host memory with non-blocking copies
+    on a GPU (the copy overlaps the work queued before it), unchanged on the CPU."""
+    if device.type == "cpu":
+        return batch
+    x, y = batch
+    return (
+        x.pin_memory().to(device, non_blocking=True),
+        y.pin_memory().to(device, non_blocking=True),
+    )
 
 
 def builtin_dataset(job: Job, model: nn.Module) -> Dataset | None:
@@ -105,9 +130,19 @@ def held_out_batches(job: Job, model: nn.Module, dataset: Dataset | None) -> lis
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: list[Batch], loss_fn: Callable[..., torch.Tensor]) -> float:
-    """Mean loss over ``batches``."""
-    losses = [float(loss_fn(model(x), y)) for x, y in batches]
+def evaluate(
+    model: nn.Module,
+    batches: list[Batch],
+    loss_fn: Callable[..., torch.Tensor],
+    precision: str = "fp32",
+) -> float:
+    """Mean loss over ``batches``, on the model's device, in the training precision."""
+    device = next(model.parameters()).device
+    losses = []
+    with torch.no_grad(), autocast(device, precision):
+        for batch in batches:
+            x, y = to_device(batch, device)
+            losses.append(float(loss_fn(model(x), y)))
     return sum(losses) / len(losses)
 
 

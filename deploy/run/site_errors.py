@@ -8,8 +8,11 @@ Anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
+
+import torch
 
 from isthmus.deploy.jobfile import JobFileError
 from isthmus.deploy.session.environment import NotLaunched
@@ -17,6 +20,7 @@ from isthmus.inter.agreement import ModelMismatch
 from isthmus.inter.allreduce import RoundError
 from isthmus.inter.membership import MembershipError
 from isthmus.inter.peer import PeerError
+from isthmus.intra.devices import out_of_memory_message
 from isthmus.intra.process_group import SiteError
 from isthmus.job.addressing import AddressError
 from isthmus.job.layout import LayoutError
@@ -35,6 +39,10 @@ def run_site_main(main: Callable[[], int], prog: str) -> int:
         return 2
     except (PeerError, RoundError, ConnectionError, MembershipError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 1
+    except torch.OutOfMemoryError as exc:
+        site, rank = os.environ.get("ISTHMUS_SITE", "?"), int(os.environ.get("RANK", "0"))
+        print(f"{prog}: error: {out_of_memory_message(exc, site, rank)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -37,6 +37,7 @@ from isthmus.deploy.run.setup import (
     inner_optimizer,
     learning_rate,
     save_model,
+    to_device,
     train_batches,
 )
 from isthmus.deploy.run.site_errors import run_site_main
@@ -54,10 +55,21 @@ def train() -> int:
     # The model first: a job whose model cannot be built fails on every site at once,
     # before any site waits on the others' handshake.
     job = load_job(LaunchEnvironment.from_environ().job)
-    model, plan, loss_fn = build_model(job)
+    # On the meta device: each rank allocates only its part, on its own device.
+    model, plan, loss_fn = build_model(job, on_meta=True)
     site = isthmus.join()
     settings = job.train
-    part = SiteModel(model, site.layout, site.rank, loss_fn=loss_fn, plan=plan)
+    part = SiteModel(
+        model,
+        site.layout,
+        site.rank,
+        loss_fn=loss_fn,
+        plan=plan,
+        device=site.device,
+        seed=job.seed,
+        precision=settings.precision,
+        compile_blocks=settings.compile,
+    )
     dataset = builtin_dataset(job, model)
     held_out = held_out_batches(job, model, dataset)
     optimizer = inner_optimizer(settings, part.parameters())
@@ -76,7 +88,7 @@ def train() -> int:
             if step != next_batch:  # the start, or after pulling the others' state
                 batches = train_batches(job, run.settings, site.runtime, dataset, step)
             assert batches is not None
-            x, y = next(batches)
+            x, y = to_device(next(batches), site.device)
             next_batch = step + 1
             rounds = run.strategy.outer_steps
             loss = _forward_backward(part, optimizer, run.settings, site, step, x, y, replicas)
@@ -87,7 +99,7 @@ def train() -> int:
             round_ended = run.strategy.outer_steps != rounds
             if _eval_due(run.settings, step + 1, round_ended) and site.layout.pp == 1:
                 started = time.perf_counter()  # a pipeline stage is not a model
-                logged["eval_loss"] = evaluate(part.model, held_out, loss_fn)
+                logged["eval_loss"] = evaluate(part.model, held_out, loss_fn, settings.precision)
                 logged["eval_seconds"] = time.perf_counter() - started
             site.log(**logged)
 

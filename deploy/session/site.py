@@ -34,6 +34,7 @@ from isthmus.deploy.session.training import TrainingRun
 from isthmus.inter.allocator import keep_freed_memory
 from isthmus.inter.codecs import parse_codec
 from isthmus.inter.join import SiteRuntime, start_site
+from isthmus.intra.devices import compute_device
 from isthmus.intra.process_group import SiteError, launcher_rank
 from isthmus.job.addressing import default_state_path, load_state, resolve
 from isthmus.job.layout import Layout
@@ -105,10 +106,9 @@ class Site:
 
     @property
     def device(self) -> torch.device:
-        """Where this rank computes: its GPU (``cuda:LOCAL_RANK``) when it sees one."""
-        if torch.cuda.is_available():
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        return torch.device("cpu")
+        """Where this rank computes (``train.device``): its GPU, ``cuda:LOCAL_RANK``,
+        or the CPU. Put the model and batches there."""
+        return compute_device(self.job.train.device)
 
     # -- training ------------------------------------------------------------------------
     def strategy(
@@ -247,12 +247,16 @@ def join(
         state = default_state_path(job)
     loaded_state = load_state(state) if state is not None else None
     if launch is None or launch.run_dir is None:
+        device = compute_device(job.train.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         runtime = start_site(
             job,
             site,
             state=loaded_state,
             codec=parse_codec(codec),
             deadline_s=deadline_s or job.train.round_deadline_s,
+            backend="nccl" if device.type == "cuda" else "gloo",
         )
         return Site(job, runtime, launch=launch)
     return _join_run(job, site, launch, launch.run_dir, loaded_state, codec, deadline_s)
@@ -280,6 +284,10 @@ def _join_run(
         )
     spec = job.site(site_name)
     rank, _ = launcher_rank()
+    device = compute_device(settings.device)  # refused here, before the others wait on it
+    if device.type == "cuda":
+        # One GPU per rank, chosen before NCCL binds its communicator to one.
+        torch.cuda.set_device(device)
     records = RecordWriter(run_dir / "sites" / site_name / "metrics.jsonl", site_name, rank == 0)
     records.write("joined", rank=rank, ranks=spec.ranks, pid=os.getpid())
     # The broker first: a site that cannot reach it stops at once, before its peers
@@ -298,6 +306,7 @@ def _join_run(
             deadline_s=deadline_s or settings.round_deadline_s,
             collective_timeout_s=settings.collective_timeout_s,
             site_wait_s=settings.site_wait_s,
+            backend="nccl" if device.type == "cuda" else "gloo",
         )
     except BaseException:
         control.close(done=False)

@@ -18,6 +18,16 @@ from isthmus.inter.strategies import AsyncDiLoCo, DiLoCo, Strategy, StreamingDiL
 from isthmus.job.settings import TrainSettings
 
 
+def outer_device(settings: TrainSettings, model: nn.Module) -> torch.device:
+    """Where the DiLoCo family keeps its outer state: beside the model
+    (``outer_state: device``) or in host memory (``host``, pinned when the model is
+    on a GPU, so each round's copies run at full PCIe speed)."""
+    first = next(model.parameters(), None)
+    if settings.outer_state == "host" or first is None:
+        return torch.device("cpu")
+    return first.device
+
+
 def strategy_from_settings(
     settings: TrainSettings,
     site: SiteRuntime,
@@ -42,6 +52,7 @@ def strategy_from_settings(
             stage_group=stage_group,
         )
     outer: dict[str, Any] = {
+        "outer_device": outer_device(settings, model),
         "sync_every": settings.sync_every,
         "outer_lr": settings.outer_lr,
         "outer_momentum": settings.outer_momentum,

@@ -37,6 +37,7 @@ from isthmus.inter.agreement import agree_on_model
 from isthmus.inter.membership import LeftTheRun
 from isthmus.inter.strategies import AsyncDiLoCo, Blocked, Strategy
 from isthmus.intra.checkpoint import checkpoint_path, load_checkpoint, load_extra, save_checkpoint
+from isthmus.intra.random_state import random_states, restore_random_states
 
 if TYPE_CHECKING:
     from isthmus.deploy.session.site import Site
@@ -147,7 +148,7 @@ class TrainingRun:
         )
         if self._resumed:
             strategy.load_state_dict(self._resumed["strategy"])
-            torch.set_rng_state(self._resumed["rng"])
+            restore_random_states(self._resumed["rng"])
         strategy.observer = lambda kind, start: records.write(
             "state", state=kind if start else "computing"
         )
@@ -323,7 +324,7 @@ class TrainingRun:
         saved = time.perf_counter()
         extra = {
             "strategy": strategy.state_dict(),
-            "rng": torch.get_rng_state(),
+            "rng": random_states(),
             "settings": self.settings.to_dict(),
             "step": steps,
             "tokens": self.tokens,
