@@ -295,7 +295,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--device",
         default="cuda",
-        help="cuda (default; cuda:N for another GPU) or cpu (with --quick: the smoke test)",
+        help="cuda (default; cuda:N for another GPU: the isthmus run parts still place "
+        "ranks as isthmus run does, from GPU 0) or cpu (with --quick: the smoke test)",
     )
     parser.add_argument(
         "--quick", action="store_true", help="small sizes and few repeats: checks the script"
