@@ -87,7 +87,7 @@ class CopyStaging:
     """A device's staging: reused host buffers, and on CUDA a side stream for the copies."""
 
     def __init__(self, device: torch.device | str) -> None:
-        self.device = torch.device(device)
+        self.device = _indexed(torch.device(device))
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._lock = threading.Lock()
@@ -196,13 +196,19 @@ def staging_for(device: torch.device | str) -> Staging:
     device = torch.device(device)
     if device.type == "cpu":
         return HOST
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _indexed(device)
     with _shared_lock:
         staging = _shared.get(device)
         if staging is None:
             staging = _shared[device] = CopyStaging(device)
         return staging
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` as ``cuda:N`` (a tensor's device always names its index)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def read_only(buffer: Buffer) -> torch.Tensor:
