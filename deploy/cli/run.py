@@ -199,12 +199,12 @@ def run_job(
     from isthmus.deploy.run.report import write_report
     from isthmus.deploy.run.run_dir import prepare_run_dir, save_command
 
+    placement = _gpu_placement(job)  # refused before the run directory is made
     if resume_round is None:
         prepare_run_dir(run_dir)
         what = "run"
     else:
         what = f"resuming after round {resume_round}:"
-    placement = _gpu_placement(job)
     save_command(run_dir, command)
     runs = f", each rank runs {shlex.join(command)}" if command else ""
     print(
