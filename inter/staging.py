@@ -8,10 +8,12 @@ the codec's ratio, as it divides the WAN's.
 
 * :class:`HostStaging` (CPU tensors): the bytes are already in host memory;
   nothing is copied. This is the CPU path, exactly as fast as before.
-* :class:`CopyStaging` (any other device): host buffers reused per chunk size
-  (pinned on CUDA, so copies are DMA and asynchronous), the copies on a side
-  CUDA stream with events, so they do not queue behind the compute stream's
-  kernels (training may go on there while an exchange runs). The encoder
+* :class:`CopyStaging` (any other device): pinned host buffers reused per
+  chunk size (torch's caching host allocator; pinned, the copies are DMA and
+  asynchronous; a payload is its pinned buffer, not copied again), copied on
+  side CUDA streams (one each way) with events, so they do not queue behind
+  the compute stream's kernels (training may go on there while an exchange
+  runs). The encoder
   thread waits for its own chunk's copy; the event loop keeps sending the
   chunks before it meanwhile. On a CPU device it takes the same path without
   streams, so the CPU suite exercises every copy a GPU site makes.
@@ -34,9 +36,6 @@ Buffer = bytes | bytearray | memoryview
 
 _ALIGN = 64
 """Each part uploaded together starts at this many bytes: any dtype view fits."""
-_GRANULE = 4096
-"""Host buffers come in multiples of this: chunks of a vector share a size, so
-the same few buffers serve every round."""
 
 
 class Staging(Protocol):
@@ -84,20 +83,18 @@ class HostStaging:
 
 
 class CopyStaging:
-    """A device's staging: reused host buffers, and on CUDA a side stream for the copies."""
+    """A device's staging: pinned host buffers, and on CUDA side streams for the copies."""
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = _indexed(torch.device(device))
         self._cuda = self.device.type == "cuda"
-        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
-        self._lock = threading.Lock()
-        self._free: dict[int, list[torch.Tensor]] = {}
-        self._in_flight: list[tuple[torch.cuda.Event, torch.Tensor]] = []
-        """Host buffers an upload still reads from, with the event that says it is done."""
+        # One side stream each way: a GPU has a copy engine per direction, so a
+        # chunk going out and one coming in cross PCIe at the same time.
+        self._down = torch.cuda.Stream(self.device) if self._cuda else None
+        self._up = torch.cuda.Stream(self.device) if self._cuda else None
         self.bytes_to_host = 0
         self.bytes_to_device = 0
-        self.buffers_made = 0
-        """Host buffers allocated over this staging's life (reuse keeps it small)."""
+        """Bytes copied each way over this staging's life (encoded bytes only)."""
 
     def empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -106,26 +103,25 @@ class CopyStaging:
         n = raw.numel()
         if n == 0:
             return b""
-        buffer = self._take(n)
-        host = buffer[:n]
-        if self._stream is None:
+        host = self._host_buffer(n)
+        if self._down is None:
             host.copy_(raw)
         else:
             # The copy waits for the kernels that wrote raw, on the side stream, so
             # it does not queue behind later work on the compute stream.
             written = torch.cuda.Event()
             written.record(torch.cuda.current_stream(self.device))
-            self._stream.wait_event(written)
-            with torch.cuda.stream(self._stream):
+            self._down.wait_event(written)
+            with torch.cuda.stream(self._down):
                 host.copy_(raw, non_blocking=True)
-            raw.record_stream(self._stream)  # raw's memory is not reused before the copy
+            raw.record_stream(self._down)  # raw's memory is not reused before the copy
             copied = torch.cuda.Event()
-            copied.record(self._stream)
+            copied.record(self._down)
             copied.synchronize()  # this (encoder) thread waits; the event loop sends on
-        payload = bytearray(host.numpy())  # the buffer goes back for the next chunk
-        self._give(buffer)
         self.bytes_to_host += n
-        return payload
+        # The payload is the pinned buffer itself (no second host copy); it goes
+        # back to the cache when the payload is dropped (see _host_buffer).
+        return memoryview(host.numpy())
 
     def to_device(self, parts: Sequence[Buffer]) -> list[torch.Tensor]:
         """One copy for all ``parts`` (a chunk's scales and values), each aligned."""
@@ -135,24 +131,23 @@ class CopyStaging:
             total += -(-len(part) // _ALIGN) * _ALIGN
         if total == 0:
             return [torch.empty(0, dtype=torch.uint8, device=self.device) for _ in parts]
-        buffer = self._take(total)
-        host = memoryview(buffer.numpy())
+        host = self._host_buffer(total)
+        view = memoryview(host.numpy())
         for at, part in zip(offsets, parts, strict=True):
-            host[at : at + len(part)] = part
-        if self._stream is None:
-            device = buffer[:total].to(self.device, copy=True)
-            self._give(buffer)
+            view[at : at + len(part)] = part
+        if self._up is None:
+            device = host.to(self.device, copy=True)
         else:
-            with torch.cuda.stream(self._stream):
+            with torch.cuda.stream(self._up):
                 device = torch.empty(total, dtype=torch.uint8, device=self.device)
-                device.copy_(buffer[:total], non_blocking=True)
+                # torch records this copy on the pinned block: the cache does not
+                # hand it out again before the copy is done.
+                device.copy_(host, non_blocking=True)
             copied = torch.cuda.Event()
-            copied.record(self._stream)
+            copied.record(self._up)
             current = torch.cuda.current_stream(self.device)
             current.wait_event(copied)  # decoding (on the current stream) waits for it
             device.record_stream(current)
-            with self._lock:
-                self._in_flight.append((copied, buffer))
         self.bytes_to_device += total
         return [device[at : at + len(part)] for at, part in zip(offsets, parts, strict=True)]
 
@@ -160,29 +155,12 @@ class CopyStaging:
         if self._cuda:
             torch.cuda.current_stream(self.device).synchronize()
 
-    def _take(self, nbytes: int) -> torch.Tensor:
-        size = -(-nbytes // _GRANULE) * _GRANULE
-        with self._lock:
-            self._reclaim()
-            free = self._free.get(size)
-            if free:
-                return free.pop()
-            self.buffers_made += 1
-        return torch.empty(size, dtype=torch.uint8, pin_memory=self._cuda)
-
-    def _give(self, buffer: torch.Tensor) -> None:
-        with self._lock:
-            self._free.setdefault(buffer.numel(), []).append(buffer)
-
-    def _reclaim(self) -> None:
-        """Buffers whose upload has finished are free again (under the lock)."""
-        busy = []
-        for event, buffer in self._in_flight:
-            if event.query():
-                self._free.setdefault(buffer.numel(), []).append(buffer)
-            else:
-                busy.append((event, buffer))
-        self._in_flight = busy
+    def _host_buffer(self, nbytes: int) -> torch.Tensor:
+        """A host buffer for one chunk's bytes. On CUDA it is pinned, from torch's
+        caching host allocator: a freed block is kept and handed out again for the
+        next chunk of its size (class) once its copies are done, so after the first
+        round no chunk pays for pinning memory (cudaHostAlloc is slow)."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._cuda)
 
 
 HOST = HostStaging()
