@@ -164,7 +164,9 @@ def _agree(
         reference = _round(site, per_parameter.to(device), only_first).cpu()
         raise ModelMismatch(_mismatch(site.name, first, named, first_count, reference, shape_sites))
     if value_sites:
-        tensors = [_local(p).data for _, p in named]
+        # Sharded parameters stay DTensors: the step sends each rank's shard to the
+        # ranks of the other sites that hold those elements, whatever their layouts.
+        tensors = [p.data for _, p in named]
         with torch.no_grad():
             site.step.start(
                 tensors,

@@ -22,8 +22,9 @@ full vector during the step. Redistributing shards straight to lane owners
 would avoid that; see docs/ARCHITECTURE.md.
 
 The in-site parts run on the rank's compute device (``device``: NCCL on a GPU);
-the cross-site engine takes its lanes on ``wan_device``, the CPU until it
-encodes on the GPU itself, so each lane is copied out and its result back.
+the cross-site engine takes its lanes on ``wan_device``, the same device as a
+site starts it (:func:`isthmus.inter.join.start_site`): the engine encodes
+there and only the encoded bytes cross to the host (:mod:`isthmus.inter.staging`).
 """
 
 from __future__ import annotations

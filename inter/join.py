@@ -239,6 +239,8 @@ def start_site(
         wait_group=waiting,
         dp_wait_group=dp_waiting,
         device=device,
+        # The engine encodes on the device: only encoded bytes cross to the host.
+        wan_device=device,
     )
     return SiteRuntime(
         job=job,

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 import isthmus
 from isthmus.deploy.jobfile import load_job
@@ -44,7 +43,7 @@ from isthmus.deploy.run.site_errors import run_site_main
 from isthmus.deploy.session.environment import LaunchEnvironment
 from isthmus.deploy.session.site import Site, Stopped
 from isthmus.inter.allocator import keep_freed_memory
-from isthmus.intra.gradients import clip_grad_norm
+from isthmus.intra.gradients import average_replica_gradients, clip_grad_norm
 from isthmus.intra.parallelize import SiteModel
 from isthmus.job.settings import TrainSettings
 from isthmus.job.tune import LIVE_SYNC_EVERY
@@ -129,12 +128,8 @@ def _forward_backward(
         group["lr"] = learning_rate(settings, step)
     optimizer.zero_grad()
     rank_loss = part.step(x, y)
-    if replicas is not None:
-        for p in part.parameters():
-            if p.grad is not None:
-                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                dist.all_reduce(grad, group=replicas)
-                grad.div_(site.layout.dp)
+    if replicas is not None:  # DDP-style buckets: one all-reduce per ~25 MB, not per tensor
+        average_replica_gradients(part.parameters(), replicas, device=site.device)
     if settings.grad_clip and settings.strategy != "sync":  # sync clips the average
         clip_grad_norm(part.parameters(), settings.grad_clip, part.stage_group)
     return rank_loss

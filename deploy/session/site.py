@@ -108,7 +108,7 @@ class Site:
     def device(self) -> torch.device:
         """Where this rank computes (``train.device``): its GPU, ``cuda:LOCAL_RANK``,
         or the CPU. Put the model and batches there."""
-        return compute_device(self.job.train.device)
+        return self.runtime.device
 
     # -- training ------------------------------------------------------------------------
     def strategy(

@@ -36,6 +36,7 @@ from isthmus.deploy.session.strategy_choice import strategy_from_settings
 from isthmus.inter.agreement import agree_on_model
 from isthmus.inter.membership import LeftTheRun
 from isthmus.inter.strategies import AsyncDiLoCo, Blocked, Strategy
+from isthmus.intra import collectives
 from isthmus.intra.checkpoint import checkpoint_path, load_checkpoint, load_extra, save_checkpoint
 from isthmus.intra.random_state import random_states, restore_random_states
 
@@ -289,11 +290,11 @@ class TrainingRun:
         if runtime.site.ranks == 1:
             return (math.nan if loss is None else float(loss)), int(tokens)
         layout = runtime.layout
-        values = torch.tensor(
+        values = collectives.all_reduce_values(
             [0.0 if loss is None else float(loss), 0.0 if loss is None else 1.0, float(tokens)],
-            dtype=torch.float64,
+            device=runtime.device,
+            where="training.site_totals",
         )
-        dist.all_reduce(values)
         mean = float(values[0] / values[1]) if values[1] else math.nan
         return mean, round(float(values[2]) / (layout.tp * layout.pp))
 
@@ -412,7 +413,9 @@ def whole_model(
     if stage_group is None or runtime.layout.pp == 1:
         return (state, names) if runtime.rank == 0 else None
     parts: list[Any] = [None] * runtime.site.ranks
-    dist.all_gather_object(parts, (state, names))
+    collectives.all_gather_object(
+        parts, (state, names), device=runtime.device, where="training.whole_model"
+    )
     if runtime.rank != 0:
         return None
     merged: dict[str, torch.Tensor] = {}
