@@ -2,6 +2,13 @@
 # Runs every check CI runs: set-up (.venv), lint, then the whole test suite.
 # Extra arguments go to pytest, e.g. the fast tests alone:
 #   bash scripts/test.sh -m "not slow"
+#
+# Two passes. The tests that can share the machine (single-process ones, small
+# two-rank sites) run on $ISTHMUS_TEST_WORKERS workers (default 2, pytest-xdist);
+# then, one at a time, the slow multi-process runs (`slow`: whole jobs of
+# several sites over the emulator, which use every core) and the tests that
+# measure the emulator's own timing (`serial`). A `-m EXPR` given here selects
+# within both passes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -9,5 +16,26 @@ echo "test: ruff"
 .venv/bin/ruff check .
 echo "test: generated protocol code"
 .venv/bin/python scripts/gen_proto.py --check
-echo "test: pytest"
-exec .venv/bin/python -m pytest "$@"
+
+selection=""
+rest=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -m) selection="$2"; shift 2 ;;
+    -m*) selection="${1#-m}"; shift ;;
+    *) rest+=("$1"); shift ;;
+  esac
+done
+within() { if [ -n "$selection" ]; then echo "($selection) and ($1)"; else echo "$1"; fi; }
+
+status=0
+echo "test: pytest, parallel pass (${ISTHMUS_TEST_WORKERS:-2} workers)"
+.venv/bin/python -m pytest -n "${ISTHMUS_TEST_WORKERS:-2}" -m "$(within 'not slow and not serial')" \
+  ${rest[@]+"${rest[@]}"} || status=$?
+[ "$status" = 5 ] && status=0  # nothing selected in this pass
+echo "test: pytest, one at a time (slow and serial)"
+second=0
+.venv/bin/python -m pytest -m "$(within 'slow or serial')" ${rest[@]+"${rest[@]}"} || second=$?
+[ "$second" = 5 ] && second=0
+if [ "$status" != 0 ]; then exit "$status"; fi
+exit "$second"

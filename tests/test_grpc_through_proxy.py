@@ -6,9 +6,12 @@ import time
 from concurrent import futures
 
 import grpc
+import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from isthmus.job.link import LinkParams
+
+pytestmark = pytest.mark.serial  # a round trip through the proxy is timed: alone on the machine
 
 
 def test_health_check_crosses_the_link_with_its_latency(two_sites):

@@ -26,6 +26,7 @@ except HostsUnavailable as exc:
 
 pytestmark = [
     pytest.mark.root,
+    pytest.mark.serial,  # rates and round trips of the emulated hosts: alone on the machine
     pytest.mark.skipif(UNSUPPORTED is not None, reason=UNSUPPORTED or ""),
 ]
 

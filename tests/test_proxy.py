@@ -20,6 +20,8 @@ from isthmus.sim.emulator import BackgroundEmulator
 from isthmus.sim.probe import measure_one_way_ms, measure_rtt_ms, measure_throughput
 from isthmus.sim.topology import Fault, Site, Topology
 
+pytestmark = pytest.mark.serial  # the proxy's rates and delays are measured: alone on the machine
+
 
 class EchoHashServer:
     """Answers each connection with the SHA-256 of everything it received, then closes."""
