@@ -63,8 +63,10 @@ def pack_state(state: dict[str, Any]) -> tuple[str, bytes]:
 
 
 def unpack_state(blob: bytes) -> dict[str, Any]:
-    """The state in ``blob``; tensors, numbers, strings and containers only."""
-    state = torch.load(io.BytesIO(blob), weights_only=True)
+    """The state in ``blob``; tensors, numbers, strings and containers only. Tensors
+    land in host memory whatever device the donor held them on (a GPU donor can
+    serve a CPU site, or one with fewer GPUs); the strategies copy them onto theirs."""
+    state = torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
     if not isinstance(state, dict):
         raise ValueError(f"the donor's state is a {type(state).__name__}, not a dict")
     return state

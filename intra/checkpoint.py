@@ -143,4 +143,4 @@ def load_extra(path: str | Path) -> dict[str, Any]:
     target = Path(path) / f"rank-{_rank()}.pt"
     if not target.is_file():
         raise FileNotFoundError(f"{target}: this rank's state is missing from the checkpoint")
-    return torch.load(target, weights_only=True)
+    return torch.load(target, weights_only=True, map_location="cpu")  # callers copy to their device

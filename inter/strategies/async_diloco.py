@@ -172,7 +172,11 @@ class AsyncDiLoCo(LocalSteps):
                         self.staleness_weight,
                     )
             else:
-                deltas, anchor = list(resumed["sent"]), list(resumed["anchor"])
+                # Back from a checkpoint in host memory: onto the devices they left.
+                deltas = [d.to(self.outer.device) for d in resumed["sent"]]
+                anchor = [
+                    a.to(p.device) for a, p in zip(resumed["anchor"], self.params, strict=True)
+                ]
             pending = self._exchange_in_view(deltas, self.weights, vector="model", view=view)
         with self.member.lock:
             self._flight = _AsyncExchange(

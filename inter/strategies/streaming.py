@@ -183,7 +183,9 @@ class StreamingDiLoCo(LocalSteps):
                 deltas = self.outer.pseudo_gradients(self.members[fragment])
                 due = self.inner_steps + self.overlap_steps
             else:
-                deltas, due = list(resumed["sent"]), int(resumed["due"])
+                # From a checkpoint in host memory: back onto the outer state's device.
+                deltas = [d.to(self.outer.device) for d in resumed["sent"]]
+                due = int(resumed["due"])
             pending = self._exchange_in_view(
                 deltas, self.weights, vector=f"fragment{fragment}", view=view
             )
