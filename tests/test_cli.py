@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
+import os
 import signal
 import socket
 import statistics
@@ -16,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from isthmus._version import __version__
-from isthmus.deploy.cli import build_parser
+from isthmus.deploy.cli import build_parser, main
+from isthmus.inter import allocator
 from isthmus.sim.probe import measure_rtt_ms
 
 ISTHMUS = [sys.executable, "-m", "isthmus"]
@@ -26,6 +29,37 @@ def run(*args: str, timeout: float = 60, cwd: Path | None = None) -> subprocess.
     return subprocess.run(
         [*ISTHMUS, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
     )
+
+
+def in_process(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``isthmus ARGS`` run by :func:`main` in this process, without the 2-5 s of a fresh
+    interpreter: its exit status, stdout and stderr. Argparse's exits (``--help``,
+    usage errors) become their status; log records reach stderr formatted as
+    ``main``'s ``logging.basicConfig`` formats them in a process of its own (here the
+    root logger already has pytest's handlers, so that call does nothing). The root
+    logger and the signal handlers (an asyncio loop's ``add_signal_handler`` leaves
+    the defaults behind) are put back as they were; the environment must be left as
+    it was found."""
+    signals = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    environ = dict(os.environ)
+    root = logging.getLogger()
+    handler = logging.StreamHandler(sys.stderr)  # capsys's stderr, at this moment
+    handler.setFormatter(logging.Formatter("isthmus: %(levelname)s: %(message)s"))
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG if "-v" in args or "--verbose" in args else logging.INFO)
+    try:
+        code = main(list(args))
+    except SystemExit as exc:
+        code = 0 if exc.code is None else exc.code
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        for sig, previous in signals.items():
+            signal.signal(sig, previous)
+    captured = capsys.readouterr()
+    assert dict(os.environ) == environ, "isthmus changed this process's environment"
+    return code, captured.out, captured.err
 
 
 def _all_commands(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()):
@@ -40,16 +74,18 @@ COMMANDS = list(_all_commands(build_parser()))
 
 
 def test_version():
+    """The one check of ``python -m isthmus`` itself (the entry point, in a process of
+    its own); every other command line here runs in this process."""
     result = run("--version")
     assert result.returncode == 0
     assert result.stdout.strip() == f"isthmus {__version__}"
 
 
 @pytest.mark.parametrize("command", [(), *COMMANDS], ids=lambda c: " ".join(c) or "isthmus")
-def test_every_command_has_help(command):
-    result = run(*command, "--help")
-    assert result.returncode == 0, result.stderr
-    assert "usage: isthmus" in result.stdout
+def test_every_command_has_help(capsys, command):
+    code, out, err = in_process(capsys, *command, "--help")
+    assert code == 0, err
+    assert "usage: isthmus" in out
 
 
 HEAVY_AT_HELP = """
@@ -148,29 +184,29 @@ def test_help_imports_neither_torch_nor_grpc(command):
         (("bench", "codec", "--size-mib", "0"), "--size-mib: must be > 0"),
     ],
 )
-def test_usage_errors_are_one_line_with_exit_2(args, expected):
-    result = run(*args)
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
+def test_usage_errors_are_one_line_with_exit_2(capsys, args, expected):
+    code, _, err = in_process(capsys, *args)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
     assert expected in lines[0]
 
 
-def test_check_accepts_a_good_job_and_explains_a_bad_one(tmp_path):
+def test_check_accepts_a_good_job_and_explains_a_bad_one(tmp_path, capsys):
     good = tmp_path / "good.yaml"
     good.write_text(
         "name: demo\nsites: [{name: a, ranks: 2}, {name: b}]\n"
         "wan: {default: {preset: transatlantic}}\n"
     )
-    result = run("check", str(good))
-    assert result.returncode == 0, result.stderr
-    assert "link a<->b: rtt 80 ms" in result.stdout
+    code, out, err = in_process(capsys, "check", str(good))
+    assert code == 0, err
+    assert "link a<->b: rtt 80 ms" in out
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: demo\nsites:\n  - {name: a, ranks: -2}\n")
-    result = run("check", str(bad))
-    assert result.returncode == 2
-    assert f"{bad}:3: sites[0].ranks: must be an integer >= 1" in result.stderr
-    assert "Traceback" not in result.stderr
+    code, _, err = in_process(capsys, "check", str(bad))  # a traceback would raise here
+    assert code == 2
+    assert f"{bad}:3: sites[0].ranks: must be an integer >= 1" in err
+    assert "Traceback" not in err
 
 
 def _start(*args: str) -> tuple[subprocess.Popen, str]:
@@ -225,15 +261,19 @@ def test_proxy_runs_until_sigterm_and_prints_its_counters(probe):
     assert "to upstream: bytes=" in out and "connections=1" in out
 
 
-def test_proxy_refuses_a_port_in_use(probe):
+def test_proxy_refuses_a_port_in_use(probe, capsys, monkeypatch):
+    # In this process: leave its malloc as it is (the proxy tunes a process of its own).
+    monkeypatch.setattr(allocator, "_applied", False)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         host, port = busy.getsockname()
-        result = run("wan", "proxy", "--listen", f"{host}:{port}", "--connect", "127.0.0.1:9")
-    assert result.returncode == 2
-    assert f"cannot listen on {host}:{port}" in result.stderr
-    assert "Traceback" not in result.stderr
+        code, _, err = in_process(
+            capsys, "wan", "proxy", "--listen", f"{host}:{port}", "--connect", "127.0.0.1:9"
+        )
+    assert code == 2
+    assert f"cannot listen on {host}:{port}" in err
+    assert "Traceback" not in err
 
 
 def test_proxy_names_an_unreachable_upstream():
@@ -300,23 +340,25 @@ def test_wan_up_serves_a_job_and_obeys_control_commands(tmp_path, probe):
     assert "traffic: a->b" in out
 
 
-def test_control_commands_without_a_running_emulator(tmp_path):
+def test_control_commands_without_a_running_emulator(tmp_path, capsys, monkeypatch):
     job = tmp_path / "job.yaml"
     job.write_text("name: idle\nsites: [{name: a}, {name: b}]\nwan: {}\n")
-    result = run("wan", "stats", str(job), cwd=tmp_path)
-    assert result.returncode == 2
-    assert "no running emulator for job 'idle'" in result.stderr
+    monkeypatch.chdir(tmp_path)
+    code, _, err = in_process(capsys, "wan", "stats", str(job))
+    assert code == 2
+    assert "no running emulator for job 'idle'" in err
 
 
-def test_wan_up_needs_a_wan_section(tmp_path):
+def test_wan_up_needs_a_wan_section(tmp_path, capsys):
     job = tmp_path / "job.yaml"
     job.write_text("name: plain\nsites: [{name: a}, {name: b}]\n")
-    result = run("wan", "up", str(job))
-    assert result.returncode == 2 and "has no 'wan:' section" in result.stderr
+    code, _, err = in_process(capsys, "wan", "up", str(job))
+    assert code == 2 and "has no 'wan:' section" in err
 
 
-def test_demo_reports_rtt_and_throughput():
-    result = run(
+def test_demo_reports_rtt_and_throughput(capsys):
+    code, out, err = in_process(
+        capsys,
         "wan",
         "demo",
         "--preset",
@@ -328,9 +370,9 @@ def test_demo_reports_rtt_and_throughput():
         "--seconds",
         "1",
     )
-    assert result.returncode == 0, result.stderr
-    assert "round trip: median" in result.stdout and "(configured 20 ms" in result.stdout
-    assert "throughput:" in result.stdout and "cap 50 Mbit/s" in result.stdout
+    assert code == 0, err
+    assert "round trip: median" in out and "(configured 20 ms" in out
+    assert "throughput:" in out and "cap 50 Mbit/s" in out
 
 
 def test_wan_up_replaces_a_stale_state_file(tmp_path):
