@@ -109,6 +109,28 @@ def _wait_for_checkpoints(out: Path, sites: list[str], count: int, timeout: floa
     raise AssertionError(f"no {count} checkpoints in {timeout} s:\n{explain(out)}")
 
 
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory):
+    """The site summaries of a run of a job that was never stopped, by the job's
+    text: cases of the same job (sync and sync-sigkill) share one run. The job has
+    no paths of its own (the built-in model and data), so the run does not depend
+    on the folder it runs in."""
+    done: dict[str, dict] = {}
+
+    def run(job: Path) -> dict:
+        text = job.read_text()
+        if text not in done:
+            folder = tmp_path_factory.mktemp("whole")
+            shared = write_job(folder, text=text)
+            whole = folder / "whole"
+            ran = isthmus("run", str(shared), "--out", str(whole), cwd=folder)
+            assert ran.returncode == 0, ran.stderr + explain(whole)
+            done[text] = json.loads((whole / "summary.json").read_text())["sites"]
+        return done[text]
+
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy, every, stop",
@@ -123,16 +145,15 @@ def _wait_for_checkpoints(out: Path, sites: list[str], count: int, timeout: floa
     ],
     ids=["diloco", "sync", "sync-sigkill", "async", "streaming"],
 )
-def test_a_stopped_run_resumes_to_the_same_parameters_bit_for_bit(tmp_path, strategy, every, stop):
+def test_a_stopped_run_resumes_to_the_same_parameters_bit_for_bit(
+    tmp_path, whole_run, strategy, every, stop
+):
     """Stopped with Ctrl-C, or by a SIGKILL of one rank of site b (which may land
     in the middle of writing a checkpoint): the launcher stops the run, and
     ``--resume`` goes on from the newest round every site completed."""
     # int8 with error feedback: the residuals must come back too, or the bits differ.
     job = _job(tmp_path, strategy, steps=28, every=every)
-    whole = tmp_path / "whole"
-    done = isthmus("run", str(job), "--out", str(whole), cwd=tmp_path)
-    assert done.returncode == 0, done.stderr + explain(whole)
-    expected = json.loads((whole / "summary.json").read_text())["sites"]
+    expected = whole_run(job)  # the same job's run that was never stopped
 
     out = tmp_path / "stopped"
     run = start_run(job, out)
