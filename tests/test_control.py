@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from test_cli import in_process
 
 from isthmus.deploy.run.broker import EmbeddedBroker
 from isthmus.deploy.run.records import RecordTail, read_records
@@ -462,16 +463,22 @@ def _rounds_after_config(seen: dict[str, list[dict]]) -> int:
         (["sync_every"], "write settings as key=value"),
     ],
 )
-def test_config_set_refuses_bad_settings_before_publishing(tmp_path, args, message):
+def test_config_set_refuses_bad_settings_before_publishing(
+    tmp_path, capsys, monkeypatch, args, message
+):
     job = tmp_path / "ctl.yaml"
     job.write_text(JOB)
-    done = isthmus("config", "set", str(job), *args, "--broker", "mqtt://127.0.0.1:1", cwd=tmp_path)
-    assert done.returncode == 2 and message in done.stderr, done.stderr
+    monkeypatch.chdir(tmp_path)
+    code, _, stderr = in_process(
+        capsys, "config", "set", str(job), *args, "--broker", "mqtt://127.0.0.1:1"
+    )
+    assert code == 2 and message in stderr, stderr
 
 
-def test_commands_without_a_broker_say_where_they_looked(tmp_path):
+def test_commands_without_a_broker_say_where_they_looked(tmp_path, capsys, monkeypatch):
     job = tmp_path / "ctl.yaml"
     job.write_text(JOB)
-    done = isthmus("watch", str(job), "--once", "1", cwd=tmp_path)
-    assert done.returncode == 2
-    assert "no broker for job 'ctl'" in done.stderr and "ctl.control.json" in done.stderr
+    monkeypatch.chdir(tmp_path)
+    code, _, stderr = in_process(capsys, "watch", str(job), "--once", "1")
+    assert code == 2
+    assert "no broker for job 'ctl'" in stderr and "ctl.control.json" in stderr

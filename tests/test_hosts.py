@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_cli import in_process
 
 from isthmus.sim.hosts import HostsUnavailable, check_support
 
@@ -207,20 +208,17 @@ def test_hosts_tcp_receive_buffer_is_set_by_the_flag(tmp_path):
         capped.stop()
 
 
-def test_tcp_receive_buffer_flag_is_checked(tmp_path):
+def test_tcp_receive_buffer_flag_is_checked(tmp_path, capsys):
     job = tmp_path / "job.yaml"
     job.write_text(THREE.format(name="rmemflag"))
     for flags, expected in (
         ((), "--tcp-rmem-max: sets the emulated hosts' TCP; add --hosts"),
         (("--hosts",), "--tcp-rmem-max: must be >= 65536 bytes, got 1000"),
     ):
-        result = subprocess.run(
-            [*ISTHMUS, "wan", "up", str(job), *flags, "--tcp-rmem-max", "1000"],
-            capture_output=True,
-            text=True,
-            timeout=30,
+        code, _, stderr = in_process(
+            capsys, "wan", "up", str(job), *flags, "--tcp-rmem-max", "1000"
         )
-        assert result.returncode == 2 and expected in result.stderr, result.stderr
+        assert code == 2 and expected in stderr, stderr
 
 
 @pytest.mark.slow
@@ -275,13 +273,8 @@ def test_leftovers_of_a_killed_router_are_removed_by_the_next_up(tmp_path):
     assert not {n for n in _namespaces() if n.startswith("isthmus-kill-")}
 
 
-def test_exec_without_running_hosts_is_refused(tmp_path):
+def test_exec_without_running_hosts_is_refused(tmp_path, capsys):
     job = tmp_path / "job.yaml"
     job.write_text("name: none\nsites: [{name: a}, {name: b}]\nwan: {}\n")
-    result = subprocess.run(
-        [*ISTHMUS, "wan", "exec", str(job), "a", "--", "true"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert result.returncode == 2 and "no host for site 'a'" in result.stderr
+    code, _, stderr = in_process(capsys, "wan", "exec", str(job), "a", "--", "true")
+    assert code == 2 and "no host for site 'a'" in stderr

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_cli import in_process
 
 from isthmus.sim.cost import LinkCost
 from isthmus.sim.perf_model import (
@@ -167,20 +168,22 @@ def isthmus(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_sim_command_for_a_job_and_for_flags():
-    done = isthmus("sim", "deploy/examples/three-continents.yaml", "--step-ms", "100", "--json")
-    assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout)
+def test_sim_command_for_a_job_and_for_flags(capsys):
+    code, stdout, stderr = in_process(
+        capsys, "sim", "deploy/examples/three-continents.yaml", "--step-ms", "100", "--json"
+    )
+    assert code == 0, stderr
+    out = json.loads(stdout)
     assert [p["strategy"] for p in out["predictions"]] == ["sync", "diloco", "streaming", "async"]
     assert out["scenario"]["sites"] == ["us-east", "eu-west", "asia-east"]
     assert out["scenario"]["sync_every"] == 50 and out["validated_range"] == ""
     assert out["scenario"]["step_jitter_s"] == 0.0
-    jittery = isthmus(
-        "sim", "deploy/examples/three-continents.yaml", "--step-ms", "100",
+    code, stdout, stderr = in_process(
+        capsys, "sim", "deploy/examples/three-continents.yaml", "--step-ms", "100",
         "--step-jitter-ms", "10", "--json",
     )  # fmt: skip
-    assert jittery.returncode == 0, jittery.stderr
-    slower = json.loads(jittery.stdout)
+    assert code == 0, stderr
+    slower = json.loads(stdout)
     assert slower["scenario"]["step_jitter_s"] == pytest.approx(0.01)
     for steady, late in zip(out["predictions"], slower["predictions"], strict=True):
         # Async's round hides the lateness with its wire behind the whole next round.
@@ -188,12 +191,12 @@ def test_sim_command_for_a_job_and_for_flags():
         assert (
             (late["step_s"] == steady["step_s"]) if hidden else (late["step_s"] > steady["step_s"])
         )
-    big = isthmus(
-        "sim", "--params", "340e9", "--sites", "2", "--gpus-per-site", "1024", "--gpu", "h100",
-        "--rtt-ms", "10", "--bandwidth-mbit", "100000", "--strategy", "sync",
+    code, stdout, stderr = in_process(
+        capsys, "sim", "--params", "340e9", "--sites", "2", "--gpus-per-site", "1024",
+        "--gpu", "h100", "--rtt-ms", "10", "--bandwidth-mbit", "100000", "--strategy", "sync",
     )  # fmt: skip
-    assert big.returncode == 0, big.stderr
-    assert "outside the validated range" in big.stdout and "sync" in big.stdout
+    assert code == 0, stderr
+    assert "outside the validated range" in stdout and "sync" in stdout
 
 
 @pytest.mark.parametrize(
@@ -231,10 +234,10 @@ def test_sim_command_for_a_job_and_for_flags():
         ),
     ],
 )
-def test_sim_refuses_impossible_scenarios_naming_the_flag(args, message):
-    done = isthmus("sim", *args)
-    assert done.returncode == 2
-    assert message in done.stderr, done.stderr
+def test_sim_refuses_impossible_scenarios_naming_the_flag(capsys, args, message):
+    code, _, stderr = in_process(capsys, "sim", *args)
+    assert code == 2
+    assert message in stderr, stderr
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_cli import in_process
 from test_run import explain, isthmus, start_run, write_job
 
 from isthmus.intra.checkpoint import (
@@ -207,8 +208,9 @@ def test_resume_without_checkpoints_says_how_to_get_them(tmp_path):
         ([], "name the job file to run (or --resume RUN_DIR)"),
     ],
 )
-def test_resume_refuses_bad_arguments_in_one_line(tmp_path, args, message):
-    refused = isthmus("run", *args, cwd=tmp_path)
-    assert refused.returncode == 2
-    assert message in refused.stderr
-    assert "Traceback" not in refused.stderr
+def test_resume_refuses_bad_arguments_in_one_line(tmp_path, capsys, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)  # the relative paths in ``args`` are the test's own
+    code, _, stderr = in_process(capsys, "run", *args)  # a traceback would raise here
+    assert code == 2
+    assert message in stderr
+    assert "Traceback" not in stderr

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_cli import in_process
 
 from isthmus.deploy.run.records import RecordTail, parameter_digest, read_records
 
@@ -92,7 +93,7 @@ def all_pids(out: Path) -> list[int]:
     return [pid for pids in json.loads((out / "pids.json").read_text()).values() for pid in pids]
 
 
-def test_a_small_job_end_to_end(tmp_path):
+def test_a_small_job_end_to_end(tmp_path, capsys, monkeypatch):
     job = write_job(tmp_path, steps=10)
     out = tmp_path / "run"
     done = isthmus("run", str(job), "--out", str(out), cwd=tmp_path)
@@ -137,21 +138,27 @@ def test_a_small_job_end_to_end(tmp_path):
     for log in ("a-r0", "b-r0", "b-r1", "wan"):
         assert (out / "logs" / f"{log}.log").exists()
 
-    # The consolidated model is the one every site holds.
-    evaluated = isthmus("eval", str(out), cwd=tmp_path)
-    assert evaluated.returncode == 0, evaluated.stderr
-    result = json.loads(evaluated.stdout)
+    # The consolidated model is the one every site holds. eval, report and the refused
+    # second run run in this process (no fresh interpreter each); eval seeds torch's
+    # generator, which is put back for the tests after this one.
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    with torch.random.fork_rng():
+        code, stdout, stderr = in_process(capsys, "eval", str(out))
+    assert code == 0, stderr
+    result = json.loads(stdout)
     assert result["matches_summary"] is True
     assert result["param_sha256"] == sites["a"]["param_sha256"]
     assert result["eval_loss"] == pytest.approx(sites["a"]["eval_loss"], rel=1e-6)
 
     # The report can be made again from the files; a second run never overwrites.
     (out / "report.md").unlink()
-    assert isthmus("report", str(out), cwd=tmp_path).returncode == 0
+    assert in_process(capsys, "report", str(out))[0] == 0
     assert (out / "report.md").exists()
-    again = isthmus("run", str(job), "--out", str(out), cwd=tmp_path)
-    assert again.returncode == 2
-    assert "already exists and is not empty" in again.stderr
+    code, _, stderr = in_process(capsys, "run", str(job), "--out", str(out))
+    assert code == 2
+    assert "already exists and is not empty" in stderr
     assert json.loads((out / "summary.json").read_text()) == summary
 
 
@@ -335,15 +342,19 @@ def test_a_site_that_crashes_is_named_with_its_error_and_log(tmp_path):
         ("", ["--compare", "sync", "--strategy", "sync"], "drop --strategy"),
     ],
 )
-def test_bad_input_is_refused_before_anything_starts(tmp_path, extra, flags, message):
+def test_bad_input_is_refused_before_anything_starts(
+    tmp_path, capsys, monkeypatch, extra, flags, message
+):
     text = "name: bad\nsites: [{name: a}, {name: b}]\n" + extra
     job = tmp_path / "job.yaml"
     job.write_text(text)
     out = tmp_path / "run"
-    done = isthmus("run", str(job), "--out", str(out), *flags, cwd=tmp_path, timeout=60)
-    assert done.returncode == 2
-    assert message in done.stderr
-    assert "Traceback" not in done.stderr
+    monkeypatch.chdir(tmp_path)
+    # In this process: a traceback would be an exception raised here.
+    code, _, stderr = in_process(capsys, "run", str(job), "--out", str(out), *flags)
+    assert code == 2
+    assert message in stderr
+    assert "Traceback" not in stderr
     assert not out.exists()
 
 

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from test_cli import in_process
 
 from isthmus.deploy.render.certs import make_certs
 from isthmus.inter.chunks import encode_chunks
@@ -127,18 +128,17 @@ def test_a_site_added_to_the_job_gets_a_certificate_of_the_same_ca(tmp_path):
     new.verify_directly_issued_by(ca)
 
 
-def test_certs_for_the_broker_name_its_host_and_the_operator(tmp_path):
+def test_certs_for_the_broker_name_its_host_and_the_operator(tmp_path, capsys):
     from cryptography import x509
 
     job = tmp_path / "job.yaml"
     job.write_text("name: j\nsites: [{name: a}]\n")
-    done = subprocess.run(
-        [sys.executable, "-m", "isthmus", "certs", str(job), "--out", str(tmp_path / "c"),
-         "--broker", "broker.example", "--broker", "10.0.0.7"],
-        capture_output=True, text=True, timeout=60,
+    code, stdout, stderr = in_process(
+        capsys, "certs", str(job), "--out", str(tmp_path / "c"),
+        "--broker", "broker.example", "--broker", "10.0.0.7",
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert "mqtts://broker.example:8883" in done.stdout
+    assert code == 0, stderr
+    assert "mqtts://broker.example:8883" in stdout
     cert = x509.load_pem_x509_certificate((tmp_path / "c" / "broker.crt").read_bytes())
     names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert names.get_values_for_type(x509.DNSName) == ["broker.example"]
@@ -147,12 +147,10 @@ def test_certs_for_the_broker_name_its_host_and_the_operator(tmp_path):
     assert operator.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)[0].value == (
         "operator"
     )
-    refused = subprocess.run(
-        [sys.executable, "-m", "isthmus", "certs", str(job), "--out", str(tmp_path / "d"),
-         "--broker", "mqtt://x:1883"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert refused.returncode == 2 and "--broker: give a host name or IP address" in refused.stderr
+    code, _, stderr = in_process(
+        capsys, "certs", str(job), "--out", str(tmp_path / "d"), "--broker", "mqtt://x:1883"
+    )
+    assert code == 2 and "--broker: give a host name or IP address" in stderr
 
 
 def test_missing_tls_files_name_the_field(tmp_path):

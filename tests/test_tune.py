@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_cli import in_process
 
 from isthmus.deploy.jobfile import JobFileError, load_job, parse_job
 from isthmus.deploy.jobfile.edit import JobEditError, edit_train_keys, set_train_keys
@@ -274,14 +275,15 @@ def link_job(tmp_path: Path, label: str, mbit: float, rtt_ms: float) -> Path:
     return job
 
 
-def test_model_only_tune_with_apply(tmp_path):
+def test_model_only_tune_with_apply(tmp_path, capsys, monkeypatch):
     job = link_job(tmp_path, "slow", 20, 80)
-    done = isthmus(
-        "tune", str(job), "--budget-minutes", "0", "--step-ms", "70", "--json", "--apply",
-        "--out", str(tmp_path / "out"), cwd=tmp_path,
+    monkeypatch.chdir(tmp_path)
+    code, stdout, stderr = in_process(
+        capsys, "tune", str(job), "--budget-minutes", "0", "--step-ms", "70", "--json",
+        "--apply", "--out", str(tmp_path / "out"),
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)
+    assert code == 0, stderr
+    result = json.loads(stdout)
     choice = result["choice"]["settings"]
     assert result["choice"] == {
         "label": result["model_pick"]["label"],
@@ -305,12 +307,14 @@ def test_model_only_tune_with_apply(tmp_path):
         (["--budget-minutes", "0.1", "--step-ms", "70"], "--budget-minutes: too small"),
     ],
 )
-def test_tune_refuses_bad_flags_naming_them(tmp_path, flags, message):
+def test_tune_refuses_bad_flags_naming_them(tmp_path, capsys, monkeypatch, flags, message):
     job = link_job(tmp_path, "slow", 20, 80)
-    done = isthmus("tune", str(job), *flags, "--out", str(tmp_path / "out"), cwd=tmp_path)
-    assert done.returncode == 2
-    assert message in done.stderr
-    assert "Traceback" not in done.stderr
+    monkeypatch.chdir(tmp_path)
+    # In this process: a traceback would be an exception raised here.
+    code, _, stderr = in_process(capsys, "tune", str(job), *flags, "--out", str(tmp_path / "out"))
+    assert code == 2
+    assert message in stderr
+    assert "Traceback" not in stderr
 
 
 @pytest.mark.slow
