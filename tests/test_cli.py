@@ -244,6 +244,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.serial  # times round trips through the proxy
 def test_proxy_runs_until_sigterm_and_prints_its_counters(probe):
     port = _free_port()
     proc, ready = _start(
@@ -358,6 +359,7 @@ def test_wan_up_needs_a_wan_section(tmp_path, capsys):
     assert code == 2 and "has no 'wan:' section" in err
 
 
+@pytest.mark.serial  # measures the emulated link's round trip and rate
 def test_demo_reports_rtt_and_throughput(capsys):
     code, out, err = in_process(
         capsys,
