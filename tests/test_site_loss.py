@@ -257,20 +257,13 @@ def test_an_async_site_that_misses_its_round_has_its_pseudo_gradient_applied_lat
     assert views[-1]["members"] == ["a", "b", "c"] or any(
         "joining ['c']" in v["reason"] for v in views
     )
-    # A catch-up under a view that lets the site back in ("joining") pulls the state
-    # of a site that was waiting, not training: it had no pseudo-gradient to carry.
-    # (c can be left out, then let back in a few rounds later: two catch-ups, one
-    # missed round with a pseudo-gradient.)
-    missed = {
-        site: {
-            r["round"]
-            for r in records
-            if r["kind"] == "catch_up"
-            and r["site"] == site
-            and site not in _joining(records, r["view"])
-        }
-        for site in sites
-    }
+    # A catch-up carries a pseudo-gradient only if the site trained since its last
+    # one: a site left out, then waiting to be let in, catches up again when it is
+    # let in, with nothing to carry. (c can be left out and catch up, then be let in
+    # a few rounds later: two catch-ups, one pseudo-gradient; or see the view that
+    # leaves it out only with the one that lets it in: one catch-up, under that
+    # view, carrying the pseudo-gradient of the round it trained through.)
+    missed = {site: _rounds_missed_after_training(records, site) for site in sites}
     assert missed["c"] and not missed["b"], missed
     assert sites["c"]["late_contributions_applied"] == 1, sites
     # Each site carries one pseudo-gradient per round it missed, no more, no fewer.
@@ -281,9 +274,17 @@ def test_an_async_site_that_misses_its_round_has_its_pseudo_gradient_applied_lat
     assert len(carried) == 1 and float(carried[0]) > 0, log[-3000:]
 
 
-def _joining(records: list[dict], epoch: int) -> set[str]:
-    """The sites a view of ``epoch`` lets in (its reason names them)."""
+def _rounds_missed_after_training(records: list[dict], site: str) -> set[int]:
+    """The rounds of ``site``'s catch-ups that followed some training of its own
+    (a step since its previous catch-up, or since it started)."""
+    missed, trained = set(), False
     for r in records:
-        if r["kind"] == "view" and r["epoch"] == epoch and r["reason"].startswith("joining"):
-            return set(re.findall(r"'([^']+)'", r["reason"]))
-    return set()
+        if r.get("site") != site:
+            continue
+        if r["kind"] == "step":
+            trained = True
+        elif r["kind"] == "catch_up":
+            if trained:
+                missed.add(r["round"])
+            trained = False
+    return missed
