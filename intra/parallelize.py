@@ -276,7 +276,9 @@ class SiteModel:
         losses: list[torch.Tensor] = []
         with autocast(self.device, self.precision):
             if self.first_stage:
-                self._schedule.step(inputs)
+                # Compact: torch 2.11 checks stage 0's input strides against the ones
+                # it recorded (compact), and a batch may be a slice of wider tokens.
+                self._schedule.step(inputs.contiguous())
             elif self.last_stage:
                 self._schedule.step(target=targets, losses=losses)
             else:
