@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import gpu_parts as parts
+import gpu_runs as processes
 import torch
 from gpu_parts import ROOT, Context, check, target
 
@@ -108,7 +109,7 @@ def plain_loop(ctx: Context, steps: int) -> float:
 
 def inner(ctx: Context) -> dict[str, Any]:
     steps = ctx.inner_steps
-    job = parts.write_job(
+    job = processes.write_job(
         ctx.workdir / "inner" / "inner.yaml",
         sites=[("a", 1)],
         ctx=ctx,
@@ -121,11 +122,11 @@ def inner(ctx: Context) -> dict[str, Any]:
         parts.free_memory()  # the plain loop's model and optimizer, before isthmus run's
         ctx.say(f"  [{i + 1}/{ctx.runs}] plain loop   {plain[-1]:12,.0f} tokens/s")
         out = ctx.workdir / "inner" / f"run-{i}"
-        run = parts.isthmus_run(job, out, ctx.run_timeout_s)
+        run = processes.isthmus_run(job, out, ctx.run_timeout_s)
         runs.append({k: run[k] for k in ("rc", "placement", "report_written")})
         if run["rc"] != 0:
             raise RuntimeError(f"isthmus run exited {run['rc']}:\n{run['tail']}")
-        isthmus.append(parts.steady_tokens_per_s(out, ctx.inner_skip))
+        isthmus.append(processes.steady_tokens_per_s(out, ctx.inner_skip))
         ctx.say(f"  [{i + 1}/{ctx.runs}] isthmus run  {isthmus[-1]:12,.0f} tokens/s")
     medians = {"plain": statistics.median(plain), "isthmus_run": statistics.median(isthmus)}
     ratio = medians["isthmus_run"] / medians["plain"]
@@ -175,15 +176,15 @@ def _pct(value: float | None) -> str:
 # -- sites sharing one GPU ------------------------------------------------------------------
 def shared(ctx: Context) -> dict[str, Any]:
     steps, sync_every = (6, 3) if ctx.quick else (60, 20)
-    job = parts.write_job(
+    job = processes.write_job(
         ctx.workdir / "shared" / "shared.yaml",
         sites=[("a", 1), ("b", 1), ("c", 1)],
         ctx=ctx,
         steps=steps,
         sync_every=sync_every,
     )
-    run = parts.isthmus_run(job, ctx.workdir / "shared" / "run", ctx.run_timeout_s)
-    ok, detail = parts.one_sha(run["summary"])
+    run = processes.isthmus_run(job, ctx.workdir / "shared" / "run", ctx.run_timeout_s)
+    ok, detail = processes.one_sha(run["summary"])
     summary = run["summary"] or {}
     ctx.say(f"  rc {run['rc']}: {detail}; report written: {run['report_written']}")
     figures = {
@@ -214,15 +215,15 @@ def two_ranks(ctx: Context) -> dict[str, Any]:
     gpus = torch.cuda.device_count() if ctx.cuda else 0
     n = (1 << 16) if ctx.quick else 85_000_000  # the 125m model's gradient, float32
     steps, sync_every = (4, 2) if ctx.quick else (30, 15)
-    job = parts.write_job(
+    job = processes.write_job(
         ctx.workdir / "two-ranks" / "two-ranks.yaml",
         sites=[("pair", 2), ("solo", 1)],
         ctx=ctx,
         steps=steps,
         sync_every=sync_every,
     )
-    run = parts.isthmus_run(job, ctx.workdir / "two-ranks" / "run", ctx.run_timeout_s)
-    ok, detail = parts.one_sha(run["summary"])
+    run = processes.isthmus_run(job, ctx.workdir / "two-ranks" / "run", ctx.run_timeout_s)
+    ok, detail = processes.one_sha(run["summary"])
     figures: dict[str, Any] = {"gpus": gpus, "isthmus_run": {"rc": run["rc"], "detail": detail}}
     notes: list[str] = []
     targets = []
@@ -234,7 +235,7 @@ def two_ranks(ctx: Context) -> dict[str, Any]:
             figures["isthmus_run"]["tail"] = run["tail"]
         targets.append(check(f"a 2-rank site through isthmus run ({backend})", ok, detail))
         devices = ["cuda:0", "cuda:1"] if ctx.cuda else ["cpu", "cpu"]
-        figures["collective"] = [parts.collective(backend, devices, n, ctx.workdir)]
+        figures["collective"] = [processes.collective(backend, devices, n, ctx.workdir)]
     else:  # one GPU: the refusal, then what does work with two ranks on it
         refusal = [line for line in run["tail"].splitlines() if "GPU" in line][-1:]
         figures["isthmus_run"]["refusal"] = refusal[0] if refusal else run["tail"][-500:]
@@ -244,8 +245,8 @@ def two_ranks(ctx: Context) -> dict[str, Any]:
             check("one GPU: isthmus run refuses a 2-rank site, naming the fix", refused, "")
         )
         figures["collective"] = [
-            parts.collective("gloo", ["cuda:0", "cuda:0"], n, ctx.workdir),
-            parts.collective("nccl", ["cuda:0", "cuda:0"], n, ctx.workdir),
+            processes.collective("gloo", ["cuda:0", "cuda:0"], n, ctx.workdir),
+            processes.collective("nccl", ["cuda:0", "cuda:0"], n, ctx.workdir),
         ]
         notes.append(
             "not run: NCCL between two ranks of a site on two GPUs (this machine has one); "
