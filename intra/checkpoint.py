@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -33,9 +32,23 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from isthmus.intra import collectives
+from isthmus.intra.checkpoint_files import (
+    META,
+    checkpoint_number,
+    checkpoint_path,
+    complete_checkpoints,
+    latest_checkpoint,
+)
 
-META = "meta.json"
-_NUMBERED = re.compile(r"^([a-z]+)-(\d+)$")
+__all__ = [
+    "checkpoint_number",
+    "checkpoint_path",
+    "complete_checkpoints",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_extra",
+    "save_checkpoint",
+]
 
 
 def _rank() -> int:
@@ -52,10 +65,6 @@ def _device(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return collectives.device_of(p.to_local() if isinstance(p, DTensor) else p)
     return torch.device("cpu")
-
-
-def checkpoint_path(folder: str | Path, number: int, kind: str = "step") -> Path:
-    return Path(folder) / f"{kind}-{number:06d}"
 
 
 def save_checkpoint(
@@ -90,33 +99,6 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
     _barrier(model)
     return path
-
-
-def latest_checkpoint(folder: str | Path, kind: str = "step") -> Path | None:
-    """The newest complete checkpoint under ``folder``, or None."""
-    complete = complete_checkpoints(Path(folder), kind)
-    return complete[-1] if complete else None
-
-
-def complete_checkpoints(folder: str | Path, kind: str = "step") -> list[Path]:
-    """The complete checkpoints under ``folder``, oldest first."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    found = [
-        (int(m.group(2)), p)
-        for p in folder.iterdir()
-        if (m := _NUMBERED.match(p.name)) and m.group(1) == kind and (p / META).is_file()
-    ]
-    return [p for _, p in sorted(found)]
-
-
-def checkpoint_number(path: Path) -> int:
-    """The step or round a checkpoint directory is named after."""
-    m = _NUMBERED.match(path.name)
-    if m is None:
-        raise ValueError(f"{path}: not a checkpoint directory (kind-NNNNNN)")
-    return int(m.group(2))
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:

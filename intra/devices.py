@@ -16,14 +16,29 @@ from __future__ import annotations
 
 import os
 import re
-
-import torch
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from isthmus.job.settings import SettingError
 
+if TYPE_CHECKING:
+    import torch
+
+# Device files a GPU driver creates: NVIDIA's control node, AMD's (ROCm, which
+# torch also calls "cuda"). Without any of them no process can see a GPU.
+_GPU_DRIVER_NODES = ("/dev/nvidiactl", "/dev/kfd")
+
 
 def visible_gpus() -> int:
-    """GPUs this process may use (``CUDA_VISIBLE_DEVICES`` applied)."""
+    """GPUs this process may use (``CUDA_VISIBLE_DEVICES`` applied).
+
+    On a machine without a GPU driver the answer is 0 without importing torch:
+    the launcher asks before it starts any rank, and torch's import costs
+    seconds of CPU that a small machine's ranks would rather have."""
+    if not any(Path(node).exists() for node in _GPU_DRIVER_NODES):
+        return 0
+    import torch
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -52,6 +67,8 @@ def wants_cuda(setting: str, gpus: int | None = None) -> bool:
 
 def compute_device(setting: str, rank_on_machine: int | None = None) -> torch.device:
     """The device this rank computes on, for ``train.device`` = ``setting``."""
+    import torch
+
     if not wants_cuda(setting):
         return torch.device("cpu")
     index = local_rank() if rank_on_machine is None else rank_on_machine
@@ -120,6 +137,8 @@ def out_of_memory_message(exc: BaseException, site: str, rank: int) -> str:
     asked for (torch's message says), what the device holds, and the settings that
     lower the need."""
     asked = re.search(r"[Tt]ried to allocate ([0-9.]+ [KMGT]?i?B)", str(exc))
+    import torch
+
     held = ""
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()

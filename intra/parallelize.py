@@ -32,10 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -133,6 +130,11 @@ def apply_tensor_parallel(
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, blocks: Iterable[nn.Module]) -> nn.Module:
     """Shard ``model`` over the mesh's data-parallel dimensions (FSDP2, or HSDP
     when both ``dp_replicate`` and ``dp_shard`` are above one)."""
+    # Imported here, not at the top: FSDP, pipelining and the checkpoint wrapper
+    # pull in torch._dynamo (about a second per process on a small CPU), and a
+    # one-rank site, the common case in emulation, uses none of them.
+    from torch.distributed.fsdp import fully_shard
+
     dp_mesh = mesh["dp_replicate", "dp_shard"]
     for block in blocks:
         fully_shard(block, mesh=dp_mesh)
@@ -142,6 +144,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, blocks: Iterable[nn.Module]) 
 
 def apply_activation_checkpointing(blocks: nn.ModuleDict) -> None:
     """Recompute each block's activations in the backward pass instead of storing them."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
     for name, block in list(blocks.items()):
         blocks[name] = checkpoint_wrapper(block)
 
@@ -232,6 +236,7 @@ class SiteModel:
         if stages > 1:
             assert self.mesh is not None
             self.microbatches = microbatches
+            from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
             pipeline = PipelineStage(
                 model,

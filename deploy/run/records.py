@@ -37,9 +37,10 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+if TYPE_CHECKING:  # the launcher reads records without importing torch
+    from torch import nn
 
 
 class RecordWriter:

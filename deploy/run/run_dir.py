@@ -14,8 +14,7 @@ from typing import Any
 import yaml
 
 from isthmus.deploy.jobfile import Job, free_port_blocks, load_job, load_yaml, parse_job
-from isthmus.intra.checkpoint import checkpoint_number, complete_checkpoints
-from isthmus.intra.plugins import load_callable
+from isthmus.intra.checkpoint_files import checkpoint_number, complete_checkpoints
 from isthmus.job.settings import SettingError
 
 
@@ -44,6 +43,10 @@ def resolve_job(
         settings = dataclasses.replace(job.train, **changes)
     except SettingError as exc:
         raise RunError(f"--{exc.field}: {exc.reason}") from None
+    if ":" in job.model or ":" in job.data:
+        # Here, not at the top: checking a user's model imports torch (and their
+        # module), which a job with the built-in model and data never needs.
+        from isthmus.intra.plugins import load_callable
     if ":" in job.model:
         try:
             load_callable(job.model, "model")

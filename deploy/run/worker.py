@@ -19,7 +19,10 @@ file (``RUN_DIR/model.safetensors``, written by the job's first site).
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -195,5 +198,21 @@ def main(argv: list[str] | None = None) -> int:
         return 143
 
 
+def exit_without_teardown(code: int) -> None:
+    """End the process now that the rank's work is done and written.
+
+    Tearing down an interpreter that holds torch (thousands of modules, the
+    process group, gRPC's core) costs 0.4-1.5 s of CPU per rank, and on a small
+    machine every run's end waits for it. The atexit handlers still run (the
+    site's own close is one), then the output is flushed and the process ends
+    without the teardown: everything the rank owes the run directory was
+    written and closed before ``main`` returned."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(run_site_main(main, "run_worker"))
+    exit_without_teardown(run_site_main(main, "run_worker"))
