@@ -24,6 +24,7 @@ its epoch: any process computes the same ones.
 from __future__ import annotations
 
 import hashlib
+import os
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -52,9 +53,7 @@ def stdlib_corpus(limit_bytes: int | None = None) -> Corpus:
     root = Path(sysconfig.get_paths()["stdlib"])
     chunks: list[bytes] = []
     total = 0
-    for path in sorted(root.rglob("*.py")):
-        if EXCLUDED_STDLIB_DIRS.intersection(path.relative_to(root).parts):
-            continue
+    for path in stdlib_sources(root):
         data = path.read_bytes()
         chunks.append(data)
         total += len(data)
@@ -62,6 +61,23 @@ def stdlib_corpus(limit_bytes: int | None = None) -> Corpus:
             break
     blob = b"".join(chunks)[:limit_bytes]
     return Corpus(_bytes_to_tokens(blob), "stdlib", 256)
+
+
+def stdlib_sources(root: Path) -> list[Path]:
+    """The ``.py`` files under ``root`` outside :data:`EXCLUDED_STDLIB_DIRS`, in
+    sorted path order (the order ``sorted(root.rglob("*.py"))`` gives).
+
+    The excluded folders are pruned as the walk meets them: a Python installation
+    keeps its site-packages under the standard library, and listing every file of
+    torch's there cost each rank about a second at every start, for ~700 files
+    kept out of ~13,000 seen."""
+    found: list[Path] = []
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = [d for d in subfolders if d not in EXCLUDED_STDLIB_DIRS]
+        found.extend(Path(folder, f) for f in files if f.endswith(".py"))
+    return sorted(
+        p for p in found if not EXCLUDED_STDLIB_DIRS.intersection(p.relative_to(root).parts)
+    )
 
 
 def _bytes_to_tokens(blob: bytes) -> torch.Tensor:

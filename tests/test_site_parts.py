@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import math
+import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
 
 from isthmus.inter.member_rounds import state_transferable
-from isthmus.intra.data import Dataset, ShardSpec, load_corpus, stdlib_corpus
+from isthmus.intra.data import (
+    EXCLUDED_STDLIB_DIRS,
+    Dataset,
+    ShardSpec,
+    load_corpus,
+    stdlib_corpus,
+    stdlib_sources,
+)
 from isthmus.intra.gradients import clip_grad_norm
 from isthmus.intra.model import GPT, SIZES, GPTConfig, config_for, lm_loss
 from isthmus.job.layout import Layout, LayoutError, check_sites, stage_layers
@@ -145,6 +154,19 @@ def test_a_pipeline_stage_without_embeddings_passes_hidden_states_through():
 
 
 # -- data ------------------------------------------------------------------------------
+def test_the_stdlib_corpus_reads_the_files_a_full_listing_would_in_its_order():
+    """The pruned walk must give the corpus of the plain listing it replaced: the
+    built-in data, and every run's shards, depend on the file order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    listed = [
+        p
+        for p in sorted(root.rglob("*.py"))
+        if not EXCLUDED_STDLIB_DIRS.intersection(p.relative_to(root).parts)
+    ]
+    assert stdlib_sources(root) == listed
+    assert len(listed) > 100
+
+
 def test_shards_are_disjoint_deterministic_and_cover_the_split():
     data = Dataset(stdlib_corpus(300_000), 64)
     ranks = (1, 2, 3)
