@@ -53,7 +53,8 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _last_record_time(out: Path, kind: str) -> float | None:
+def _last_site_reaching(out: Path, kind: str) -> float | None:
+    """When the last site wrote its first record of ``kind`` (None if one has none)."""
     times = []
     for metrics in (out / "sites").glob("*/metrics.jsonl"):
         found = [
@@ -105,7 +106,7 @@ def one_run(python: str, job: Path, steps: int | None, folder: Path) -> dict[str
     if launcher.returncode != 0:
         raise SystemExit(f"run_overhead: the run failed:\n{launcher.stderr.read()}")
     for phase, kind in (("joined", "joined"), ("training", "start")):
-        t = _last_record_time(out, kind)
+        t = _last_site_reaching(out, kind)
         if t is not None:
             seen[phase] = t - start
     return seen

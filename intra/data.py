@@ -75,9 +75,7 @@ def stdlib_sources(root: Path) -> list[Path]:
     for folder, subfolders, files in os.walk(root):
         subfolders[:] = [d for d in subfolders if d not in EXCLUDED_STDLIB_DIRS]
         found.extend(Path(folder, f) for f in files if f.endswith(".py"))
-    return sorted(
-        p for p in found if not EXCLUDED_STDLIB_DIRS.intersection(p.relative_to(root).parts)
-    )
+    return sorted(found)
 
 
 def _bytes_to_tokens(blob: bytes) -> torch.Tensor:

@@ -22,15 +22,14 @@ def _summary_writer_class() -> Any:
     it want. A ``None`` in ``sys.modules`` makes that optional import fail as if
     torch were absent; the entry is removed again straight after, so a later
     ``import torch`` in this process works as usual."""
-    if "torch" in sys.modules:
-        from tensorboardX import SummaryWriter
-
-        return SummaryWriter
-    sys.modules["torch"] = None  # type: ignore[assignment]
+    hide_torch = "torch" not in sys.modules
+    if hide_torch:
+        sys.modules["torch"] = None  # type: ignore[assignment]
     try:
         from tensorboardX import SummaryWriter
     finally:
-        del sys.modules["torch"]
+        if hide_torch:
+            del sys.modules["torch"]
     return SummaryWriter
 
 
