@@ -97,6 +97,9 @@ class ControlPlane:
             target=self._loop.run_forever, name=f"isthmus-control-{site or 'observer'}", daemon=True
         )
         self._task: asyncio.Future[None] | None = None
+        self._run_task: asyncio.Task[None] | None = None
+        """The client's task on the loop, ended alone first when closing (see
+        :meth:`_goodbye`)."""
         self._sending: set[asyncio.Future[None]] = set()
         self._status_in_flight = False
         self._status_dirty = False
@@ -136,9 +139,9 @@ class ControlPlane:
         if self._stopping or not self._thread.is_alive():
             return
         self._stopping = True
-        future = asyncio.run_coroutine_threadsafe(self._goodbye(), self._loop)
+        future = asyncio.run_coroutine_threadsafe(self._goodbye(timeout_s), self._loop)
         with contextlib.suppress(Exception):  # the broker is gone: its Last Will says the same
-            future.result(timeout_s)
+            future.result(timeout_s * 3)
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(self._cancel_all(), self._loop).result(timeout_s)
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -248,8 +251,8 @@ class ControlPlane:
     def _publish_status(self) -> None:
         """Send the latest status; while one is in flight, send again only once it is
         written (intermediate updates are superseded, never queued)."""
-        if self.site is None:
-            return
+        if self.site is None or self._stopping:
+            return  # stopping: the goodbye carries the latest status
         if self._status_in_flight:
             self._status_dirty = True
             return
@@ -289,6 +292,8 @@ class ControlPlane:
 
     async def _run(self) -> None:
         import aiomqtt
+
+        self._run_task = asyncio.current_task()
 
         delay = BACKOFF_S[0]
         identifier = f"isthmus-{self.job}-{self.site or 'observer'}-{id(self):x}"
@@ -336,8 +341,22 @@ class ControlPlane:
                 await asyncio.sleep(delay)
                 delay = min(BACKOFF_S[1], delay * 2)
 
-    async def _goodbye(self) -> None:
+    async def _goodbye(self, timeout_s: float) -> None:
+        """Publish the offline status, then end the session with a DISCONNECT.
+
+        The order matters. First what is still being sent; then the goodbye; then
+        the DISCONNECT, since the Last Will is the status as it was at connect time
+        (a site's membership report then: training, 0 rounds), and the broker
+        sends it for any session that ends without a DISCONNECT. A site that
+        reported itself done and then dropped its connection without one would
+        be overwritten by that old status and taken for lost. Ending the client's
+        ``async with`` (cancelling its task alone, while the client's own
+        reader and writer still run) sends the DISCONNECT."""
         client = self._client
+        if self._sending:
+            # A status sent just before (a site's "done") must not land after the
+            # goodbye: retained, it would say the site is online once it is gone.
+            await asyncio.wait(set(self._sending), timeout=timeout_s)
         if client is not None and self.site is not None:
             await client.publish(
                 status_topic(self.job, self.site),
@@ -345,6 +364,10 @@ class ControlPlane:
                 qos=1,
                 retain=True,
             )
+        run = self._run_task
+        if run is not None and not run.done():
+            run.cancel()
+            await asyncio.wait({run}, timeout=timeout_s)
 
     def _publish_view(self, view: Any) -> None:
         """A membership view, retained, QoS 1: every site must see it, also a site that

@@ -159,6 +159,31 @@ def test_retained_status_reaches_late_joiners_and_clean_exit_says_offline(broker
             wait_until(lambda: observer.peers["a"]["state"] == "offline", what="offline")
 
 
+@needs_mosquitto
+def test_a_clean_exit_is_the_last_word_at_the_broker(tmp_path):
+    """A site's goodbye (offline, retained) must be the last status the broker
+    keeps: neither a status update still in flight at close (it landed after the
+    goodbye, and the gone site read as online) nor the Last Will (the status from
+    connect time; after the DISCONNECT that close sends, mosquitto drops it, and
+    amqtt, the embedded broker, now and then does not: the membership guards
+    against that, tests/test_membership.py)."""
+    server = Mosquitto(tmp_path).start()
+    try:
+        with ControlPlane(server.address, "j", None).start(wait_s=10) as observer:
+            for attempt in range(10):
+                site = ControlPlane(server.address, "j", f"s{attempt}").start(wait_s=10)
+                site.update_status(step=100 + attempt)
+                site.close()
+                wait_until(
+                    lambda a=attempt: observer.peers.get(f"s{a}", {}).get("state") == "offline",
+                    what="goodbye",
+                )
+                time.sleep(0.2)  # a Will would follow within this
+                assert observer.peers[f"s{attempt}"].get("step") == 100 + attempt
+    finally:
+        server.stop()
+
+
 SITE_SCRIPT = """
 import sys, time
 from isthmus.inter.control import Broker, ControlPlane

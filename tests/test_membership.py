@@ -217,6 +217,27 @@ def test_the_leader_publishes_once_and_every_site_applies_the_view_at_its_round(
     assert a.history == [view]
 
 
+def test_a_site_that_said_it_is_done_is_not_taken_for_lost_by_its_last_will():
+    """The Last Will is the status from when the site connected; a broker may send it
+    after the site's own goodbye. The site that finished must stay finished: taken for
+    lost, it would start a view that leaves it out of the round a still completes
+    with it (a flake hunt's async resume run ended with a failed below the quorum)."""
+    a, published = leader_a(SITES, min_sites=2, settle_s=0)
+    a.report(rounds=6, engine_round=7)
+    a.on_status("c", online(Report(phase="done", rounds=7, engine_round=8)))
+    goodbye = {"state": "offline", "membership": Report(phase="done", rounds=7).to_message()}
+    a.on_status("c", goodbye)
+    will = {"state": "offline", "membership": training(0, 1).to_message()}
+    a.on_status("b", online(training(6, 7)))
+    a.on_status("c", will)
+    a.on_status("c", {"state": "offline"})  # a will from before it had a report
+    assert published == []
+    # Back online (a new process): its reports count again, and its loss too.
+    a.on_status("c", online(Report(phase="joining", rounds=0, engine_round=0)))
+    a.on_status("c", {"state": "offline"})
+    assert len(published) == 1 and "c" in published[0].reason
+
+
 def online(report: Report) -> dict:
     return {"state": "online", "membership": report.to_message()}
 

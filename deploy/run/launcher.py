@@ -375,7 +375,11 @@ class Launcher:
                 running = True
         if running:
             return ""
-        finished = any(s.status == "finished" for s in self.state.sites.values())
+        # A site lost (killed) and not back is what the membership lets the others
+        # survive; one that ended with an error (below the quorum, let back in too
+        # late) ends with a model of its own, and the run must not say it finished.
+        statuses = [s.status for s in self.state.sites.values()]
+        finished = "finished" in statuses and "failed" not in statuses
         return "finished" if finished else "failed"
 
     def _check_joined(self, site: SiteState, *, exited: bool) -> bool:

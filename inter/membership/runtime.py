@@ -127,6 +127,20 @@ class Membership:
         if isinstance(report, str):
             return report
         with self._changed:
+            previous = self._reports.get(site)
+            if (
+                previous is not None
+                and previous.phase == "done"
+                and not report.online
+                and report.phase != "done"
+            ):
+                # The Last Will is the status from when the site connected (training,
+                # a few rounds), and a broker may send it after the site's own
+                # goodbye (amqtt does, now and then, although the client sent a
+                # DISCONNECT). A site that said it finished stays finished until it
+                # comes online again: taken for lost, it would start a view that
+                # leaves it out of the round the others still run with it.
+                report = dataclasses.replace(previous, online=False)
             self._reports[site] = report
             self._changed.notify_all()
         self._lead()
