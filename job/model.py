@@ -153,6 +153,9 @@ class Job:
     """What ``isthmus tune`` aims for, and ``isthmus run``'s online H controller."""
     tls: TlsSpec | None = None
     """Mutual TLS between sites; None: plaintext (emulated runs, trusted networks)."""
+    insecure: bool = False
+    """The job file's ``insecure: true``: run without TLS across a network (see
+    :mod:`isthmus.job.exposure`)."""
     source: str = "<job>"
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 

@@ -24,6 +24,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from isthmus.job.exposure import EMULATED_HOSTS_SUBNET
+
 TUNSETIFF = 0x400454CA
 TUNSETOFFLOAD = 0x400454D0
 IFF_TUN = 0x0001
@@ -38,8 +40,9 @@ TUN_F_TSO_ECN = 0x08
 NETNS_PREFIX = "isthmus-"
 NETNS_DIR = Path("/run/netns")
 # Addresses inside the namespaces: a private /16 of their own, invisible to the
-# root namespace and to the real network.
-DEFAULT_SUBNET = "10.213.0.0/16"
+# root namespace and to the real network (which is why a job dialled there needs
+# no TLS: isthmus.job.exposure).
+DEFAULT_SUBNET = EMULATED_HOSTS_SUBNET
 # An owner file beside each namespace says which router made it.
 OWNER_DIR = Path("/run/isthmus")
 TCP_BUFFER_MAX = 32 * 2**20

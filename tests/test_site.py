@@ -44,6 +44,7 @@ sites:
                 lb-1.us.example:7103]
   - {name: eu-west, ranks: 2, address: 0.0.0.0:7100, advertise: 198.51.100.9:9100}
 control: {broker: mqtt://broker.example:1883}
+insecure: true  # about layouts and ports; TLS across networks: tests/test_exposure.py
 """
 
 

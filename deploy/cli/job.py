@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from isthmus.deploy.cli.registry import add_command
 from isthmus.deploy.jobfile import Job, load_job
+from isthmus.job.exposure import insecure_warning
 from isthmus.sim.topology import Topology
 
 
@@ -21,8 +23,11 @@ def register(commands: Any) -> None:
 
 
 def _check(args: argparse.Namespace) -> int:
-    job = load_job(args.job)
+    job = load_job(args.job, require_tls=True)
     print(describe_job(job))
+    warning = insecure_warning(job)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
     return 0
 
 

@@ -198,6 +198,7 @@ def run_job(
     from isthmus.deploy.run.progress import progress_for
     from isthmus.deploy.run.report import write_report
     from isthmus.deploy.run.run_dir import prepare_run_dir, save_command
+    from isthmus.job.exposure import insecure_warning
 
     placement = _gpu_placement(job)  # refused before the run directory is made
     if resume_round is None:
@@ -212,6 +213,9 @@ def run_job(
         f"{job.train.steps} steps{runs} -> {run_dir}",
         flush=True,
     )
+    warning = insecure_warning(job)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     if placement:
         from isthmus.intra.devices import describe_gpu_map
 

@@ -47,6 +47,7 @@ from isthmus.deploy.jobfile import Job, SiteSpec, load_job, parse_address
 from isthmus.deploy.run.host_tuning import tcp_advice
 from isthmus.job.addressing import resolve
 from isthmus.job.basics import FieldError
+from isthmus.job.exposure import insecure_warning
 from isthmus.job.ports import RDZV_PORT
 
 SPAWNED_BY_SITE = "ISTHMUS_SITE_LAUNCHER"
@@ -100,7 +101,7 @@ def register(commands: Any) -> None:
 
 
 def _site(args: argparse.Namespace) -> int:
-    job = load_job(args.job)
+    job = load_job(args.job, require_tls=True)
     index, spec = site_of(job, args.site)
     if args.print_ports:
         print(describe_ports(job, spec))
@@ -112,7 +113,8 @@ def _site(args: argparse.Namespace) -> int:
     out = args.out or Path("runs") / f"{job.name}-{spec.name}"
     launcher = TorchrunLayout.from_environment()
     if launcher is None or launcher.rank == 0:  # once per site, not once per rank
-        for line in tcp_advice():
+        warning = insecure_warning(job)
+        for line in tcp_advice() + ([warning] if warning else []):
             print(f"warning: {line}", file=sys.stderr)
     if launcher is not None:
         launcher.check(job, spec, index)

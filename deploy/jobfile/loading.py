@@ -33,10 +33,12 @@ def load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)
 
 
-def load_job(path: str | Path, *, check_files: bool = True) -> Job:
+def load_job(path: str | Path, *, check_files: bool = True, require_tls: bool = False) -> Job:
     """Read and validate a job file; raise :class:`JobFileError` listing every problem.
     ``check_files=False``: the files it names need not exist yet (``isthmus certs``
-    makes the certificates the job file already names)."""
+    makes the certificates the job file already names). ``require_tls``: also refuse
+    a job that would run without TLS across a network (what ``check``, ``site`` and
+    ``run`` ask; see :mod:`isthmus.job.exposure`)."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -44,10 +46,12 @@ def load_job(path: str | Path, *, check_files: bool = True) -> Job:
         raise JobFileError(str(path), [("", None, "file not found; check the path")]) from None
     except OSError as exc:
         raise JobFileError(str(path), [("", None, f"cannot read: {exc.strerror}")]) from None
-    return parse_job(text, source=str(path), check_files=check_files)
+    return parse_job(text, source=str(path), check_files=check_files, require_tls=require_tls)
 
 
-def parse_job(text: str, *, source: str = "<job>", check_files: bool = True) -> Job:
+def parse_job(
+    text: str, *, source: str = "<job>", check_files: bool = True, require_tls: bool = False
+) -> Job:
     try:
         data = load_yaml(text)
         lines = _line_map(yaml.compose(text, Loader=_Loader))
@@ -56,7 +60,7 @@ def parse_job(text: str, *, source: str = "<job>", check_files: bool = True) -> 
         line = mark.line + 1 if mark is not None else None
         problem = getattr(exc, "problem", None) or str(exc)
         raise JobFileError(source, [("", line, f"not valid YAML: {problem}")]) from None
-    return Validator(source, lines, check_files).job(data)
+    return Validator(source, lines, check_files, require_tls).job(data)
 
 
 def _line_map(node: yaml.Node | None, path: str = "") -> dict[str, int]:

@@ -17,6 +17,7 @@ from isthmus.intra.sizes import SIZES
 from isthmus.job.addressing import parse_address
 from isthmus.job.basics import is_number
 from isthmus.job.broker import Broker
+from isthmus.job.exposure import unprotected
 from isthmus.job.layout import Layout, LayoutError, check_sites
 from isthmus.job.model import ControlSpec, Job, SiteSpec, TlsSpec
 from isthmus.job.settings import SETTING_NAMES, SettingError, TrainSettings
@@ -34,6 +35,7 @@ TOP_LEVEL_KEYS = (
     "control",
     "tune",
     "tls",
+    "insecure",
 )
 CONTROL_KEYS = ("broker", "username", "password", "password_env", "tls", "wait_s")
 TLS_KEYS = ("ca", "cert", "key")
@@ -59,10 +61,19 @@ class JobFileError(ValueError):
 class Validator:
     """Walks the parsed YAML, collecting every problem instead of stopping at the first."""
 
-    def __init__(self, source: str, lines: dict[str, int], check_files: bool = True) -> None:
+    def __init__(
+        self,
+        source: str,
+        lines: dict[str, int],
+        check_files: bool = True,
+        require_tls: bool = False,
+    ) -> None:
         self.source = source
         self.lines = lines
         self.check_files = check_files
+        self.require_tls = require_tls
+        """Refuse a job that would run without TLS across a network
+        (:func:`isthmus.job.exposure.unprotected`)."""
         self.problems: list[tuple[str, int | None, str]] = []
         self.named_sites: list[str] = []
 
@@ -121,10 +132,18 @@ class Validator:
                 f"be met; use at most {len(sites)} (0: half of them, rounded up)",
             )
         tls = self.tls(data["tls"]) if data.get("tls") is not None else None
+        insecure = data.get("insecure", False)
+        if not isinstance(insecure, bool):
+            self.fail(
+                "insecure",
+                f"must be true or false, got {insecure!r}; true runs without TLS across a "
+                "network, which only a private network you trust should",
+            )
+            insecure = False
         if self.problems:
             raise JobFileError(self.source, self.problems)
         assert train is not None
-        return Job(
+        job = Job(
             name=name,
             sites=tuple(sites),
             train=train,
@@ -135,9 +154,16 @@ class Validator:
             control=control,
             tune=tune or TuneSettings(),
             tls=tls,
+            insecure=insecure,
             source=self.source,
             raw=data,
         )
+        if self.require_tls:
+            for path, message in unprotected(job):
+                self.fail(path, message)
+            if self.problems:
+                raise JobFileError(self.source, self.problems)
+        return job
 
     # -- tls ---------------------------------------------------------------------------
     def tls(self, value: Any) -> TlsSpec | None:

@@ -32,8 +32,10 @@ def resolve_job(
 ) -> tuple[Job, dict[str, Any]]:
     """The job file with the command line's overrides and every default filled in:
     what ``job.yaml`` in the run directory holds and every site reads. ``train`` and
-    ``tune``: more overrides of those sections' keys (``isthmus tune``'s trials)."""
-    job = load_job(path)
+    ``tune``: more overrides of those sections' keys (``isthmus tune``'s trials).
+    Refuses a job that would run without TLS across a network
+    (:mod:`isthmus.job.exposure`)."""
+    job = load_job(path, require_tls=True)
     changes: dict[str, Any] = dict(train or {})
     if strategy is not None:
         changes["strategy"] = strategy

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from isthmus.deploy.run.launcher import RunState
+from isthmus.job.exposure import insecure_warning
 
 SITE_FIELDS = (
     "status",
@@ -74,6 +75,8 @@ def build_summary(state: RunState, *, ended: float | None = None) -> dict[str, A
             k: int(v["bytes"]) for k, v in state.links.items()
         }
     summary["settings"] = state.job.train.to_dict()
+    # Said at every start, kept with the results: this run crossed networks in plaintext.
+    summary["insecure"] = insecure_warning(state.job) is not None
     if state.job.tune.online:
         summary["sync_every_changes"] = state.sync_every_changes
     summary["model"] = state.job.model
