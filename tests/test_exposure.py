@@ -88,7 +88,9 @@ def test_a_site_dialled_by_name_or_a_remote_broker_alone_is_across_a_network():
     by_name = "name: x\nsites: [{name: a}, {name: b, address: 'gpu7.lab:7100'}]\n"
     (problem,) = unprotected(parse_job(by_name))
     assert problem[0] == "tls" and "sites[1].address is dialled at gpu7.lab" in problem[1]
-    remote_broker = "name: x\nsites: [{name: a}, {name: b}]\ncontrol: {broker: mqtt://10.0.0.9:1883}\n"
+    remote_broker = (
+        "name: x\nsites: [{name: a}, {name: b}]\ncontrol: {broker: mqtt://10.0.0.9:1883}\n"
+    )
     fields = [field for field, _ in unprotected(parse_job(remote_broker))]
     assert fields == ["tls", "control.broker"]
 
