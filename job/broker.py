@@ -7,7 +7,7 @@ control plane (:mod:`isthmus.inter.control`) connects to it.
 from __future__ import annotations
 
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -19,7 +19,7 @@ class Broker:
     host: str
     port: int
     username: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)  # never in a log line
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None

@@ -3,17 +3,28 @@ sites and to its broker, or says ``insecure: true`` (isthmus.job.exposure)."""
 
 from __future__ import annotations
 
+import getpass
+import shutil
+import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from isthmus.deploy.cli import main
 from isthmus.deploy.jobfile import JobFileError, parse_job
 from isthmus.deploy.run.launcher import RunState, SiteState
+from isthmus.deploy.run.run_dir import PASSWORD_VARIABLE, RunError, resolve_job, resume_point
 from isthmus.deploy.run.summary import build_summary
 from isthmus.job.exposure import exposed_sites, insecure_warning, on_this_machine, unprotected
+from isthmus.job.ports import free_port
+
+MOSQUITTO = shutil.which("mosquitto") or (
+    "/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None
+)
 
 ACROSS = """\
 name: clusters
@@ -151,3 +162,70 @@ def test_the_summary_records_a_run_without_tls_across_a_network(tmp_path):
 
     assert summary_of(ACROSS + "insecure: true\n")["insecure"] is True
     assert summary_of("name: x\nsites: [{name: a}, {name: b}]\n")["insecure"] is False
+
+
+SECRET = "s3cret-Broker-pw-7f1c"
+
+
+def test_an_inline_broker_password_is_kept_out_of_the_resolved_job(tmp_path, monkeypatch):
+    monkeypatch.delenv(PASSWORD_VARIABLE, raising=False)
+    job_file = write(
+        tmp_path,
+        "name: x\nsites: [{name: a}, {name: b}]\n"
+        f"control: {{broker: mqtt://127.0.0.1:1883, username: u, password: {SECRET}}}\n",
+    )
+    job, raw = resolve_job(job_file)
+    assert SECRET not in yaml.safe_dump(raw) and SECRET not in repr(job)
+    assert raw["control"]["password_env"] == PASSWORD_VARIABLE
+    assert job.control is not None and job.control.broker_for("a").password == SECRET
+    # A resumed run needs the variable again, and says so.
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "job.yaml").write_text(yaml.safe_dump(raw))
+    monkeypatch.delenv(PASSWORD_VARIABLE)
+    with pytest.raises(RunError, match=f"set {PASSWORD_VARIABLE} to it"):
+        resume_point(run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(MOSQUITTO is None, reason="mosquitto is not installed")
+def test_a_run_with_a_broker_password_leaves_it_in_no_file_and_no_output(tmp_path, monkeypatch):
+    """A real Mosquitto that admits no one without the password: the run finishes (so
+    every site process logged in with it), and the secret is in no file of the run
+    directory and nowhere in what the command printed."""
+    monkeypatch.delenv(PASSWORD_VARIABLE, raising=False)
+    passwords = tmp_path / "passwords"
+    subprocess.run(["mosquitto_passwd", "-b", "-c", str(passwords), "isthmus", SECRET], check=True)
+    port = free_port()
+    config = tmp_path / "mosquitto.conf"
+    config.write_text(
+        f"listener {port} 127.0.0.1\nallow_anonymous false\npassword_file {passwords}\n"
+        f"persistence false\nuser {getpass.getuser()}\n"
+    )
+    broker = subprocess.Popen(
+        [MOSQUITTO, "-c", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        job = write(
+            tmp_path,
+            "name: guarded\nsites: [{name: a}, {name: b}]\n"
+            "wan: {default: {rtt_ms: 10, bandwidth_mbit: 500}}\n"
+            "train: {strategy: diloco, steps: 4, sync_every: 2, warmup_steps: 1}\n"
+            f"control: {{broker: 'mqtt://127.0.0.1:{port}', username: isthmus, "
+            f"password: {SECRET}, wait_s: 10}}\n",
+        )
+        out = tmp_path / "run"
+        run = subprocess.run(
+            [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        broker.terminate()
+        broker.wait(10)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert SECRET not in run.stdout + run.stderr
+    leaks = [p for p in out.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
+    assert leaks == []

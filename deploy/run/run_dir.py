@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -73,8 +74,45 @@ def resolve_job(
             {**site, "address": f"127.0.0.1:{next(bases)}"} if "address" not in site else site
             for site in raw["sites"]
         ]
+    keep_password_out(raw)
     resolved = parse_job(yaml.safe_dump(raw, sort_keys=False), source=str(path))
     return resolved, raw
+
+
+PASSWORD_VARIABLE = "ISTHMUS_CONTROL_PASSWORD"
+"""Where an inline ``control.password`` goes instead of the run directory."""
+
+
+def keep_password_out(raw: dict[str, Any]) -> None:
+    """Move an inline broker password out of the resolved job, which is written to
+    the run directory (and read by everyone who can read that): the job names an
+    environment variable instead (``control.password_env``, the job's own or
+    :data:`PASSWORD_VARIABLE`), set in this process, whose site processes inherit
+    it. A ``--resume`` later needs that variable set again (:func:`resume_point`)."""
+    control = raw.get("control")
+    if not isinstance(control, dict) or control.get("password") is None:
+        return
+    control = dict(control)
+    password = str(control.pop("password"))
+    variable = control.get("password_env") or PASSWORD_VARIABLE
+    os.environ.setdefault(variable, password)  # a variable already set wins, as in the job
+    control["password_env"] = variable
+    raw["control"] = control
+
+
+def _kept_password_missing(job_path: Path) -> bool:
+    """Whether the run's job.yaml had its broker password moved out by
+    :func:`keep_password_out` and the variable holding it is not set now."""
+    try:
+        raw = load_yaml(job_path.read_text())
+    except (OSError, yaml.YAMLError):
+        return False  # load_job says what is wrong with it
+    control = raw.get("control") if isinstance(raw, dict) else None
+    return (
+        isinstance(control, dict)
+        and control.get("password_env") == PASSWORD_VARIABLE
+        and PASSWORD_VARIABLE not in os.environ
+    )
 
 
 def resume_point(run_dir: Path) -> tuple[Job, dict[str, Any], int]:
@@ -83,6 +121,11 @@ def resume_point(run_dir: Path) -> tuple[Job, dict[str, Any], int]:
     job_path = run_dir / "job.yaml"
     if not job_path.is_file():
         raise RunError(f"--resume: {run_dir} is not a run directory (no job.yaml)")
+    if _kept_password_missing(job_path):
+        raise RunError(
+            f"--resume: the broker password of {run_dir} was kept out of its job.yaml; set "
+            f"{PASSWORD_VARIABLE} to it (or use control.password_env in the job file)"
+        )
     summary_path = run_dir / "summary.json"
     if summary_path.is_file():
         try:
