@@ -134,6 +134,15 @@ class TlsSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MetricsSpec:
+    """The job file's ``metrics:`` section: Prometheus endpoints of every rank."""
+
+    prometheus_port: int
+    """On a real cluster each rank serves ``/metrics`` on this port + its local rank;
+    ``isthmus run`` on one machine picks free ports instead (``endpoints.json``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Job:
     """A validated job file."""
 
@@ -156,6 +165,8 @@ class Job:
     insecure: bool = False
     """The job file's ``insecure: true``: run without TLS across a network (see
     :mod:`isthmus.job.exposure`)."""
+    metrics: MetricsSpec | None = None
+    """Prometheus endpoints (``metrics:``); None: none served."""
     source: str = "<job>"
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 

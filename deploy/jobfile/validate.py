@@ -19,7 +19,7 @@ from isthmus.job.basics import is_number
 from isthmus.job.broker import Broker
 from isthmus.job.exposure import unprotected
 from isthmus.job.layout import Layout, LayoutError, check_sites
-from isthmus.job.model import ControlSpec, Job, SiteSpec, TlsSpec
+from isthmus.job.model import ControlSpec, Job, MetricsSpec, SiteSpec, TlsSpec
 from isthmus.job.settings import SETTING_NAMES, SettingError, TrainSettings
 from isthmus.job.tune import LIVE_SYNC_EVERY, TUNE_KEYS, TuneError, TuneSettings
 
@@ -36,7 +36,9 @@ TOP_LEVEL_KEYS = (
     "tune",
     "tls",
     "insecure",
+    "metrics",
 )
+METRICS_KEYS = ("prometheus_port",)
 CONTROL_KEYS = ("broker", "username", "password", "password_env", "tls", "wait_s")
 TLS_KEYS = ("ca", "cert", "key")
 SITE_KEYS = ("name", "ranks", "nodes", "address", "advertise", "uplink_mbit", "parallel")
@@ -140,6 +142,7 @@ class Validator:
                 "network, which only a private network you trust should",
             )
             insecure = False
+        metrics = self.metrics(data["metrics"], sites) if data.get("metrics") is not None else None
         if self.problems:
             raise JobFileError(self.source, self.problems)
         assert train is not None
@@ -155,6 +158,7 @@ class Validator:
             tune=tune or TuneSettings(),
             tls=tls,
             insecure=insecure,
+            metrics=metrics,
             source=self.source,
             raw=data,
         )
@@ -330,6 +334,24 @@ class Validator:
                 used[(host, port)] = site.name
 
     # -- control plane -------------------------------------------------------------
+    def metrics(self, raw: Any, sites: list[SiteSpec]) -> MetricsSpec | None:
+        raw = self.mapping(raw, "metrics", METRICS_KEYS)
+        if raw is None:
+            return None
+        port = raw.get("prometheus_port")
+        # Each rank of a node serves on port + its local rank: the last must fit too.
+        per_node = max((s.ranks_per_node for s in sites), default=1)
+        if not (
+            isinstance(port, int) and not isinstance(port, bool) and 1 <= port <= 65536 - per_node
+        ):
+            self.fail(
+                "metrics.prometheus_port",
+                f"must be a port number 1-{65536 - per_node} (rank r of a node serves on "
+                f"port + r, and a node runs up to {per_node} ranks), got {port!r}",
+            )
+            return None
+        return MetricsSpec(prometheus_port=port)
+
     def control(self, raw: Any) -> ControlSpec | None:
         raw = self.mapping(raw, "control", CONTROL_KEYS)
         if raw is None:

@@ -48,7 +48,9 @@ from isthmus.deploy.run.site_processes import (
     site_environment,
     terminate,
 )
+from isthmus.deploy.session.environment import METRICS_PORTS
 from isthmus.job.addressing import load_state
+from isthmus.job.ports import free_ports
 
 EMULATOR_START_S = 60.0
 POLL_S = 0.25
@@ -197,6 +199,8 @@ class Launcher:
             f.at_round is not None or f.for_rounds is not None for f in job.wan.faults
         )
         self._reported: dict[str, int] = {}
+        self.metrics_ports: dict[str, list[int]] = {}
+        """Each site's ranks' ``/metrics`` ports (a job with ``metrics:``)."""
 
     # -- start ---------------------------------------------------------------------
     def start(self) -> None:
@@ -206,6 +210,8 @@ class Launcher:
             + yaml.safe_dump(self.raw, sort_keys=False)
         )
         self._metrics = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+        if self.job.metrics is not None:
+            self._choose_metrics_ports()
         if self.job.control is None:
             self._start_broker()
         if self.job.wan is not None:
@@ -214,6 +220,26 @@ class Launcher:
             self._start_tuner()
         for site in self.job.sites:
             self._start_site(site.name)
+
+    def _choose_metrics_ports(self) -> None:
+        """A free loopback port for every rank's ``/metrics`` (on one machine the job's
+        ``prometheus_port`` + local rank would collide across sites), listed in
+        ``endpoints.json`` as ``{SITE: {RANK: URL}}`` for a Prometheus to scrape."""
+        # Not a port a site's peer service will listen on (picked free, not yet bound).
+        taken = {port for s in self.job.sites for _, port in s.listen_addresses() or []}
+        for site in self.job.sites:
+            ports = free_ports("127.0.0.1", site.ranks)
+            while taken & set(ports):
+                ports = free_ports("127.0.0.1", site.ranks)
+            taken |= set(ports)
+            self.metrics_ports[site.name] = ports
+        write_json_atomic(
+            self.run_dir / "endpoints.json",
+            {
+                name: {str(r): f"http://127.0.0.1:{port}/metrics" for r, port in enumerate(ports)}
+                for name, ports in self.metrics_ports.items()
+            },
+        )
 
     def _start_site(self, name: str, *, rejoin: bool = False) -> None:
         run_dir = self.run_dir
@@ -228,6 +254,8 @@ class Launcher:
         how = {"rejoin": rejoin, "resume_round": self.resume_round}
         command = self.command or builtin_command()
         env |= site_environment(run_dir, name, **how)
+        if name in self.metrics_ports:  # the same ports when the site is restarted
+            env[METRICS_PORTS] = ",".join(str(p) for p in self.metrics_ports[name])
         state.procs = launch(command, site.ranks, env, files)
         state.logs = logs
         state.started = time.time()

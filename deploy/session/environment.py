@@ -25,6 +25,9 @@ REJOIN = "ISTHMUS_REJOIN"
 """``1``: the other sites are training; wait to be admitted and pull their state."""
 RESUME_ROUND = "ISTHMUS_RESUME_ROUND"
 """Go on from the site's checkpoint after this round (``isthmus run --resume``)."""
+METRICS_PORTS = "ISTHMUS_METRICS_PORTS"
+"""The port of each rank's ``/metrics``, comma-separated (``isthmus run`` of a job
+with ``metrics:``; see :mod:`isthmus.deploy.session.prometheus`)."""
 
 HOW_TO_LAUNCH = (
     "start the script through a launcher: `isthmus run JOB.yaml -- python train.py` "

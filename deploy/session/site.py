@@ -30,6 +30,7 @@ from isthmus.deploy.run.control import SiteControl, membership_for
 from isthmus.deploy.run.orphan import end_with_parent
 from isthmus.deploy.run.records import RecordWriter, write_json_atomic
 from isthmus.deploy.session.environment import LaunchEnvironment
+from isthmus.deploy.session.prometheus import MetricsEndpoint, metrics_port
 from isthmus.deploy.session.training import TrainingRun
 from isthmus.inter.allocator import keep_freed_memory
 from isthmus.inter.codecs import parse_codec
@@ -73,6 +74,8 @@ class Site:
         self.leave_requested = False
         """Set by SIGUSR1 (an operator asks this site to leave at the next round)."""
         self.run: TrainingRun | None = None
+        self.metrics: MetricsEndpoint | None = None
+        """This rank's ``/metrics`` (a job with ``metrics:``, launched)."""
         self._done = False
         self._closed = False
 
@@ -181,6 +184,11 @@ class Site:
             return
         self._closed = True
         try:
+            if self.metrics is not None:
+                final = None
+                if self.run_dir is not None:
+                    final = self.run_dir / "sites" / self.name / f"metrics-rank-{self.rank}.prom"
+                self.metrics.close(final)
             self.control.close(done=self._done)
         finally:
             self.records.close()
@@ -314,6 +322,13 @@ def _join_run(
         raise
     runtime.membership = membership
     joined = Site(job, runtime, launch=launch, control=control, records=records)
+    where = metrics_port(joined)
+    if where is not None:
+        try:
+            joined.metrics = MetricsEndpoint(joined, *where)
+        except BaseException:
+            joined.close()
+            raise
     _install_signals(joined)
     atexit.register(joined.close)
     return joined

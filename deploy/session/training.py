@@ -105,9 +105,16 @@ class TrainingRun:
         self.start_step = 0
         self.step = 0
         """The step the loop is on (0-based): what :meth:`steps` last handed out."""
+        self.steps_done = 0
+        """Inner steps this site has completed (a resumed or pulled start counts)."""
         self.tokens = 0
         self.compute_s = 0.0
         self.loss = math.nan
+        self.last_round: dict[str, Any] = {}
+        """The last round's timings (``tokens_per_s``, ``round_s``, ``waiting_s``, ...),
+        as the control plane's metrics carry them: for ``/metrics``."""
+        self.waiting_s = 0.0
+        """Seconds the loop waited on other sites, summed over the rounds."""
         self.left = False
         self.final_state: dict[str, torch.Tensor] | None = None
         """After a clean exit, on rank 0: the whole model's parameters and buffers by
@@ -169,7 +176,7 @@ class TrainingRun:
         self._train_started = time.time() - float(self._resumed.get("wall_s", 0.0))
         self._outer_seen = strategy.outer_steps
         self._clock = RoundClock(time.perf_counter(), self.tokens, self.compute_s, self.start_step)
-        self.step = self.start_step
+        self.step = self.steps_done = self.start_step
         return self
 
     def _load_checkpoint(self, round: int) -> None:
@@ -250,6 +257,7 @@ class TrainingRun:
             if k not in ("loss", "tokens", "eval_loss", "eval_seconds")
         }
         extra.setdefault("lr", self.optimizer.param_groups[0]["lr"])
+        self.steps_done = step + 1
         records.write(
             "step",
             step=step + 1,
@@ -303,13 +311,17 @@ class TrainingRun:
         self._outer_seen = strategy.outer_steps
         totals = write_round(site.records, strategy, site.runtime, steps)
         assert self._clock is not None
+        self.last_round = self._clock.metrics(
+            tokens=self.tokens, compute_s=self.compute_s, step=steps
+        )
+        self.waiting_s += self.last_round["waiting_s"]
         changes = site.control.round_ended(
             self._outer_seen,
             steps,
             loss=self.loss,
             wan_bytes_sent=totals["wan_bytes_sent"],
             sync_every=self.settings.sync_every,
-            **self._clock.metrics(tokens=self.tokens, compute_s=self.compute_s, step=steps),
+            **self.last_round,
         )
         self._clock = RoundClock(time.perf_counter(), self.tokens, self.compute_s, steps)
         if changes:
