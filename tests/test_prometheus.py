@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from isthmus.deploy.cli import main
 from isthmus.deploy.jobfile import JobFileError, parse_job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +59,18 @@ def test_the_port_is_checked_against_the_ranks_of_a_node():
     with pytest.raises(JobFileError, match=r"metrics.prometheus_prot: unknown key"):
         parse_job(JOB.replace("prometheus_port: 9400", "prometheus_prot: 9400"))
     assert parse_job(JOB).metrics.prometheus_port == 9400
+
+
+def test_print_ports_names_the_metrics_ports_to_open(tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "name: x\nsites:\n  - {name: a, ranks: 4, nodes: 2, address: '127.0.0.1:7100'}\n"
+        "  - {name: b, address: '127.0.0.1:7200'}\ncontrol: {broker: 'mqtt://127.0.0.1:1883'}\n"
+        "metrics: {prometheus_port: 9400}\n"
+    )
+    assert main(["site", str(job), "--site", "a", "--print-ports"]) == 0
+    out = capsys.readouterr().out
+    assert "from your Prometheus (TCP): /metrics on port 9400-9401 of every node" in out
 
 
 @pytest.mark.slow

@@ -177,6 +177,14 @@ def describe_ports(job: Job, spec: SiteSpec) -> str:
     if job.control is not None:
         broker = job.control.broker
         lines.append(f"outbound, to the broker (TCP): {broker.host}:{broker.port}")
+    if job.metrics is not None:
+        first = job.metrics.prometheus_port
+        last = first + spec.ranks_per_node - 1
+        ports = f"{first}" if last == first else f"{first}-{last}"
+        lines.append(
+            f"inbound, from your Prometheus (TCP): /metrics on port {ports} of every node "
+            "(rank r of a node: prometheus_port + r)"
+        )
     if spec.nodes > 1:
         lines.append(
             f"inside the site only: torchrun's rendezvous (TCP {RDZV_PORT} on the first node) "
