@@ -476,3 +476,23 @@ def test_an_out_folder_with_files_is_never_overwritten(capsys, job_file, tmp_pat
     code, _, stderr = render(capsys, job_file, out, "--target", "slurm")
     assert code == 2 and "--out" in stderr and "not empty" in stderr
     assert [p.name for p in out.iterdir()] == ["mine.txt"]
+
+
+def test_pods_declare_every_ranks_metrics_port_for_prometheus(capsys, job_file, tmp_path):
+    scraped = tmp_path / "job.yaml"
+    scraped.write_text(job_file.read_text() + "metrics: {prometheus_port: 9400}\n")
+    for certs in job_file.parent.iterdir():  # the certificates the job file names
+        if certs.is_dir():
+            (tmp_path / certs.name).symlink_to(certs)
+    out = tmp_path / "k8s"
+    code, _, stderr = render(capsys, scraped, out, "--target", "kubernetes")
+    assert code == 0, stderr
+    for site in load_job(scraped).sites:
+        indexed_job = site_objects(out, site.name)[2]
+        template = indexed_job["spec"]["template"]
+        assert template["metadata"]["annotations"] == {"prometheus.io/scrape": "true"}
+        (container,) = template["spec"]["containers"]
+        metrics = [p for p in container["ports"] if p["name"].startswith("metrics-")]
+        assert [p["containerPort"] for p in metrics] == [
+            9400 + r for r in range(site.ranks_per_node)
+        ]

@@ -25,6 +25,7 @@ from isthmus.deploy.render.cluster import (
     certs_dir,
     check_job,
 )
+from isthmus.job.model import MetricsSpec
 from isthmus.job.ports import RDZV_PORT
 
 BROKER_IMAGE = "eclipse-mosquitto:2"
@@ -185,7 +186,10 @@ def site_manifests(
             _config_map(names.config, names.labels, {"job.yaml": pod_job_file(job, certs)}),
         ),
         ("headless-service.yaml", _headless_service(names)),
-        ("indexed-job.yaml", _indexed_job(site, names, certs, image=image, gpus=gpus)),
+        (
+            "indexed-job.yaml",
+            _indexed_job(site, names, certs, image=image, gpus=gpus, metrics=job.metrics),
+        ),
     ]
     for node in range(site.nodes):
         manifests.append((f"node-{node}-service.yaml", _node_service(site, names, node)))
@@ -217,7 +221,13 @@ def _headless_service(names: _SiteObjects) -> dict[str, Any]:
 
 
 def _indexed_job(
-    site: SiteSpec, names: _SiteObjects, certs: _PodCerts, *, image: str, gpus: bool
+    site: SiteSpec,
+    names: _SiteObjects,
+    certs: _PodCerts,
+    *,
+    image: str,
+    gpus: bool,
+    metrics: MetricsSpec | None = None,
 ) -> dict[str, Any]:
     rdzv = f"{names.job}-0.{names.rdzv}:{RDZV_PORT}"
     # One pod template for every node: it declares every rank's port; pod k
@@ -227,6 +237,15 @@ def _indexed_job(
         {"name": f"rank-{rank}", "containerPort": _listen_port(site, rank), "protocol": "TCP"}
         for rank in range(site.ranks)
     ]
+    template_metadata: dict[str, Any] = {"labels": names.labels}
+    if metrics is not None:
+        # Each rank of the pod serves /metrics on prometheus_port + its local rank; a
+        # Prometheus with pod discovery finds every declared port of a scraped pod.
+        ports += [
+            {"name": f"metrics-{r}", "containerPort": metrics.prometheus_port + r}
+            for r in range(site.ranks_per_node)
+        ]
+        template_metadata["annotations"] = {"prometheus.io/scrape": "true"}
     mounts: list[dict[str, Any]] = [
         {"name": "job-file", "mountPath": POD_JOB_FILE, "subPath": "job.yaml"},
         {"name": "out", "mountPath": POD_OUT},
@@ -262,7 +281,7 @@ def _indexed_job(
             # could not join it: the site is started again as a whole (docs/deploy.md).
             "backoffLimit": 0,
             "template": {
-                "metadata": {"labels": names.labels},
+                "metadata": template_metadata,
                 "spec": {
                     # Pod k is <job>-k.<subdomain>: how every node finds node 0.
                     "subdomain": names.rdzv,
