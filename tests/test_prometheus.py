@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ import pytest
 
 from isthmus.deploy.cli import main
 from isthmus.deploy.jobfile import JobFileError, parse_job
+from isthmus.job.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = """\
@@ -71,6 +73,37 @@ def test_print_ports_names_the_metrics_ports_to_open(tmp_path, capsys):
     assert main(["site", str(job), "--site", "a", "--print-ports"]) == 0
     out = capsys.readouterr().out
     assert "from your Prometheus (TCP): /metrics on port 9400-9401 of every node" in out
+
+
+@pytest.mark.slow  # a site process: torch's import alone is seconds
+def test_a_metrics_port_in_use_is_refused_before_the_site_joins(tmp_path):
+    held = socket.socket()
+    held.bind(("0.0.0.0", 0))
+    held.listen()
+    port = held.getsockname()[1]
+    a, b = free_ports("127.0.0.1", 2)
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"name: x\nsites: [{{name: a, address: '127.0.0.1:{a}'}}, "
+        f"{{name: b, address: '127.0.0.1:{b}'}}]\n"
+        f"control: {{broker: 'mqtt://127.0.0.1:{free_ports('127.0.0.1', 1)[0]}'}}\n"
+        f"metrics: {{prometheus_port: {port}}}\n"
+    )
+    try:
+        site = subprocess.run(
+            [sys.executable, "-m", "isthmus", "site", str(job), "--site", "a"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        held.close()
+    assert site.returncode == 2, site.stderr
+    assert f"metrics.prometheus_port: rank 0 of site a cannot serve /metrics on 0.0.0.0:{port}" in (
+        site.stderr
+    )
+    assert "in use" in site.stderr and "Traceback" not in site.stderr
 
 
 @pytest.mark.slow

@@ -32,13 +32,15 @@ from isthmus.intra.process_group import SiteError
 
 if TYPE_CHECKING:
     from isthmus.deploy.session.site import Site
+    from isthmus.job.model import Job
 
 
 class SiteCollector:
     """The ``isthmus_*`` metrics of one rank (a prometheus_client custom collector)."""
 
-    def __init__(self, site: Site) -> None:
-        self.site = site
+    def __init__(self) -> None:
+        self.site: Site | None = None
+        """Set once the rank has joined; until then a scrape is empty."""
 
     def describe(self) -> list[Any]:
         return []  # not described ahead: the peers' labels are known only when scraped
@@ -47,6 +49,8 @@ class SiteCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         site = self.site
+        if site is None:
+            return
         runtime = site.runtime
         labels = ["site", "rank"]
         me = [site.name, str(site.rank)]
@@ -129,23 +133,28 @@ class SiteCollector:
 class MetricsEndpoint:
     """A rank's ``/metrics`` server, and its last scrape written at close."""
 
-    def __init__(self, site: Site, port: int, host: str) -> None:
+    def __init__(self, site: str, rank: int, port: int, host: str) -> None:
+        """Serve now (a port in use is refused before the rank joins and the other
+        sites wait on it); the figures follow once :meth:`attach` gives the site."""
         from prometheus_client import CollectorRegistry, start_http_server
 
-        self.site = site
+        self.collector = SiteCollector()
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(SiteCollector(site))
+        self.registry.register(self.collector)
         self.port = port
         try:
             self._server, self._thread = start_http_server(port, host, registry=self.registry)
         except OSError as exc:
             taken = exc.errno == errno.EADDRINUSE
             raise SiteError(
-                f"metrics.prometheus_port: rank {site.rank} of site {site.name} cannot serve "
+                f"metrics.prometheus_port: rank {rank} of site {site} cannot serve "
                 f"/metrics on {host}:{port} "
                 f"({'in use' if taken else exc.strerror}); give the job another port "
                 "(rank r of a node uses port + r)"
             ) from None
+
+    def attach(self, site: Site) -> None:
+        self.collector.site = site
 
     def scrape(self) -> bytes:
         from prometheus_client import generate_latest
@@ -163,16 +172,16 @@ class MetricsEndpoint:
         self._server.server_close()
 
 
-def metrics_port(site: Site) -> tuple[int, str] | None:
-    """Where this rank serves ``/metrics``: ``(port, host)``, or None when the job
+def metrics_port(job: Job, rank: int) -> tuple[int, str] | None:
+    """Where rank ``rank`` serves ``/metrics``: ``(port, host)``, or None when the job
     names no ``metrics:``. ``isthmus run``'s free ports first, then the job's port
     plus the rank's local rank (torchrun's ``LOCAL_RANK``) on every interface."""
-    spec = site.job.metrics
+    spec = job.metrics
     if spec is None:
         return None
     given = os.environ.get(METRICS_PORTS)
     if given:
         ports = [int(p) for p in given.split(",")]
-        return ports[site.rank], "127.0.0.1"
-    local_rank = int(os.environ.get("LOCAL_RANK", site.rank))
+        return ports[rank], "127.0.0.1"
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
     return spec.prometheus_port + local_rank, "0.0.0.0"

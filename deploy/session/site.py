@@ -296,6 +296,8 @@ def _join_run(
     if device.type == "cuda":
         # One GPU per rank, chosen before NCCL binds its communicator to one.
         torch.cuda.set_device(device)
+    where = metrics_port(job, rank)  # a port in use is refused before anyone waits on it
+    metrics = MetricsEndpoint(site_name, rank, *where) if where is not None else None
     records = RecordWriter(run_dir / "sites" / site_name / "metrics.jsonl", site_name, rank == 0)
     records.write("joined", rank=rank, ranks=spec.ranks, pid=os.getpid())
     # The broker first: a site that cannot reach it stops at once, before its peers
@@ -319,16 +321,14 @@ def _join_run(
     except BaseException:
         control.close(done=False)
         records.close()
+        if metrics is not None:
+            metrics.close(None)
         raise
     runtime.membership = membership
     joined = Site(job, runtime, launch=launch, control=control, records=records)
-    where = metrics_port(joined)
-    if where is not None:
-        try:
-            joined.metrics = MetricsEndpoint(joined, *where)
-        except BaseException:
-            joined.close()
-            raise
+    if metrics is not None:
+        metrics.attach(joined)
+        joined.metrics = metrics
     _install_signals(joined)
     atexit.register(joined.close)
     return joined
