@@ -573,8 +573,12 @@ def test_a_send_that_fails_after_its_round_is_logged_and_one_that_hangs_is_given
             raise RoundError("b", "round 3: sending to site 'b' failed: peer is unreachable")
 
         hangs = asyncio.ensure_future(asyncio.sleep(3600))
-        engine.outgoing.outlive(3, [("b", asyncio.ensure_future(fails())), ("c", hangs)])
-        await asyncio.sleep(0.05)
+        failing = asyncio.ensure_future(fails())
+        engine.outgoing.outlive(3, [("b", failing), ("c", hangs)])
+        # On the failure itself, not after a sleep: on a loaded machine both timers can
+        # fire in one loop turn, before the failure's callbacks have run.
+        await asyncio.wait({failing})
+        await asyncio.sleep(0)  # the callbacks that count it
         failed = engine.failed_deliveries
         await engine.flush(0.05)
         left = len(engine.outgoing.deliveries)
