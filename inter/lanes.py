@@ -94,7 +94,7 @@ class RankEndpoint:
             for lane, peers in sorted(lane_peers.items())
         }
 
-    def _dispatch(self, chunk: ReceivedChunk) -> None:
+    def _dispatch(self, chunk: ReceivedChunk) -> bool:
         engine = self.engines.get(chunk.lane)
         if engine is None:
             raise ChunkError(
@@ -103,7 +103,7 @@ class RankEndpoint:
                 f"{self.identity.rank} serves lanes {sorted(self.engines)}; the sites "
                 f"disagree on their layouts",
             )
-        engine.receive(chunk)
+        return engine.receive(chunk)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         return await self.server.start(host, port)

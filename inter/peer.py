@@ -55,8 +55,9 @@ class Identity:
     """The same layout in words, for refusals that name both sides."""
 
 
-ChunkSink = Callable[[ReceivedChunk], Awaitable[None] | None]
-"""Where verified chunks go (the collective engine); raising ChunkError refuses one."""
+ChunkSink = Callable[[ReceivedChunk], Awaitable[None] | bool | None]
+"""Where verified chunks go (the collective engine); raising ChunkError refuses one,
+returning False says it was dropped unapplied (its round is over there)."""
 
 
 class PeerError(RuntimeError):
@@ -213,10 +214,19 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
             received = ReceivedChunk.from_wire(chunk, payload, codec, site, rank)
             result = self.on_chunk(received)
             if asyncio.iscoroutine(result):
-                await result
+                result = await result
         except ChunkError as exc:
             self._refuse(f"chunk from site {site!r} ({peer}): {exc}", exc.code)
             return _ack(chunk, wire_pb2.Error(code=exc.code, message=str(exc)))
+        if result is False:
+            # A round over here: a straggler of a round run again, or a replay. Never
+            # applied, counted, and acknowledged (nothing for the sender to resend).
+            self._refuse(
+                f"chunk from site {site!r} ({peer}) of round {chunk.round}, which is over "
+                "here: dropped",
+                wire_pb2.STALE_ROUND,
+                level=logging.INFO,
+            )
         return _ack(chunk, None)
 
     def _check_certificate(
@@ -237,7 +247,9 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
         self._refuse(error.message)
         return error
 
-    def _refuse(self, reason: str, code: int = wire_pb2.WRONG_JOB) -> None:
+    def _refuse(
+        self, reason: str, code: int = wire_pb2.WRONG_JOB, level: int = logging.WARNING
+    ) -> None:
         self.refused.append(reason)
         kind = wire_pb2.ErrorCode.Name(code)
         self.refusals[kind] += 1
@@ -250,7 +262,7 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
             return
         self._last_logged[kind] = (now, 0)
         more = f" (and {unlogged} more like it since the last such line)" if unlogged else ""
-        log.warning("refused: %s%s", reason, more)
+        log.log(level, "refused: %s%s", reason, more)
 
 
 def _ack(chunk: wire_pb2.Chunk, error: wire_pb2.Error | None) -> wire_pb2.Ack:

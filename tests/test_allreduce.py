@@ -496,10 +496,49 @@ def test_chunks_no_round_can_use_are_refused_not_held():
                 engine.receive(received(MAX_ROUNDS_AHEAD + 1))
             with pytest.raises(ChunkError, match="earlier chunks said 2"):
                 engine.receive(received(MAX_ROUNDS_AHEAD, index=1, count=3))
+            # A round that is over here: a straggler or a replay, dropped and counted.
+            engine.skip_to(4)
+            held = set(engine.inbox.buffers)
+            assert engine.receive(received(3)) is False
+            assert engine.receive(received(4)) is True
+            assert engine.inbox.stale == 1 and (3, 0, "b") not in engine.inbox.buffers
+            assert set(engine.inbox.buffers) == held | {(4, 0, "b")}
         finally:
             await engine.close()
 
     asyncio.run(main())
+
+
+def test_a_replayed_chunk_of_a_round_that_is_over_is_counted_and_never_applied(caplog):
+    """Through the peer service: a chunk of a round this rank has left is acknowledged
+    (nothing for the sender to send again), counted as STALE_ROUND, logged, and never
+    reaches a buffer."""
+    from isthmus.inter.peer import PeerClient, PeerServer
+
+    codec = parse_codec("none")
+    chunks = list(encode_chunks(codec, torch.ones(8), round=2, shard=0, max_chunk_bytes=4096))
+
+    async def main():
+        engine = CrossSiteAllReduce(Identity(job=JOB, site="a", rank=0), {"b": "127.0.0.1:1"})
+        server = PeerServer(Identity(job=JOB, site="a", rank=0), ["a", "b"], engine.receive)
+        port = await server.start("127.0.0.1", 0)
+        client = PeerClient(Identity(job=JOB, site="b", rank=0), f"127.0.0.1:{port}")
+        try:
+            engine.skip_to(3)  # round 2 is over here
+            first = await client.exchange(chunks)
+            again = await client.exchange(chunks)  # the replay
+            return first + again, server.servicer.refusals, dict(engine.inbox.buffers)
+        finally:
+            await client.close()
+            await server.stop()
+            await engine.close()
+
+    with caplog.at_level("INFO", logger="isthmus.inter.peer"):
+        acks, refusals, buffers = asyncio.run(main())
+    assert all(a.ok for a in acks) and len(acks) == 2 * len(chunks)
+    assert refusals["STALE_ROUND"] == 2 * len(chunks)
+    assert buffers == {}
+    assert "of round 2, which is over here: dropped" in caplog.text
 
 
 def test_a_round_ends_when_its_result_is_in_and_its_last_sends_finish_after():

@@ -202,10 +202,11 @@ class CrossSiteAllReduce:
         and cancel the rest, naming them."""
         await self.outgoing.flush(timeout_s)
 
-    def receive(self, chunk: ReceivedChunk) -> None:
+    def receive(self, chunk: ReceivedChunk) -> bool:
         """Take a verified chunk of this engine's lane from the server; raise
-        :class:`ChunkError` to refuse one that no round can use."""
-        self.inbox.receive(chunk)
+        :class:`ChunkError` to refuse one that no round can use. False: dropped, its
+        round being over here."""
+        return self.inbox.receive(chunk)
 
     def skip_to(self, round: int) -> None:
         """The next round is ``round`` or later: chunks of earlier rounds are dropped

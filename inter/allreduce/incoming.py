@@ -126,6 +126,9 @@ class Inbox:
         """Rounds running now (a list: a round may run twice at once only by
         mistake, and then both must finish before it is forgotten)."""
         self._next_floor = 0
+        self.stale = 0
+        """Chunks dropped because their round was over here: stragglers of a round run
+        again, or a replay; counted, never applied."""
 
     def enter(self, round: int) -> None:
         """``round`` starts. Several rounds may be in flight at once (gradient
@@ -153,12 +156,15 @@ class Inbox:
         for key in [k for k in self.buffers if k[0] < floor]:
             del self.buffers[key]
 
-    def receive(self, chunk: ReceivedChunk) -> None:
+    def receive(self, chunk: ReceivedChunk) -> bool:
         """Take a verified chunk; raise :class:`ChunkError` to refuse one that no
-        round can use."""
+        round can use. False: dropped (its round is over here), not applied."""
         floor = self.floor()
         if chunk.round < floor:
-            return  # a straggler of a round that is over: nobody waits for it
+            # A straggler of a round that is over, or a replay of one: nobody waits for
+            # it. Acknowledged all the same: the sender has nothing to send again.
+            self.stale += 1
+            return False
         if chunk.round > floor + MAX_ROUNDS_AHEAD:
             # Chunks of rounds not yet open are held until they open: bound how far
             # ahead, so a peer out of step (or a bad round number) cannot fill memory.
@@ -169,6 +175,7 @@ class Inbox:
             )
         key = (chunk.round, chunk.shard, chunk.site)
         self.buffers.setdefault(key, Incoming()).add(chunk)
+        return True
 
     def expect(
         self,
