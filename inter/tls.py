@@ -62,6 +62,7 @@ class SiteTls:
                 ) from None
             if b"-----BEGIN" not in contents[name]:
                 raise TlsError(name, f"{path} is not a PEM file")
+        _check_certificate(job, site, ca, cert, key, contents)
         return cls(job, site, contents["tls.ca"], contents["tls.cert"], contents["tls.key"])
 
     def server_credentials(self) -> grpc.ServerCredentials:
@@ -78,6 +79,69 @@ class SiteTls:
         """Check the server's certificate against the site we mean to reach, whatever
         the address we dial."""
         return [("grpc.ssl_target_name_override", site_dns_name(self.job, peer_site))]
+
+
+def _check_certificate(
+    job: str, site: str, ca: Path, cert: Path, key: Path, contents: dict[str, bytes]
+) -> None:
+    """Refuse, before any peer sees them, files that would fail every handshake: a
+    certificate of another site or job, one the job's CA did not sign, one out of
+    its validity, a key that is not the certificate's. Each named with its field
+    and the fix (a handshake failure would only say "certificate verify failed")."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives import serialization
+
+    remake = (
+        "make this site's files with 'isthmus certs JOB.yaml --out DIR' (the same DIR "
+        "keeps the job's CA)"
+    )
+    try:
+        authority = x509.load_pem_x509_certificate(contents["tls.ca"])
+    except ValueError:
+        raise TlsError("tls.ca", f"{ca} holds no readable certificate") from None
+    try:
+        mine = x509.load_pem_x509_certificate(contents["tls.cert"])
+    except ValueError:
+        raise TlsError("tls.cert", f"{cert} holds no readable certificate; {remake}") from None
+    try:
+        names = mine.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        dns = names.get_values_for_type(x509.DNSName)
+    except x509.ExtensionNotFound:
+        dns = []
+    wanted = site_dns_name(job, site)
+    if wanted not in dns:
+        raise TlsError(
+            "tls.cert",
+            f"{cert} is not site {site!r} of job {job!r}'s certificate (it names "
+            f"{', '.join(dns) or 'no site'}, not {wanted}); {remake}",
+        )
+    try:
+        mine.verify_directly_issued_by(authority)
+    except (ValueError, TypeError, InvalidSignature):
+        raise TlsError(
+            "tls.cert",
+            f"{cert} is not signed by the job's CA {ca}; the sites of a job share one CA: {remake}",
+        ) from None
+    now = datetime.datetime.now(datetime.UTC)
+    if not mine.not_valid_before_utc <= now <= mine.not_valid_after_utc:
+        raise TlsError(
+            "tls.cert",
+            f"{cert} is valid from {mine.not_valid_before_utc:%Y-%m-%d} to "
+            f"{mine.not_valid_after_utc:%Y-%m-%d}, not now; {remake}",
+        )
+    try:
+        private = serialization.load_pem_private_key(contents["tls.key"], password=None)
+    except (ValueError, TypeError):
+        raise TlsError("tls.key", f"{key} holds no readable unencrypted private key") from None
+    public = serialization.PublicFormat.SubjectPublicKeyInfo
+    encoding = serialization.Encoding.DER
+    if private.public_key().public_bytes(encoding, public) != mine.public_key().public_bytes(
+        encoding, public
+    ):
+        raise TlsError("tls.key", f"{key} is not the key of {cert}; {remake}")
 
 
 def certified_sites(context: grpc.aio.ServicerContext) -> set[str]:

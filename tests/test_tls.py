@@ -35,9 +35,10 @@ def certs(tmp_path_factory):
 def tls(certs, site: str, job: str = "demo", as_site: str | None = None) -> TransportSettings:
     d = certs / job
     who = as_site or site
-    return TransportSettings(
-        tls=SiteTls.load("demo", site, d / "ca.crt", d / f"{who}.crt", d / f"{who}.key")
-    )
+    # Built from the files as they are: an impostor's own program would not run the
+    # checks SiteTls.load makes of a site's configuration.
+    files = [d / "ca.crt", d / f"{who}.crt", d / f"{who}.key"]
+    return TransportSettings(tls=SiteTls("demo", site, *(f.read_bytes() for f in files)))
 
 
 async def _session(server_settings, client_settings, identity=WEST, peer_site="us-east"):
@@ -181,3 +182,33 @@ def test_sites_train_over_mutual_tls_named_in_the_job_file(tmp_path):
     (tmp_path / "certs" / "b.key").unlink()
     with pytest.raises(RuntimeError, match=r"tls\.key: cannot read .*b\.key"):
         run_sites(job, ["b"], args, tmp_path, timeout_s=60)
+
+
+def test_tls_files_that_would_fail_every_handshake_are_refused_naming_the_field(tmp_path):
+    from isthmus.deploy.render.certs import make_certs
+
+    make_certs("j", ["a", "b"], tmp_path / "one")
+    make_certs("j", ["a", "b"], tmp_path / "two")  # the same job, another CA
+    make_certs("j", ["a"], tmp_path / "old", days=0)  # expires as it is made
+    one, two, old = tmp_path / "one", tmp_path / "two", tmp_path / "old"
+    SiteTls.load("j", "a", one / "ca.crt", one / "a.crt", one / "a.key")  # as made: fine
+    cases = [
+        (
+            ("j", "a", one / "ca.crt", one / "b.crt", one / "b.key"),
+            r"tls\.cert: .*b\.crt is "
+            r"not site 'a' of job 'j''s certificate \(it names b\.j\.isthmus, not a\.j\.isthmus\)",
+        ),
+        (("other", "a", one / "ca.crt", one / "a.crt", one / "a.key"), "not a.other.isthmus"),
+        (
+            ("j", "a", one / "ca.crt", two / "a.crt", two / "a.key"),
+            r"tls\.cert: .*a\.crt is not signed by the job's CA",
+        ),
+        (
+            ("j", "a", one / "ca.crt", one / "a.crt", one / "b.key"),
+            r"tls\.key: .*b\.key is not the key of .*a\.crt",
+        ),
+        (("j", "a", old / "ca.crt", old / "a.crt", old / "a.key"), r"tls\.cert: .* not now"),
+    ]
+    for args, message in cases:
+        with pytest.raises(TlsError, match=message):
+            SiteTls.load(*args)

@@ -20,6 +20,7 @@ from isthmus.inter.agreement import ModelMismatch
 from isthmus.inter.allreduce import RoundError
 from isthmus.inter.membership import MembershipError
 from isthmus.inter.peer import PeerError
+from isthmus.inter.tls import TlsError
 from isthmus.intra.devices import out_of_memory_message
 from isthmus.intra.process_group import SiteError
 from isthmus.job.addressing import AddressError
@@ -34,7 +35,15 @@ def run_site_main(main: Callable[[], int], prog: str) -> int:
         for line in exc.lines():
             print(f"{prog}: error: {line}", file=sys.stderr)
         return 2
-    except (AddressError, LayoutError, SettingError, SiteError, NotLaunched, ModelMismatch) as exc:
+    except (
+        AddressError,
+        LayoutError,
+        SettingError,
+        SiteError,
+        NotLaunched,
+        ModelMismatch,
+        TlsError,
+    ) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     except (PeerError, RoundError, ConnectionError, MembershipError) as exc:
