@@ -91,7 +91,17 @@ def test_a_metrics_port_in_use_is_refused_before_the_site_joins(tmp_path):
     )
     try:
         site = subprocess.run(
-            [sys.executable, "-m", "isthmus", "site", str(job), "--site", "a"],
+            [
+                sys.executable,
+                "-m",
+                "isthmus",
+                "site",
+                str(job),
+                "--site",
+                "a",
+                "--log-format",
+                "json",
+            ],
             cwd=tmp_path,
             capture_output=True,
             text=True,
@@ -100,10 +110,14 @@ def test_a_metrics_port_in_use_is_refused_before_the_site_joins(tmp_path):
     finally:
         held.close()
     assert site.returncode == 2, site.stderr
-    assert f"metrics.prometheus_port: rank 0 of site a cannot serve /metrics on 0.0.0.0:{port}" in (
-        site.stderr
+    # --log-format json: the one-line error is a JSON object, as a log shipper wants it.
+    lines = [json.loads(line) for line in site.stderr.splitlines() if line.startswith("{")]
+    errors = [line for line in lines if line["level"] == "ERROR"]
+    assert len(errors) == 1 and errors[0]["site"] == "a", site.stderr
+    assert errors[0]["message"].startswith(
+        f"metrics.prometheus_port: rank 0 of site a cannot serve /metrics on 0.0.0.0:{port}"
     )
-    assert "in use" in site.stderr and "Traceback" not in site.stderr
+    assert "in use" in errors[0]["message"] and "Traceback" not in site.stderr
 
 
 @pytest.mark.slow

@@ -432,3 +432,41 @@ def test_tcp_settings_that_slow_a_long_fat_link_are_named_with_their_fix(tmp_pat
     (tmp_path / "net" / "ipv4" / "tcp_slow_start_after_idle").write_text("1\n")
     assert read_sysctl("net.ipv4.tcp_slow_start_after_idle", tmp_path) == "1"
     assert read_sysctl("net.ipv4.tcp_rmem", tmp_path) is None
+
+
+def test_log_format_json_prints_every_line_as_one_object(tmp_path, capsys, monkeypatch):
+    """--log-format json: a site's errors, warnings, log records and progress lines,
+    each one JSON object a line with time, level, logger, site, rank, message."""
+    import json
+    import logging
+
+    from isthmus.deploy.cli import log_format
+
+    monkeypatch.delenv(log_format.LOG_FORMAT, raising=False)
+    monkeypatch.delenv(log_format.LOG_SITE, raising=False)
+    for handler in logging.getLogger().handlers:  # the JSON formatter stays in this test
+        monkeypatch.setattr(handler, "formatter", handler.formatter)
+    job = write(tmp_path, MULTI_NODE)
+    code, out, err = cli(capsys, "site", str(job), "--site", "nowhere", "--log-format", "json")
+    assert code == 2 and out == ""
+    (error,) = [json.loads(line) for line in err.splitlines()]
+    assert error["level"] == "ERROR" and error["site"] == "nowhere" and error["rank"] == 0
+    assert "has no site 'nowhere'" in error["message"] and error["time"].endswith("+00:00")
+    # The choice travels to the ranks torchrun starts (they read it at their start).
+    assert os.environ[log_format.LOG_FORMAT] == "json"
+    log_format.say("round 3, loss 2.5", prefix="eu-west: ", stream=sys.stdout, record="round")
+    progress = json.loads(capsys.readouterr().out)
+    assert progress["message"] == "round 3, loss 2.5" and progress["record"] == "round"
+    record = logging.LogRecord(
+        "isthmus.inter.peer", logging.WARNING, "", 0, "refused: %s", ("x",), None
+    )
+    logged = json.loads(log_format.JsonLines().format(record))
+    assert (logged["level"], logged["logger"], logged["message"]) == (
+        "WARNING",
+        "isthmus.inter.peer",
+        "refused: x",
+    )
+    # Text stays as it was.
+    monkeypatch.setenv(log_format.LOG_FORMAT, "text")
+    code, _, err = cli(capsys, "site", str(job), "--site", "nowhere")
+    assert err.startswith("isthmus site: error: --site: the job 'clusters' has no site")

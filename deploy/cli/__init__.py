@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from isthmus._version import __version__
+from isthmus.deploy.cli.log_format import say
 from isthmus.deploy.cli.registry import Command, Parser, UsageError, add_command
 
 
@@ -72,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return handler(args)
     except (UsageError, AddressError) as exc:
-        print(f"{args.prog}: error: {exc}", file=sys.stderr)
+        say(str(exc), "ERROR", prefix=f"{args.prog}: error: ")
         return 2
     except KeyboardInterrupt:
         return 130
@@ -81,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if isinstance(exc, JobFileError):
             for line in exc.lines():
-                print(f"error: {line}", file=sys.stderr)
+                say(line, "ERROR", prefix="error: ")
             return 2
         raise
 

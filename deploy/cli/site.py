@@ -41,6 +41,8 @@ from typing import Any
 
 import yaml
 
+from isthmus.deploy.cli import log_format
+from isthmus.deploy.cli.log_format import FORMATS, say
 from isthmus.deploy.cli.registry import UsageError, add_command
 from isthmus.deploy.cli.run import accept_command
 from isthmus.deploy.jobfile import Job, SiteSpec, load_job, parse_address
@@ -94,6 +96,13 @@ def register(commands: Any) -> None:
         "from one of them, and train on (2 sites or more)",
     )
     sub.add_argument(
+        "--log-format",
+        choices=FORMATS,
+        default="text",
+        help="text (default), or json: every line this site and its ranks print as one "
+        "JSON object (time, level, logger, site, rank, message), for log shippers",
+    )
+    sub.add_argument(
         "--print-ports",
         action="store_true",
         help="print the addresses and ports a firewall must open for this site, and exit",
@@ -101,6 +110,7 @@ def register(commands: Any) -> None:
 
 
 def _site(args: argparse.Namespace) -> int:
+    log_format.use(args.log_format, args.site)  # first: every line after it in that format
     job = load_job(args.job, require_tls=True)
     index, spec = site_of(job, args.site)
     if args.print_ports:
@@ -115,7 +125,7 @@ def _site(args: argparse.Namespace) -> int:
     if launcher is None or launcher.rank == 0:  # once per site, not once per rank
         warning = insecure_warning(job)
         for line in tcp_advice() + ([warning] if warning else []):
-            print(f"warning: {line}", file=sys.stderr)
+            say(line, "WARNING", prefix="warning: ")
     if launcher is not None:
         launcher.check(job, spec, index)
         check_can_listen(spec, index, ranks=[launcher.rank])
@@ -433,9 +443,9 @@ def run_torchrun(args: argparse.Namespace, job: Job, spec: SiteSpec, out: Path) 
         if args.rejoin:
             command.append("--rejoin")
     prepare_site_dir(Path(args.job), job.name, spec.name, out, args.rejoin)
-    print(
-        f"isthmus site {spec.name}: {spec.ranks} ranks on {spec.nodes} node(s) through torchrun",
-        file=sys.stderr,
+    say(
+        f"{spec.ranks} ranks on {spec.nodes} node(s) through torchrun",
+        prefix=f"isthmus site {spec.name}: ",
     )
     proc = subprocess.Popen(command, env=env, start_new_session=True)
     forwarding = _forward_signals(proc)
@@ -534,7 +544,7 @@ class SiteProgress:
         for record in self._tail.read():
             line = self.line_for(record)
             if line:
-                print(f"{self.site}: {line}", flush=True)
+                say(line, prefix=f"{self.site}: ", stream=sys.stdout, record=record.get("kind"))
 
     def line_for(self, record: dict[str, Any]) -> str | None:
         kind = record.get("kind")

@@ -9,11 +9,11 @@ Anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 
 import torch
 
+from isthmus.deploy.cli.log_format import say
 from isthmus.deploy.jobfile import JobFileError
 from isthmus.deploy.session.environment import NotLaunched
 from isthmus.inter.agreement import ModelMismatch
@@ -33,7 +33,7 @@ def run_site_main(main: Callable[[], int], prog: str) -> int:
         return main()
     except JobFileError as exc:
         for line in exc.lines():
-            print(f"{prog}: error: {line}", file=sys.stderr)
+            say(line, "ERROR", prefix=f"{prog}: error: ")
         return 2
     except (
         AddressError,
@@ -44,14 +44,14 @@ def run_site_main(main: Callable[[], int], prog: str) -> int:
         ModelMismatch,
         TlsError,
     ) as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
+        say(str(exc), "ERROR", prefix=f"{prog}: error: ")
         return 2
     except (PeerError, RoundError, ConnectionError, MembershipError) as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
+        say(str(exc), "ERROR", prefix=f"{prog}: error: ")
         return 1
     except torch.OutOfMemoryError as exc:
         site, rank = os.environ.get("ISTHMUS_SITE", "?"), int(os.environ.get("RANK", "0"))
-        print(f"{prog}: error: {out_of_memory_message(exc, site, rank)}", file=sys.stderr)
+        say(out_of_memory_message(exc, site, rank), "ERROR", prefix=f"{prog}: error: ")
         return 1
     except KeyboardInterrupt:
         return 130
