@@ -496,3 +496,29 @@ def test_pods_declare_every_ranks_metrics_port_for_prometheus(capsys, job_file, 
         assert [p["containerPort"] for p in metrics] == [
             9400 + r for r in range(site.ranks_per_node)
         ]
+
+
+@pytest.mark.parametrize(
+    ("image", "ok"),
+    [
+        ("isthmus:latest", True),
+        ("ghcr.io/acme/isthmus:0.1", True),
+        ("registry.local:5000/team/isthmus-cuda:2026.11", True),
+        ("isthmus@sha256:" + "ab" * 32, True),
+        ("", False),
+        ("my image", False),
+        ("Isthmus:latest", False),
+        ("isthmus:", False),
+        ("isthmus:latest ", False),
+    ],
+)
+def test_the_image_is_checked_before_anything_is_written(capsys, job_file, tmp_path, image, ok):
+    out = tmp_path / "k8s"
+    code, _, stderr = render(capsys, job_file, out, "--target", "kubernetes", "--image", image)
+    if ok:
+        assert code == 0, stderr
+        indexed_job = site_objects(out, "us-east")[2]
+        assert indexed_job["spec"]["template"]["spec"]["containers"][0]["image"] == image
+    else:
+        assert code == 2 and "--image:" in stderr and "is not an image reference" in stderr
+        assert not out.exists()

@@ -8,10 +8,11 @@ do next.
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy.cli.registry import add_command
+from isthmus.deploy.cli.registry import UsageError, add_command
 from isthmus.deploy.jobfile import load_job
 from isthmus.deploy.render import cluster as render
 from isthmus.deploy.render import kubernetes
@@ -65,7 +66,27 @@ def register(commands: Any) -> None:
     )
 
 
+# An OCI image reference: [registry[:port]/]path[:tag][@digest] (the distribution spec's
+# grammar, lower-case path components), so a typo fails here and not in every pod.
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_IMAGE = re.compile(
+    rf"^(?:[A-Za-z0-9.-]+(?::[0-9]+)?/)?{_COMPONENT}(?:/{_COMPONENT})*"
+    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@[a-z0-9]+:[a-f0-9]{32,})?$"
+)
+
+
+def check_image(image: str) -> None:
+    if not _IMAGE.match(image):
+        raise UsageError(
+            f"--image: {image!r} is not an image reference; give "
+            "[REGISTRY/]NAME[:TAG][@sha256:DIGEST], lower-case, no spaces, "
+            "e.g. ghcr.io/acme/isthmus:0.1"
+        )
+
+
 def _render(args: argparse.Namespace) -> int:
+    if args.target == "kubernetes":
+        check_image(args.image)
     job = load_job(args.job)
     if args.target == "slurm":
         files = render.render_slurm(
