@@ -64,21 +64,26 @@ def exposed_sites(job: Job) -> list[tuple[str, str]]:
     return out
 
 
+def _first_off_this_machine(job: Job) -> str | None:
+    """What first takes the job off this machine (a site's dialled address, else
+    the broker), in words; None when nothing does."""
+    exposed = exposed_sites(job)
+    if exposed:
+        return f"{exposed[0][0]} is dialled at {exposed[0][1]}"
+    if job.control is not None and not on_this_machine(job.control.broker.host):
+        return f"the broker is at {job.control.broker.host}"
+    return None
+
+
 def unprotected(job: Job) -> list[tuple[str, str]]:
     """``(field, message)`` for each way the job would send plaintext across a
     network: none when it stays on this machine or says ``insecure: true``."""
     if job.insecure:
         return []
-    exposed = exposed_sites(job)
-    broker = job.control.broker if job.control is not None else None
-    broker_exposed = broker is not None and not on_this_machine(broker.host)
-    if not exposed and not broker_exposed:
+    where = _first_off_this_machine(job)
+    if where is None:
         return []
-    where = (
-        f"{exposed[0][0]} is dialled at {exposed[0][1]}"
-        if exposed
-        else f"the broker is at {broker.host}"  # type: ignore[union-attr]
-    )
+    broker = job.control.broker if job.control is not None else None
     problems = []
     if job.tls is None:
         problems.append(
@@ -111,9 +116,7 @@ def insecure_warning(job: Job) -> str | None:
         plain.append("between sites")
     if job.control is not None and job.control.broker.tls_ca is None:
         plain.append(f"to the broker {job.control.broker.url}")
-    exposed = exposed_sites(job)
-    broker_exposed = job.control is not None and not on_this_machine(job.control.broker.host)
-    if not plain or not (exposed or broker_exposed):
+    if not plain or _first_off_this_machine(job) is None:
         return None
     return (
         f"job {job.name!r} runs without TLS {' and '.join(plain)} across a network "
