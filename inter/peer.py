@@ -93,6 +93,7 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
         on_chunk: ChunkSink,
         *,
         check_certificates: bool = False,
+        max_streams_per_site: int = 256,
     ) -> None:
         self.identity = identity
         self.sites = set(sites)
@@ -108,6 +109,11 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
         """What answers FetchState (:mod:`isthmus.inter.state_transfer`): set by the
         strategy that holds the global state; None refuses every request."""
         self.part_bytes = 4 * 1024 * 1024
+        self.max_streams_per_site = max_streams_per_site
+        self.max_message_bytes = 0
+        """The largest message gRPC lets in (named when a bigger one is cut off)."""
+        self.streams: Counter[str] = Counter()
+        """Streams (Exchange, FetchState) open now, per calling site."""
 
     def check_handshake(self, request: wire_pb2.Handshake) -> wire_pb2.Error | None:
         me = self.identity
@@ -170,14 +176,18 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
             rank = int(metadata.get(META_RANK, "0") or 0)
         except ValueError:
             rank = -1  # only named in messages; the chunks still have to pass
-        async for chunk in request_iterator:
-            yield await self.accept(chunk, site, rank, context.peer())
+        await self._open_stream(site, context)
+        try:
+            async for chunk in request_iterator:
+                if chunk.ByteSize() > self.max_message_bytes:
+                    await self._cut_off_oversized(site, chunk.ByteSize(), context)
+                yield await self.accept(chunk, site, rank, context.peer())
+        finally:
+            self.streams[site] -= 1
 
     async def FetchState(
         self, request: wire_pb2.StateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[wire_pb2.StatePart]:
-        from isthmus.inter.state_transfer import serve_state
-
         hello = wire_pb2.Handshake(
             job=request.job,
             site=request.site,
@@ -190,6 +200,18 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
             self._refuse(f"state request from {context.peer()}: {error.message}", error.code)
             yield wire_pb2.StatePart(error=error)
             return
+        await self._open_stream(request.site, context)
+        try:
+            async for part in self._serve_state(request, context):
+                yield part
+        finally:
+            self.streams[request.site] -= 1
+
+    async def _serve_state(
+        self, request: wire_pb2.StateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[wire_pb2.StatePart]:
+        from isthmus.inter.state_transfer import serve_state
+
         log.info(
             "serving the state after %d rounds to site %r (%s) from byte %d",
             request.rounds,
@@ -204,6 +226,30 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
             time_left=context.time_remaining,
         ):
             yield part
+
+    async def _open_stream(self, site: str, context: grpc.aio.ServicerContext) -> None:
+        """Count a stream from ``site``, or cut it off when the site already holds
+        ``max_streams_per_site`` open here (a flood, or a peer gone wrong)."""
+        if self.streams[site] >= self.max_streams_per_site:
+            message = (
+                f"site {site!r} ({context.peer()}) already holds {self.streams[site]} streams "
+                f"open here, the most a site may (max_streams_per_site): stream cut off"
+            )
+            self._refuse(message, wire_pb2.TOO_MANY_STREAMS)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+        self.streams[site] += 1
+
+    async def _cut_off_oversized(
+        self, site: str, size: int, context: grpc.aio.ServicerContext
+    ) -> None:
+        # gRPC lets in messages up to twice the limit so that this one is named and
+        # counted here; larger ones it cuts off itself, before any handler sees them.
+        message = (
+            f"message of {size:,} bytes from site {site!r} ({context.peer()}), larger "
+            f"than {self.max_message_bytes:,} (max_chunk_bytes and its fields): stream cut off"
+        )
+        self._refuse(message, wire_pb2.TOO_LARGE)
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
     async def accept(self, chunk: wire_pb2.Chunk, site: str, rank: int, peer: str) -> wire_pb2.Ack:
         """Verify one chunk from ``site`` and hand it on, or refuse it: the answer to
@@ -330,11 +376,18 @@ class PeerServer:
         self.settings = settings or TransportSettings()
         self.metrics = MetricsInterceptor()
         self.servicer = PeerServicer(
-            identity, sites, on_chunk, check_certificates=self.settings.tls is not None
+            identity,
+            sites,
+            on_chunk,
+            check_certificates=self.settings.tls is not None,
+            max_streams_per_site=self.settings.max_streams_per_site,
         )
         self.servicer.part_bytes = self.settings.max_chunk_bytes
+        self.servicer.max_message_bytes = self.settings.max_message_bytes
         self.server = grpc.aio.server(
-            interceptors=[self.metrics, *interceptors], options=self.settings.server_options()
+            interceptors=[self.metrics, *interceptors],
+            options=self.settings.server_options(),
+            maximum_concurrent_rpcs=self.settings.max_calls,
         )
         wire_pb2_grpc.add_PeerServiceServicer_to_server(self.servicer, self.server)
         self.health = health.aio.HealthServicer()

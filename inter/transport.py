@@ -48,6 +48,27 @@ class TransportSettings:
     """Longest pause between attempts to reach a peer that refuses connections (a
     reset partition, a restarting site): how late a healed link is noticed."""
 
+    max_streams_per_site: int = 256
+    """Streams one site may hold open to a rank at once (every lane, shard and round
+    in flight together stays far below). A stream beyond it is refused at once
+    (RESOURCE_EXHAUSTED, logged and counted as FLOOD) and its sender, if it is a
+    real site, sends again after a pause: a peer that opens streams without end
+    costs this rank a bounded number of handlers."""
+
+    max_streams_per_connection: int = 256
+    """HTTP/2 ``max_concurrent_streams``: streams beyond it on one connection wait in
+    the caller's own process, not here."""
+
+    max_calls: int = 4096
+    """Calls of every kind a rank serves at once, from all peers together; beyond it
+    gRPC refuses new calls (RESOURCE_EXHAUSTED). Bounds a flood from many connections."""
+
+    max_early_bytes_per_site: int = 1 << 30
+    """Encoded bytes of one site's chunks a rank holds before their round opens
+    (a faster peer's next round). Beyond it a chunk is not taken (ROUND_AHEAD) and its
+    sender sends it again later. Give at least one round's share of the largest
+    lane, or a site one round ahead waits for this one to catch up."""
+
     tls: SiteTls | None = None
     """Mutual TLS with the job's CA (:mod:`isthmus.inter.tls`); None: plaintext, for
     emulated runs on one machine and networks the user already trusts."""
@@ -64,6 +85,14 @@ class TransportSettings:
             )
         if min(self.keepalive_s, self.keepalive_timeout_s, self.stall_s) <= 0:
             raise ValueError("keepalive_s, keepalive_timeout_s and stall_s must be > 0")
+        for name in ("max_streams_per_site", "max_streams_per_connection", "max_calls"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_early_bytes_per_site < self.max_message_bytes:
+            raise ValueError(
+                f"max_early_bytes_per_site must hold at least one message "
+                f"({self.max_message_bytes} bytes), got {self.max_early_bytes_per_site}"
+            )
         if self.reconnect_backoff_s < 0.5:
             raise ValueError(f"reconnect_backoff_s must be >= 0.5, got {self.reconnect_backoff_s}")
 
@@ -74,7 +103,6 @@ class TransportSettings:
     def _both_ends(self) -> list[tuple[str, Any]]:
         return [
             ("grpc.max_send_message_length", self.max_message_bytes),
-            ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.http2.lookahead_bytes", self.stream_window_bytes),
             ("grpc.http2.bdp_probe", 1),
             ("grpc.keepalive_time_ms", int(self.keepalive_s * 1000)),
@@ -85,6 +113,7 @@ class TransportSettings:
     def channel_options(self) -> list[tuple[str, Any]]:
         return [
             *self._both_ends(),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.http2.max_pings_without_data", 0),
             # gRPC backs off up to 120 s between attempts to reach a peer that refused
             # connections: a site would then notice a healed link minutes late. A
@@ -99,6 +128,9 @@ class TransportSettings:
     def server_options(self) -> list[tuple[str, Any]]:
         return [
             *self._both_ends(),
+            # Up to twice the limit gets in, for the servicer to refuse by name (and
+            # count); gRPC cuts larger ones itself, without a word to the handler.
+            ("grpc.max_receive_message_length", 2 * self.max_message_bytes),
             # Accept the clients' keepalive pings. Their BDP probes count as pings
             # too: a probe sent while the connection has no stream (between rounds)
             # is a "bad ping", and after max_ping_strikes of them the server sends
@@ -111,4 +143,5 @@ class TransportSettings:
             # gRPC sets SO_REUSEPORT by default: a second rank on the same port
             # would silently share it instead of failing.
             ("grpc.so_reuseport", 0),
+            ("grpc.max_concurrent_streams", self.max_streams_per_connection),
         ]

@@ -21,6 +21,8 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STATE_NOT_READY: _ClassVar[ErrorCode]
     STATE_GONE: _ClassVar[ErrorCode]
     ROUND_AHEAD: _ClassVar[ErrorCode]
+    TOO_MANY_STREAMS: _ClassVar[ErrorCode]
+    REVOKED: _ClassVar[ErrorCode]
 ERROR_UNSPECIFIED: ErrorCode
 PROTOCOL_MISMATCH: ErrorCode
 WRONG_JOB: ErrorCode
@@ -34,6 +36,8 @@ TOO_LARGE: ErrorCode
 STATE_NOT_READY: ErrorCode
 STATE_GONE: ErrorCode
 ROUND_AHEAD: ErrorCode
+TOO_MANY_STREAMS: ErrorCode
+REVOKED: ErrorCode
 
 class Handshake(_message.Message):
     __slots__ = ("job", "site", "rank", "protocol_version", "layout_fingerprint", "layout")

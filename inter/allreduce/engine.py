@@ -104,7 +104,7 @@ class CrossSiteAllReduce:
             server = PeerServer(identity, sites, self.receive, settings=self.settings)
         self.server = server
         self.clients: dict[str, PeerClient] = {}
-        self.inbox = Inbox()
+        self.inbox = Inbox(self.settings.max_early_bytes_per_site)
         self.outgoing = Outgoing(self.clients, lane=lane, chunk_filter=chunk_filter)
         self.error_feedback = ErrorFeedback()
         self.staging = staging

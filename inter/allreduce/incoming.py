@@ -28,6 +28,10 @@ MAX_ROUNDS_AHEAD = 16
 """How many rounds past its own a rank holds chunks for. Peers are at most a round
 or two ahead (every round needs every participant); more is a peer out of step."""
 
+MAX_EARLY_BYTES_PER_SITE = 1 << 30
+"""Default bound on the encoded bytes one site's chunks may hold here before their
+round opens (see ``TransportSettings.max_early_bytes_per_site``)."""
+
 BufferKey = tuple[int, int, str]
 """(round, shard, site)."""
 
@@ -41,6 +45,8 @@ class Incoming:
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
         self.pending: list[ReceivedChunk] = []
+        self.pending_bytes = 0
+        """Encoded bytes of ``pending``: what this buffer holds before its round opens."""
         self.seen: set[int] = set()
         self.count: int | None = None
         self.done = asyncio.Event()
@@ -73,6 +79,7 @@ class Incoming:
         for chunk in self.pending:
             self._place(chunk)
         self.pending.clear()
+        self.pending_bytes = 0
 
     def add(self, chunk: ReceivedChunk) -> None:
         if self.count is not None and chunk.count != self.count:
@@ -86,6 +93,7 @@ class Incoming:
         self.count = chunk.count
         if self.buffer is None:
             self.pending.append(chunk)
+            self.pending_bytes += len(chunk.encoded.payload)
         else:
             self._place(chunk)
         self.seen.add(chunk.index)
@@ -120,8 +128,12 @@ class Incoming:
 class Inbox:
     """Every incoming buffer of one engine, and which rounds' chunks it keeps."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_early_bytes_per_site: int = MAX_EARLY_BYTES_PER_SITE) -> None:
         self.buffers: dict[BufferKey, Incoming] = {}
+        self.max_early_bytes_per_site = max_early_bytes_per_site
+        """Chunks of a site beyond this many bytes held before their rounds open are
+        not taken (ROUND_AHEAD: its sender sends them again later): a peer far ahead,
+        or one that floods, cannot fill this rank's memory."""
         self._active: list[int] = []
         """Rounds running now (a list: a round may run twice at once only by
         mistake, and then both must finish before it is forgotten)."""
@@ -174,8 +186,22 @@ class Inbox:
                 f"than {MAX_ROUNDS_AHEAD} rounds ahead; send it again later",
             )
         key = (chunk.round, chunk.shard, chunk.site)
+        incoming = self.buffers.get(key)
+        if incoming is None or incoming.buffer is None:
+            held = self.early_bytes(chunk.site)
+            if held + len(chunk.encoded.payload) > self.max_early_bytes_per_site:
+                raise ChunkError(
+                    wire_pb2.ROUND_AHEAD,
+                    f"chunk of round {chunk.round} from site {chunk.site!r}, which already "
+                    f"has {held:,} bytes here waiting for rounds not yet open (limit "
+                    f"{self.max_early_bytes_per_site:,}); send it again later",
+                )
         self.buffers.setdefault(key, Incoming()).add(chunk)
         return True
+
+    def early_bytes(self, site: str) -> int:
+        """Encoded bytes of ``site``'s chunks held for rounds not yet open here."""
+        return sum(b.pending_bytes for k, b in self.buffers.items() if k[2] == site)
 
     def expect(
         self,
