@@ -213,7 +213,11 @@ def start_site(
     identity = Identity(
         job=job.name, site=site, rank=rank, layout_fingerprint=fingerprint, layout=words
     )
-    tls = SiteTls.load(job.name, site, *job.tls.paths(site)) if job.tls is not None else None
+    tls = (
+        SiteTls.load(job.name, site, *job.tls.paths(site), crl=job.tls.crl_path)
+        if job.tls is not None
+        else None
+    )
     settings = TransportSettings(tls=tls)
     loop = BackgroundLoop(name=f"isthmus-wan-{site}-{rank}")
     try:

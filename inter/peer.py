@@ -20,15 +20,18 @@ import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from isthmus.inter.chunks import ChunkError, ReceivedChunk, verify
-from isthmus.inter.tls import certified_sites
+from isthmus.inter.tls import certified_sites, peer_certificate
 from isthmus.inter.transport import TransportSettings
 from isthmus.proto import wire_pb2, wire_pb2_grpc
+
+if TYPE_CHECKING:
+    from isthmus.inter.revocation import Revocations
 
 log = logging.getLogger(__name__)
 
@@ -94,12 +97,15 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
         *,
         check_certificates: bool = False,
         max_streams_per_site: int = 256,
+        revocations: Revocations | None = None,
     ) -> None:
         self.identity = identity
         self.sites = set(sites)
         self.on_chunk = on_chunk
         self.check_certificates = check_certificates
         """Under mutual TLS: a caller's certificate must name the site it claims."""
+        self.revocations = revocations
+        """The job's revocation list: a revoked certificate is refused at every call."""
         self.refused: deque[str] = deque(maxlen=REFUSALS_KEPT)
         """Reasons of the latest refused handshakes and chunks, newest last."""
         self.refusals: Counter[str] = Counter()
@@ -171,6 +177,7 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
         impostor = self._check_certificate(site, context)
         if impostor is not None:
+            self._refuse(impostor.message, impostor.code)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, impostor.message)
         try:
             rank = int(metadata.get(META_RANK, "0") or 0)
@@ -279,19 +286,31 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
         self, site: str, context: grpc.aio.ServicerContext
     ) -> wire_pb2.Error | None:
         """Under mutual TLS, the caller's certificate (verified by the TLS handshake
-        against the job's CA) must name ``site``: a site cannot speak for another."""
+        against the job's CA) must name ``site``: a site cannot speak for another,
+        and the job's CA must not have revoked it. The caller counts the refusal."""
         if not self.check_certificates:
             return None
         named = certified_sites(context)
         if site in named:
-            return None
-        error = wire_pb2.Error(
+            return self._check_revoked(site, context)
+        return wire_pb2.Error(
             code=wire_pb2.WRONG_JOB,
             message=f"{context.peer()} claims site {site!r} but its certificate names "
             f"{sorted(named) or 'no site'}",
         )
-        self._refuse(error.message)
-        return error
+
+    def _check_revoked(self, site: str, context: grpc.aio.ServicerContext) -> wire_pb2.Error | None:
+        if self.revocations is None:
+            return None
+        pem = peer_certificate(context)
+        serial = self.revocations.revoked(pem) if pem is not None else None
+        if serial is None:
+            return None
+        return wire_pb2.Error(
+            code=wire_pb2.REVOKED,
+            message=f"{context.peer()} presents site {site!r}'s certificate with serial "
+            f"{serial:x}, which the job's CA revoked ({self.revocations.path})",
+        )
 
     def _refuse(
         self, reason: str, code: int = wire_pb2.WRONG_JOB, level: int = logging.WARNING
@@ -381,6 +400,7 @@ class PeerServer:
             on_chunk,
             check_certificates=self.settings.tls is not None,
             max_streams_per_site=self.settings.max_streams_per_site,
+            revocations=None if self.settings.tls is None else self.settings.tls.revocations,
         )
         self.servicer.part_bytes = self.settings.max_chunk_bytes
         self.servicer.max_message_bytes = self.settings.max_message_bytes
@@ -440,6 +460,7 @@ class PeerClient:
         if self.settings.tls is not None and peer_site is None:
             raise ValueError("a TLS session needs the peer's site name (peer_site=)")
         self.peer_site = peer_site
+        self._generation = 0
         self.channel, self.stub = self._open()
         self.peer: tuple[str, int] | None = None
 
@@ -451,6 +472,7 @@ class PeerClient:
         else:
             assert self.peer_site is not None
             options += tls.channel_options(self.peer_site)
+            self._generation = tls.generation
             channel = grpc.aio.secure_channel(
                 self.address, tls.channel_credentials(), options=options
             )
@@ -464,7 +486,15 @@ class PeerClient:
         self.channel, self.stub = self._open()
         await old.close()
 
+    async def _follow_certificates(self) -> None:
+        """Files replaced since this channel was made: dial again with the new ones
+        (a channel keeps the credentials it was made with, even to reconnect)."""
+        tls = self.settings.tls
+        if tls is not None and tls.generation != self._generation:
+            await self.reconnect()
+
     async def hello(self) -> wire_pb2.HandshakeReply:
+        await self._follow_certificates()
         me = self.identity
         request = wire_pb2.Handshake(
             job=me.job,
@@ -501,6 +531,7 @@ class PeerClient:
         caller encode chunk k+1 while k is sent. ``timeout_s``: for this stream
         (default: the session's deadline); ``wait_for_ready``: wait for a broken
         connection to come back instead of failing at once."""
+        await self._follow_certificates()
         me = self.identity
         metadata = ((META_JOB, me.job), (META_SITE, me.site), (META_RANK, str(me.rank)))
         requests = chunks if hasattr(chunks, "__aiter__") else iter(chunks)

@@ -15,10 +15,18 @@ nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
+
+if TYPE_CHECKING:
+    from isthmus.inter.revocation import Revocations
+
+log = logging.getLogger(__name__)
 
 DOMAIN = "isthmus"
 
@@ -38,47 +46,152 @@ class TlsError(ValueError):
 
 @dataclass(frozen=True)
 class SiteTls:
-    """One site's TLS material, in PEM."""
+    """One site's TLS material, in PEM; loaded from files (:meth:`load`), it follows
+    them: replaced certificates are taken up without a restart."""
 
     job: str
     site: str
     ca: bytes
     cert: bytes
     key: bytes
+    files: TlsFiles | None = field(default=None, compare=False, repr=False)
+    """Where the material came from, read again when the files change."""
+    revocations: Revocations | None = field(default=None, compare=False, repr=False)
+    """The job's revocation list (``tls.crl``), if it names one."""
 
     @classmethod
-    def load(cls, job: str, site: str, ca: Path, cert: Path, key: Path) -> SiteTls:
+    def load(
+        cls, job: str, site: str, ca: Path, cert: Path, key: Path, crl: Path | None = None
+    ) -> SiteTls:
         """Read the files; a missing one is named with its job-file key and the fix."""
-        contents = {}
-        for name, path in (("tls.ca", ca), ("tls.cert", cert), ("tls.key", key)):
-            try:
-                contents[name] = path.read_bytes()
-            except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
-                why = getattr(exc, "strerror", None) or exc
-                raise TlsError(
-                    name,
-                    f"cannot read {path} ({why}); make the files with "
-                    f"'isthmus certs JOB.yaml --out DIR' and copy each site its own",
-                ) from None
-            if b"-----BEGIN" not in contents[name]:
-                raise TlsError(name, f"{path} is not a PEM file")
-        _check_certificate(job, site, ca, cert, key, contents)
-        return cls(job, site, contents["tls.ca"], contents["tls.cert"], contents["tls.key"])
+        files = TlsFiles(job, site, ca, cert, key)
+        revocations = None
+        if crl is not None:
+            from isthmus.inter.revocation import Revocations
+
+            revocations = Revocations(crl, files.material[0])
+        return cls(job, site, *files.material, files=files, revocations=revocations)
+
+    def current(self) -> tuple[bytes, bytes, bytes]:
+        """(ca, cert, key) as the files hold them now (checked; a bad replacement is
+        logged and the material in force kept)."""
+        if self.files is None:
+            return self.ca, self.cert, self.key
+        self.files.refresh()
+        return self.files.material
+
+    @property
+    def generation(self) -> int:
+        """Goes up each time the files are taken up again."""
+        if self.files is None:
+            return 0
+        self.files.refresh()
+        return self.files.generation
 
     def server_credentials(self) -> grpc.ServerCredentials:
-        return grpc.ssl_server_credentials(
-            [(self.key, self.cert)], root_certificates=self.ca, require_client_auth=True
+        if self.files is None:
+            return grpc.ssl_server_credentials(
+                [(self.key, self.cert)], root_certificates=self.ca, require_client_auth=True
+            )
+        files = self.files
+        served = [files.generation]
+
+        def fetch() -> grpc.ServerCertificateConfiguration | None:
+            # gRPC asks before each handshake: new files serve new connections, and
+            # the connections up already keep theirs.
+            try:
+                files.refresh()
+            except Exception:  # never let a bad file break the handshake thread
+                log.exception("tls: reading the certificate files again failed")
+                return None
+            if files.generation == served[0]:
+                return None
+            served[0] = files.generation
+            return _server_configuration(files.material)
+
+        return grpc.dynamic_ssl_server_credentials(
+            _server_configuration(files.material), fetch, require_client_authentication=True
         )
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
+        ca, cert, key = self.current()
         return grpc.ssl_channel_credentials(
-            root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert
+            root_certificates=ca, private_key=key, certificate_chain=cert
         )
 
     def channel_options(self, peer_site: str) -> list[tuple[str, str]]:
         """Check the server's certificate against the site we mean to reach, whatever
         the address we dial."""
         return [("grpc.ssl_target_name_override", site_dns_name(self.job, peer_site))]
+
+
+def _server_configuration(
+    material: tuple[bytes, bytes, bytes],
+) -> grpc.ServerCertificateConfiguration:
+    ca, cert, key = material
+    return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+
+class TlsFiles:
+    """A site's CA, certificate and key files, read again when one changes (a
+    certificate replaced before it expires). A replacement is checked as at start;
+    one that fails is logged and the material in force kept: a half-copied file
+    must not take the site off the job."""
+
+    def __init__(self, job: str, site: str, ca: Path, cert: Path, key: Path) -> None:
+        self.job, self.site = job, site
+        self.paths = (ca, cert, key)
+        self.generation = 0
+        self._stamp = self._stamps()
+        self.material = _read_checked(job, site, ca, cert, key)
+
+    def _stamps(self) -> tuple[tuple[int, int], ...]:
+        stamps = []
+        for path in self.paths:
+            try:
+                status = os.stat(path)
+                stamps.append((status.st_mtime_ns, status.st_size))
+            except OSError:
+                stamps.append((-1, -1))
+        return tuple(stamps)
+
+    def refresh(self) -> bool:
+        """Take up changed files; True when the material changed."""
+        stamp = self._stamps()
+        if stamp == self._stamp:
+            return False
+        self._stamp = stamp
+        try:
+            material = _read_checked(self.job, self.site, *self.paths)
+        except TlsError as exc:
+            log.error("tls: the replaced files are refused (%s); the ones in force stay", exc)
+            return False
+        if material == self.material:
+            return False
+        self.material = material
+        self.generation += 1
+        log.info("tls: took up new certificate files for site %r", self.site)
+        return True
+
+
+def _read_checked(
+    job: str, site: str, ca: Path, cert: Path, key: Path
+) -> tuple[bytes, bytes, bytes]:
+    contents = {}
+    for name, path in (("tls.ca", ca), ("tls.cert", cert), ("tls.key", key)):
+        try:
+            contents[name] = path.read_bytes()
+        except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+            why = getattr(exc, "strerror", None) or exc
+            raise TlsError(
+                name,
+                f"cannot read {path} ({why}); make the files with "
+                f"'isthmus certs JOB.yaml --out DIR' and copy each site its own",
+            ) from None
+        if b"-----BEGIN" not in contents[name]:
+            raise TlsError(name, f"{path} is not a PEM file")
+    _check_certificate(job, site, ca, cert, key, contents)
+    return contents["tls.ca"], contents["tls.cert"], contents["tls.key"]
 
 
 def _check_certificate(
@@ -142,6 +255,13 @@ def _check_certificate(
         encoding, public
     ):
         raise TlsError("tls.key", f"{key} is not the key of {cert}; {remake}")
+
+
+def peer_certificate(context: grpc.aio.ServicerContext) -> bytes | None:
+    """The caller's verified certificate, in PEM (None without TLS)."""
+    auth = context.auth_context() or {}
+    certs = auth.get("x509_pem_cert") or []
+    return certs[0] if certs else None
 
 
 def certified_sites(context: grpc.aio.ServicerContext) -> set[str]:

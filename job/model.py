@@ -122,6 +122,12 @@ class TlsSpec:
     cert: str
     key: str
     base: Path
+    crl: str | None = None
+    """The job's revocation list (``isthmus certs --revoke`` writes it), or None."""
+
+    @property
+    def crl_path(self) -> Path | None:
+        return None if self.crl is None else self.base / self.crl
 
     def paths(self, site: str) -> tuple[Path, Path, Path]:
         """The CA certificate, and ``site``'s certificate and key (what

@@ -323,7 +323,7 @@ def _rebase_tls_paths(raw: dict[str, Any], job_path: Path) -> None:
     for section in sections:
         if not isinstance(section, dict):
             continue
-        for key in ("ca", "cert", "key"):
+        for key in ("ca", "cert", "key", "crl"):
             value = section.get(key)
             if isinstance(value, str) and not Path(value).is_absolute():
                 section[key] = str(base / value)

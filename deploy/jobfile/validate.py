@@ -41,6 +41,7 @@ TOP_LEVEL_KEYS = (
 METRICS_KEYS = ("prometheus_port",)
 CONTROL_KEYS = ("broker", "username", "password", "password_env", "tls", "wait_s")
 TLS_KEYS = ("ca", "cert", "key")
+PEER_TLS_KEYS = (*TLS_KEYS, "crl")
 SITE_KEYS = ("name", "ranks", "nodes", "address", "advertise", "uplink_mbit", "parallel")
 
 
@@ -171,9 +172,17 @@ class Validator:
 
     # -- tls ---------------------------------------------------------------------------
     def tls(self, value: Any) -> TlsSpec | None:
-        raw = self.mapping(value, "tls", TLS_KEYS)
+        raw = self.mapping(value, "tls", PEER_TLS_KEYS)
         if raw is None:
             return None
+        crl = raw.get("crl")
+        if crl is not None and (not isinstance(crl, str) or not crl or "{site}" in crl):
+            self.fail(
+                "tls.crl",
+                f"must be the path of the job's revocation list (one for every site), got "
+                f"{crl!r}; 'isthmus certs JOB.yaml --out DIR --revoke SITE' writes "
+                "DIR/revoked.crl",
+            )
         for key in TLS_KEYS:
             if not isinstance(raw.get(key), str) or not raw[key]:
                 self.fail(
@@ -184,7 +193,9 @@ class Validator:
         if self.problems:
             return None
         base = Path(self.source).parent if self.source != "<job>" else Path.cwd()
-        return TlsSpec(ca=raw["ca"], cert=raw["cert"], key=raw["key"], base=base.resolve())
+        return TlsSpec(
+            ca=raw["ca"], cert=raw["cert"], key=raw["key"], base=base.resolve(), crl=crl
+        )
 
     # -- sites -------------------------------------------------------------------------
     def sites(self, value: Any) -> list[SiteSpec]:

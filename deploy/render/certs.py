@@ -56,6 +56,12 @@ def register(commands: Any) -> None:
         help="also a server certificate for the control plane's broker at this host name "
         "or IP address (repeat for more names), and a client certificate for the operator",
     )
+    sub.add_argument(
+        "--revoke",
+        metavar="SITE",
+        help="revoke SITE's certificate (adds it to DIR/revoked.crl, which tls.crl names) "
+        "and make the site a new one",
+    )
 
 
 def _certs(args: argparse.Namespace) -> int:
@@ -63,6 +69,8 @@ def _certs(args: argparse.Namespace) -> int:
     if args.days < 1:
         raise UsageError(f"--days: must be >= 1, got {args.days}")
     out = Path(args.out)
+    if args.revoke is not None:
+        return _revoke(job, args.revoke, out, args)
     for host in args.broker:
         if not host or " " in host or "/" in host or (":" in host and not _is_ip(host)):
             raise UsageError(f"--broker: give a host name or IP address, got {host!r}")
@@ -88,6 +96,29 @@ def _certs(args: argparse.Namespace) -> int:
             f"  tls: {{ca: {relative}/ca.crt, cert: {relative}/{{site}}.crt, "
             f"key: {relative}/{{site}}.key}}"
         )
+    return 0
+
+
+def _revoke(job: Any, site: str, out: Path, args: argparse.Namespace) -> int:
+    names = [s.name for s in job.sites]
+    if site not in names:
+        raise UsageError(
+            f"--revoke: {site!r} is not a site of job {job.name!r} ({', '.join(names)})"
+        )
+    try:
+        serial, written = revoke_site(job.name, site, out, days=args.days)
+    except FileExistsError as exc:
+        raise UsageError(f"--revoke: {exc}") from None
+    for path in written:
+        print(path)
+    relative = os.path.relpath((out / REVOKED).resolve(), Path(args.job).resolve().parent)
+    print(
+        f"\nRevoked site {site!r}'s certificate (serial {serial:x}) and made it a new one.\n"
+        f"Copy {out / REVOKED} to every site, where the job file's tls.crl names it:\n"
+        f"tls:\n  crl: {relative}\n"
+        f"and {site}.crt / {site}.key to site {site!r}. Running sites take up both without a "
+        "restart; the old certificate is refused at its next call."
+    )
     return 0
 
 
@@ -169,6 +200,20 @@ def _add_sites(
     broker: Sequence[str],
 ) -> list[Path]:
     """Certificates, signed by the job's existing CA, for the sites that have none."""
+    ca_cert, ca_key = _load_ca(job, out)
+    missing = [site for site in sites if not (out / f"{site}.crt").exists()]
+    wants_broker = bool(broker) and not (out / "broker.crt").exists()
+    if not missing and not wants_broker:
+        raise FileExistsError(
+            f"{out} holds this job's CA and a certificate for every site already; to add a "
+            "site, name it in the job file first"
+        )
+    issue = functools.partial(_leaf, job, ca_cert.subject, ca_key, now, days, out)
+    return _issue(issue, job, missing, broker if wants_broker else ())
+
+
+def _load_ca(job: str, out: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """The job's CA in ``out``: its certificate and key, checked to be this job's."""
     try:
         ca_cert = x509.load_pem_x509_certificate((out / "ca.crt").read_bytes())
         ca_key = serialization.load_pem_private_key((out / "ca.key").read_bytes(), None)
@@ -187,15 +232,61 @@ def _add_sites(
             f"{out} holds the CA of another job ({ca_cert.subject.rfc4514_string()}); a job "
             "has one CA: use another --out"
         )
-    missing = [site for site in sites if not (out / f"{site}.crt").exists()]
-    wants_broker = bool(broker) and not (out / "broker.crt").exists()
-    if not missing and not wants_broker:
+    return ca_cert, ca_key
+
+
+REVOKED = "revoked.crl"
+
+
+def revoke_site(
+    job: str, site: str, out: Path, *, days: int = VALID_DAYS
+) -> tuple[int, list[Path]]:
+    """Revoke ``site``'s certificate in ``out`` (added to ``out/revoked.crl``, signed by
+    the job's CA, with the serials revoked before) and give the site a new
+    certificate and key. Returns the revoked serial number and the paths written.
+    Every file is replaced whole (sites that follow their files must never read a
+    half-written one)."""
+    if not (out / "ca.key").exists():
+        raise FileExistsError(f"{out} holds no job CA (ca.key); revoke where 'isthmus certs' wrote")
+    ca_cert, ca_key = _load_ca(job, out)
+    try:
+        old = x509.load_pem_x509_certificate((out / f"{site}.crt").read_bytes())
+    except (OSError, ValueError):
         raise FileExistsError(
-            f"{out} holds this job's CA and a certificate for every site already; to add a "
-            "site, name it in the job file first"
+            f"{out / (site + '.crt')}: no certificate of site {site!r} to revoke"
+        ) from None
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (
+        x509.CertificateRevocationListBuilder()
+        .issuer_name(ca_cert.subject)
+        .last_update(now - datetime.timedelta(minutes=5))
+        .next_update(now + datetime.timedelta(days=days))
+    )
+    revoked = {old.serial_number}
+    if (out / REVOKED).exists():
+        for entry in x509.load_pem_x509_crl((out / REVOKED).read_bytes()):
+            revoked.add(entry.serial_number)
+    for serial in sorted(revoked):
+        builder = builder.add_revoked_certificate(
+            x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(now).build()
         )
-    issue = functools.partial(_leaf, job, ca_cert.subject, ca_key, now, days, out)
-    return _issue(issue, job, missing, broker if wants_broker else ())
+    crl = builder.sign(ca_key, hashes.SHA256())
+    written = [_replace(out / REVOKED, crl.public_bytes(serialization.Encoding.PEM))]
+    staging = out / f".{site}.new"
+    staging.mkdir(exist_ok=True)
+    issue = functools.partial(_leaf, job, ca_cert.subject, ca_key, now, days, staging)
+    for path in _issue(issue, job, [site], ()):
+        os.replace(path, out / path.name)
+        written.append(out / path.name)
+    staging.rmdir()
+    return old.serial_number, written
+
+
+def _replace(path: Path, data: bytes) -> Path:
+    temporary = path.with_name(f".{path.name}.{os.getpid()}")
+    temporary.write_bytes(data)
+    os.replace(temporary, path)
+    return path
 
 
 def _issue(
