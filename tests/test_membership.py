@@ -525,3 +525,17 @@ def test_a_site_let_back_in_as_the_others_finish_learns_that_they_are_all_done()
     assert not c.others_done()
     c.on_status("a", {"state": "online", "membership": Report(phase="done").to_message()})
     assert c.others_done()
+
+
+def test_a_replayed_or_conflicting_view_is_refused_counted_and_never_applied():
+    a = Membership(SITES, "a", min_sites=2)
+    first = View(epoch=1, members=("a", "b"), start_round=3, engine_round=20)
+    second = View(epoch=2, members=("a", "b", "c"), start_round=5, engine_round=30)
+    assert a.on_view(first.to_message()) is None
+    assert a.on_view(second.to_message()) is None
+    assert a.on_view(second.to_message()) is None  # the view in force again: retained
+    replay = a.on_view(first.to_message())
+    assert replay is not None and "view 1" in replay and "not applied" in replay
+    forged = View(epoch=2, members=("a",), start_round=5, engine_round=30)
+    assert a.on_view(forged.to_message()) is not None
+    assert a.latest == second and a.stale_views == 2

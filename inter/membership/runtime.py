@@ -113,6 +113,8 @@ class Membership:
         self._newcomers: dict[str, Any] = {}
         """Sites taken in that are not in the job file -> their descriptions."""
         self._refused: set[str] = set()
+        self.stale_views = 0
+        """Views older than the one in force, or others under its number: ignored."""
 
     # -- what the control plane feeds in (its own thread) ---------------------------
     def on_status(self, site: str, status: Mapping[str, Any]) -> str | None:
@@ -158,8 +160,18 @@ class Membership:
         if isinstance(view, str):
             return view
         with self._changed:
-            if view.epoch <= self.latest.epoch:
-                return None
+            if view.epoch < self.latest.epoch or (
+                view.epoch == self.latest.epoch and view != self.latest
+            ):
+                # A replay of an older view, or another view under the number in
+                # force: never applied (the epoch orders views), and counted.
+                self.stale_views += 1
+                return (
+                    f"view {view.epoch} ({view.reason}) is not the view in force, "
+                    f"{self.latest.epoch}: a replay, or a leader out of date; not applied"
+                )
+            if view.epoch == self.latest.epoch:
+                return None  # the view in force, again (a retained message, a reconnect)
             self.latest = view
             self._changed.notify_all()
         log.warning(
