@@ -109,8 +109,22 @@ class SiteCollector:
             "Payload bytes this rank received from other sites",
             strategy.wan_bytes_received if strategy is not None else 0,
         )
+        refused = CounterMetricFamily(
+            "isthmus_peer_refusals",
+            "Calls, streams and chunks this rank's peer service refused, by kind "
+            "(WRONG_JOB, STALE_ROUND, TOO_MANY_STREAMS, TOO_LARGE, REVOKED, ...)",
+            labels=[*labels, "kind"],
+        )
+        for kind, value in sorted(site.refusals.items()):
+            refused.add_metric([*me, kind], value)
+        yield refused
         membership = runtime.membership
         if membership is not None:
+            yield counter(
+                "isthmus_stale_views",
+                "Membership views refused as older than the one in force (replays)",
+                membership.stale_views,
+            )
             view = membership.applied
             yield gauge("isthmus_membership_epoch", "The membership view in force", view.epoch)
             yield gauge(

@@ -113,6 +113,12 @@ class Site:
         or the CPU. Put the model and batches there."""
         return self.runtime.device
 
+    @property
+    def refusals(self) -> dict[str, int]:
+        """What this rank's peer service refused so far, by kind (``WRONG_JOB``,
+        ``STALE_ROUND``, ``TOO_MANY_STREAMS``, ``REVOKED``...): for security audits."""
+        return dict(self.runtime.endpoint.server.servicer.refusals)
+
     # -- training ------------------------------------------------------------------------
     def strategy(
         self,
