@@ -153,7 +153,9 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
     async def Hello(
         self, request: wire_pb2.Handshake, context: grpc.aio.ServicerContext
     ) -> wire_pb2.HandshakeReply:
-        error = self.check_handshake(request) or self._check_certificate(request.site, context)
+        # Who is calling first: a caller whose certificate does not back its claim
+        # learns nothing of this job (its layout, its protocol).
+        error = self._check_certificate(request.site, context) or self.check_handshake(request)
         me = self.identity
         reply = wire_pb2.HandshakeReply(
             accepted=error is None, site=me.site, rank=me.rank, protocol_version=PROTOCOL_VERSION
@@ -202,7 +204,7 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
             protocol_version=request.protocol_version,
             layout_fingerprint=request.layout_fingerprint,
         )
-        error = self.check_handshake(hello) or self._check_certificate(request.site, context)
+        error = self._check_certificate(request.site, context) or self.check_handshake(hello)
         if error is not None:
             self._refuse(f"state request from {context.peer()}: {error.message}", error.code)
             yield wire_pb2.StatePart(error=error)
