@@ -239,6 +239,28 @@ def test_the_pod_loads_its_job_file_with_the_certificates_the_secret_mounts(kube
         assert login.tls_cert == str(tmp_path / site / "etc/isthmus/certs" / f"{site}.crt")
 
 
+def test_the_revocation_list_travels_in_each_sites_secret(capsys, job_file, tmp_path):
+    from isthmus.deploy.render.certs import revoke_site
+
+    pki = tmp_path / "pki"
+    shutil.copytree(job_file.parent / "pki", pki)
+    revoke_site("demo", SITES[0], pki)
+    path = tmp_path / "crl.yaml"
+    path.write_text(
+        job_file.read_text()
+        .replace('key: "pki/{site}.key"}\n', 'key: "pki/{site}.key", crl: pki/revoked.crl}\n', 1)
+        .replace("pki/", f"{pki}/")
+    )
+    assert "crl:" in path.read_text()
+    assert render(capsys, path, tmp_path / "k8s", "--target", "kubernetes")[0] == 0
+    branches = secret_branches((tmp_path / "k8s" / "secrets.sh").read_text())
+    for site in SITES:
+        assert branches[site]["revoked.crl"] == pki / "revoked.crl"
+        seen = load_in_pod(tmp_path / "k8s", site, tmp_path / "pods")
+        assert seen.tls is not None and seen.tls.crl_path is not None
+        assert seen.tls.crl_path.read_bytes() == (pki / "revoked.crl").read_bytes()
+
+
 def test_a_broker_ca_other_than_the_sites_is_mounted_beside_it(capsys, job_file, tmp_path):
     shutil.copy(job_file.parent / "pki" / "ca.crt", tmp_path / "broker-ca.crt")
     path = bad_job(

@@ -131,6 +131,10 @@ def _pod_certs(job: Job, site: str) -> _PodCerts:
             "cert": mount(f"{site}.crt", spec.base / spec.cert.replace("{site}", site)),
             "key": mount(f"{site}.key", spec.base / spec.key.replace("{site}", site)),
         }
+        if spec.crl_path is not None:
+            # Mounted from the site's secret: a secret updated in place reaches the
+            # pod and the site reads the list again (no restart).
+            tls["crl"] = mount("revoked.crl", spec.crl_path)
     control_tls = None
     if job.control is not None and job.control.broker.tls_ca is not None:
         login = job.control.broker_for(site)
