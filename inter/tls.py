@@ -70,6 +70,14 @@ class SiteTls:
             from isthmus.inter.revocation import Revocations
 
             revocations = Revocations(crl, files.material[0])
+            serial = revocations.revoked(files.material[1])
+            if serial is not None:
+                raise TlsError(
+                    "tls.cert",
+                    f"{cert} (serial {serial:x}) is revoked by the job's list {crl}: every "
+                    "peer would refuse this site; copy it the certificate and key "
+                    "'isthmus certs --revoke' made",
+                )
         return cls(job, site, *files.material, files=files, revocations=revocations)
 
     def current(self) -> tuple[bytes, bytes, bytes]:

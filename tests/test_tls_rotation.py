@@ -211,3 +211,36 @@ def test_a_job_file_names_its_revocation_list(tmp_path):
     assert job.tls.crl_path.name == "revoked.crl"
     with pytest.raises(JobFileError, match=r"tls\.crl: must be the path"):
         parse_job(base + ", crl: 'c/{site}.crl'}\n", check_files=False)
+
+
+def test_a_site_whose_own_certificate_is_revoked_is_stopped_at_start(tmp_path):
+    certs = tmp_path / "certs"
+    make_certs("j", SITES, certs)
+    old = _site_files(certs, "b", tmp_path / "old-b")
+    revoke_site("j", "b", certs)
+    with pytest.raises(TlsError, match=r"tls\.cert: .*is revoked by the job's list"):
+        SiteTls.load("j", "b", *old, crl=certs / "revoked.crl")
+    SiteTls.load(
+        "j", "b", certs / "ca.crt", certs / "b.crt", certs / "b.key", crl=certs / "revoked.crl"
+    )
+
+
+def test_isthmus_check_checks_the_certificates_on_this_machine(tmp_path, capsys):
+    certs = tmp_path / "certs"
+    make_certs("j", SITES, certs, days=10)
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "name: j\nsites: [{name: a}, {name: b}]\n"
+        "tls: {ca: certs/ca.crt, cert: 'certs/{site}.crt', key: 'certs/{site}.key'}\n"
+    )
+    (certs / "b.crt").unlink()
+    (certs / "b.key").unlink()  # b's files live on b's machine
+    code, stdout, stderr = in_process(capsys, "check", str(job))
+    assert code == 0, stderr
+    assert "tls a: certificate valid until" in stdout
+    assert "site a's certificate ends in" in stdout  # 10 days: time to replace it
+    assert "tls b: files not on this machine" in stdout
+    shutil.copy(certs / "a.crt", certs / "b.crt")
+    shutil.copy(certs / "a.key", certs / "b.key")  # a's certificate where b's should be
+    code, _, stderr = in_process(capsys, "check", str(job))
+    assert code == 2 and "site b: tls.cert:" in stderr and "not site 'b'" in stderr

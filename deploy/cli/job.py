@@ -28,7 +28,52 @@ def _check(args: argparse.Namespace) -> int:
     warning = insecure_warning(job)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
-    return 0
+    lines, problems = check_certificates(job)
+    for line in lines:
+        print(line)
+    for problem in problems:
+        print(f"{args.job}: {problem}", file=sys.stderr)
+    return 2 if problems else 0
+
+
+EXPIRY_WARNING_DAYS = 30
+"""A certificate that ends sooner than this is named: replace it while the job runs."""
+
+
+def check_certificates(job: Job) -> tuple[list[str], list[str]]:
+    """Each site's TLS files that are on this machine, checked as the site will check
+    them at start (and the revocation list): lines to print, and problems (each
+    naming its field). A site whose files live only on its own machine is said so."""
+    import datetime
+
+    from cryptography import x509
+
+    from isthmus.inter.tls import SiteTls, TlsError
+
+    if job.tls is None:
+        return [], []
+    lines, problems = [], []
+    now = datetime.datetime.now(datetime.UTC)
+    for site in job.sites:
+        ca, cert, key = job.tls.paths(site.name)
+        if not cert.exists() and not key.exists():
+            lines.append(f"  tls {site.name}: files not on this machine ({cert.name})")
+            continue
+        try:
+            SiteTls.load(job.name, site.name, ca, cert, key, crl=job.tls.crl_path)
+        except TlsError as exc:
+            problems.append(f"site {site.name}: {exc}")
+            continue
+        ends = x509.load_pem_x509_certificate(cert.read_bytes()).not_valid_after_utc
+        days = (ends - now).days
+        lines.append(f"  tls {site.name}: certificate valid until {ends:%Y-%m-%d} ({days} days)")
+        if days < EXPIRY_WARNING_DAYS:
+            lines.append(
+                f"  warning: site {site.name}'s certificate ends in {days} days: make a new "
+                "one (remove the old .crt/.key, run isthmus certs again) and copy it over "
+                "the old; running sites take it up without a restart"
+            )
+    return lines, problems
 
 
 def describe_job(job: Job) -> str:
