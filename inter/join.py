@@ -9,6 +9,7 @@ to the deadline).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -220,6 +221,7 @@ def start_site(
     )
     settings = TransportSettings(tls=tls)
     loop = BackgroundLoop(name=f"isthmus-wan-{site}-{rank}")
+    endpoint = None
     try:
         endpoint = loop.run(
             _endpoint(
@@ -230,6 +232,12 @@ def start_site(
         loop.run(endpoint.start(host, port))
         loop.run(endpoint.connect(lenient=rejoining))
     except BaseException:
+        # Stop the gRPC server in its own loop before closing it: a server left to
+        # the garbage collector schedules its shutdown on a closed loop, and the
+        # site's one-line error ends in a traceback ("Event loop is closed").
+        if endpoint is not None:
+            with contextlib.suppress(Exception):
+                loop.run(endpoint.close())
         loop.close()
         raise
     step = HierarchicalStep(

@@ -292,7 +292,7 @@ def test_secrets_script_makes_one_secret_per_site_and_the_brokers(kubernetes):
 def run_sbatch(script: Path, tmp_path: Path) -> list[str]:
     """Run a batch script with stand-ins for scontrol and srun; srun's arguments."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
+    bin_dir.mkdir(parents=True, exist_ok=True)
     (bin_dir / "scontrol").write_text('#!/bin/sh\nprintf "gpu17\\ngpu18\\n"\n')
     (bin_dir / "srun").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$SRUN_ARGS"\n')
     for tool in ("scontrol", "srun"):
@@ -318,13 +318,24 @@ def test_batch_scripts_start_one_isthmus_site_per_node(slurm, job, job_file, tmp
             f"--job-name=isthmus-demo-{site.name}",
             f"--nodes={site.nodes}",
             "--ntasks-per-node=1",
+            # Every rank of the node gets a CPU of its own: with task/affinity, one
+            # CPU per task pinned a 2-rank site's launcher and ranks to one core.
+            f"--cpus-per-task={site.ranks_per_node}",
             f"--gpus-per-node={site.ranks_per_node}",
         ]
+        assert f"sbatch {slurm}/{site.name}.sbatch" in text  # the header: as the docs say
         assert "set -euo pipefail" in text
-        assert run_sbatch(script, tmp_path) == [
-            *("isthmus", "site", str(job_file.resolve()), "--site", site.name),
-            *("--out", f"runs/demo-{site.name}", "--rdzv-endpoint", "gpu17:29400"),
+        # The run lands beside the job file, wherever sbatch is run from.
+        out = str(job_file.resolve().parent / "runs" / f"demo-{site.name}")
+        expected = [
+            f"--cpus-per-task={site.ranks_per_node}",
+            *("isthmus", "site", str(job_file.resolve()), "--site", site.name, "--out", out),
         ]
+        if site.nodes > 1:
+            expected += ["--rdzv-endpoint", "gpu17:29400"]
+        # One node: no fixed rendezvous port (isthmus site runs torchrun --standalone).
+        assert run_sbatch(script, tmp_path) == expected
+        assert run_sbatch(script, tmp_path / "elsewhere") == expected
 
 
 def test_gpus_and_paths_come_from_the_flags(capsys, job_file, tmp_path):
@@ -337,6 +348,18 @@ def test_gpus_and_paths_come_from_the_flags(capsys, job_file, tmp_path):
     text = (out / "us-east.sbatch").read_text()
     assert "--gpus-per-node" not in text
     assert "JOB_FILE=/shared/jobs/demo.yaml" in text and "RUN_DIR=/scratch/us-east" in text
+    code, _, stderr = render(
+        capsys, job_file, tmp_path / "cpus", "--target", "slurm",
+        "--job-path", "/shared/jobs/demo.yaml", "--run-dir", "runs/{site}", "--cpus-per-rank", "4",
+    )  # fmt: skip
+    assert code == 0, stderr
+    text = (tmp_path / "cpus" / "us-east.sbatch").read_text()
+    assert "#SBATCH --cpus-per-task=8" in text and "srun --cpus-per-task=8 " in text
+    assert "RUN_DIR=/shared/jobs/runs/us-east" in text  # relative: from the job file's folder
+    code, _, stderr = render(
+        capsys, job_file, tmp_path / "none", "--target", "slurm", "--cpus-per-rank", "0"
+    )
+    assert code == 2 and "--cpus-per-rank: must be >= 1, got 0" in stderr
     code, _, stderr = render(capsys, job_file, tmp_path / "k", "--target", "kubernetes")
     assert code == 0, stderr
     _, _, indexed_job, _ = site_objects(tmp_path / "k", "us-east")

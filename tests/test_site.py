@@ -209,6 +209,8 @@ def test_torchrun_gets_the_site_s_layout():
     assert flags[:4] == ["--nnodes", "2", "--nproc-per-node", "2"]
     assert "node0.us.example:29400" in flags and "isthmus-clusters-us-east" in flags
     assert torchrun_layout_flags(job, west, None)[-1] == "--standalone"
+    # One node never dials a rendezvous port: another job may hold it on the node.
+    assert torchrun_layout_flags(job, west, "node0.eu.example:29400")[-1] == "--standalone"
 
 
 def test_progress_shows_rounds_once_views_and_the_end(tmp_path):
@@ -442,8 +444,11 @@ def test_log_format_json_prints_every_line_as_one_object(tmp_path, capsys, monke
 
     from isthmus.deploy.cli import log_format
 
-    monkeypatch.delenv(log_format.LOG_FORMAT, raising=False)
-    monkeypatch.delenv(log_format.LOG_SITE, raising=False)
+    for variable in (log_format.LOG_FORMAT, log_format.LOG_SITE):
+        # setenv first: monkeypatch then puts back what was there (nothing) after
+        # the command sets them itself; delenv of an absent variable records nothing.
+        monkeypatch.setenv(variable, "")
+        monkeypatch.delenv(variable)
     for handler in logging.getLogger().handlers:  # the JSON formatter stays in this test
         monkeypatch.setattr(handler, "formatter", handler.formatter)
     job = write(tmp_path, MULTI_NODE)
@@ -470,3 +475,60 @@ def test_log_format_json_prints_every_line_as_one_object(tmp_path, capsys, monke
     monkeypatch.setenv(log_format.LOG_FORMAT, "text")
     code, _, err = cli(capsys, "site", str(job), "--site", "nowhere")
     assert err.startswith("isthmus site: error: --site: the job 'clusters' has no site")
+
+
+def test_only_the_first_node_of_a_site_prints_its_progress(monkeypatch):
+    from isthmus.deploy.cli.site import prints_progress
+
+    job = parse_job(MULTI_NODE)
+    east, west = job.sites
+    assert prints_progress(west, None)  # one node: it is the first
+    for variable in ("SLURM_NODEID", "JOB_COMPLETION_INDEX"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    assert not prints_progress(east, "gpu17:29400")
+    monkeypatch.setenv("SLURM_NODEID", "0")
+    assert prints_progress(east, "gpu17:29400")
+    monkeypatch.delenv("SLURM_NODEID")
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "2")
+    assert not prints_progress(east, "pod-0.svc:29400")
+    monkeypatch.delenv("JOB_COMPLETION_INDEX")
+    # Without a scheduler's word: the node the rendezvous endpoint names.
+    assert prints_progress(east, "127.0.0.1:29400")
+    assert not prints_progress(east, "192.0.2.7:29400")  # TEST-NET: not this machine
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(MOSQUITTO is None, reason="mosquitto is not installed")
+def test_a_site_whose_peer_never_answers_ends_with_one_line_and_no_traceback(tmp_path):
+    """Its gRPC server used to be left to the garbage collector after the error, which
+    then scheduled its shutdown on a closed loop: a traceback under the one line."""
+    broker = Mosquitto(tmp_path).start()
+    base = free_port_block(2)
+    job = write(
+        tmp_path,
+        f"""\
+        name: lonely
+        sites:
+          - {{name: a, ranks: 1, address: 127.0.0.1:{base}}}
+          - {{name: b, ranks: 1, address: 127.0.0.1:{base + 1}}}
+        train: {{strategy: diloco, steps: 4, sync_every: 2, round_deadline_s: 3,
+                 collective_timeout_s: 2}}
+        control: {{broker: mqtt://127.0.0.1:{broker.port}}}
+        """,
+    )
+    try:
+        done = subprocess.run(
+            [*ISTHMUS, "site", str(job), "--site", "a", "--out", str(tmp_path / "a")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        broker.stop()
+    errors = [line for line in done.stderr.splitlines() if not line.startswith("warning:")]
+    assert done.returncode == 1, done.stderr
+    assert errors == [
+        f"isthmus site: error: site 'b': peer 127.0.0.1:{base + 1} did not answer within 3 s "
+        "(down, partitioned, or the address is wrong)"
+    ], done.stderr

@@ -56,7 +56,16 @@ def register(commands: Any) -> None:
         "--run-dir",
         metavar="DIR",
         help="where each site writes its run; {site} is the site's name (default: "
-        "runs/<job>-{site}, relative to where sbatch is run)",
+        "runs/<job>-{site} beside the job file; a relative DIR is taken from the job "
+        "file's folder, so the run lands in one place wherever sbatch is run)",
+    )
+    slurm.add_argument(
+        "--cpus-per-rank",
+        type=int,
+        default=1,
+        metavar="N",
+        help="CPUs each rank gets (--cpus-per-task = N x ranks per node; default 1: "
+        "give more for data loaders)",
     )
     kubernetes = sub.add_argument_group("kubernetes")
     kubernetes.add_argument(
@@ -89,11 +98,19 @@ def _render(args: argparse.Namespace) -> int:
         check_image(args.image)
     job = load_job(args.job)
     if args.target == "slurm":
+        if args.cpus_per_rank < 1:
+            raise UsageError(f"--cpus-per-rank: must be >= 1, got {args.cpus_per_rank}")
+        job_path = args.job_path or str(Path(args.job).resolve())
+        run_dir = Path(args.run_dir or f"runs/{job.name}-{{site}}")
+        if not run_dir.is_absolute():
+            run_dir = Path(job_path).parent / run_dir
         files = render.render_slurm(
             job,
-            job_path=args.job_path or str(Path(args.job).resolve()),
-            run_dir=args.run_dir or f"runs/{job.name}-{{site}}",
+            job_path=job_path,
+            run_dir=str(run_dir),
             gpus=args.gpus,
+            submit_from=str(args.out),
+            cpus_per_rank=args.cpus_per_rank,
         )
     else:
         files = kubernetes.render_kubernetes(job, image=args.image, gpus=args.gpus)

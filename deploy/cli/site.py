@@ -402,17 +402,48 @@ def run_one_rank(
 
 
 def _wait_with_progress(
-    proc: subprocess.Popen, forwarding: dict[int, Any], out: Path, site: str
+    proc: subprocess.Popen,
+    forwarding: dict[int, Any],
+    out: Path,
+    site: str,
+    *,
+    show_progress: bool = True,
 ) -> int:
-    """Print the site's progress until ``proc`` ends, then put the signal handlers
-    that ``forwarding`` replaced back; returns its exit status."""
-    progress = SiteProgress(out, site).start()
+    """Print the site's progress until ``proc`` ends (unless another node of the site
+    prints it), then put the signal handlers that ``forwarding`` replaced back;
+    returns its exit status."""
+    progress = SiteProgress(out, site).start() if show_progress else None
     try:
         return proc.wait()
     finally:
-        progress.stop()
+        if progress is not None:
+            progress.stop()
         for sig, previous in forwarding.items():
             signal.signal(sig, previous)
+
+
+def prints_progress(spec: SiteSpec, endpoint: str | None) -> bool:
+    """Whether this node's launcher prints the site's progress: on a site of several
+    nodes only the first does (every node reads the same records on a shared file
+    system, and each line would come once per node). The first node is Slurm's
+    node 0, a Kubernetes indexed job's pod 0, or else the node the rendezvous
+    endpoint names."""
+    if spec.nodes == 1:
+        return True
+    for variable in ("SLURM_NODEID", "JOB_COMPLETION_INDEX"):
+        if variable in os.environ:
+            return os.environ[variable] == "0"
+    if endpoint is None:
+        return True
+    host = endpoint.rsplit(":", 1)[0].strip("[]")
+    try:
+        address = socket.getaddrinfo(host, None)[0][4][0]
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((address, 0))  # only an address of this machine binds
+    except OSError:
+        return False
+    return True
 
 
 def _pass_signals(proc: subprocess.Popen) -> dict[int, Any]:
@@ -449,8 +480,12 @@ def run_torchrun(args: argparse.Namespace, job: Job, spec: SiteSpec, out: Path) 
     )
     proc = subprocess.Popen(command, env=env, start_new_session=True)
     forwarding = _forward_signals(proc)
-    code = _wait_with_progress(proc, forwarding, out, spec.name)
-    return code
+    shown = prints_progress(spec, args.rdzv_endpoint)
+    if not shown:
+        say(
+            "the site's progress is printed by its first node", prefix=f"isthmus site {spec.name}: "
+        )
+    return _wait_with_progress(proc, forwarding, out, spec.name, show_progress=shown)
 
 
 def torchrun_layout_flags(job: Job, spec: SiteSpec, endpoint: str | None) -> list[str]:
@@ -458,6 +493,11 @@ def torchrun_layout_flags(job: Job, spec: SiteSpec, endpoint: str | None) -> lis
     the c10d rendezvous at ``endpoint`` (the same on every node)."""
     flags = ["--nnodes", str(spec.nodes), "--nproc-per-node", str(spec.ranks_per_node)]
     flags += ["--max-restarts", "0"]  # a lost site rejoins through the job, not torchrun
+    if spec.nodes == 1:
+        # One node needs no rendezvous across machines: --standalone picks a free port.
+        # A given endpoint is not used: a fixed port may be held by another job on
+        # the node, whose listener torchrun would then join and wait on.
+        return [*flags, "--standalone"]
     if endpoint is None:
         if spec.nodes > 1:
             raise UsageError(

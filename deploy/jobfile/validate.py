@@ -193,9 +193,7 @@ class Validator:
         if self.problems:
             return None
         base = Path(self.source).parent if self.source != "<job>" else Path.cwd()
-        return TlsSpec(
-            ca=raw["ca"], cert=raw["cert"], key=raw["key"], base=base.resolve(), crl=crl
-        )
+        return TlsSpec(ca=raw["ca"], cert=raw["cert"], key=raw["key"], base=base.resolve(), crl=crl)
 
     # -- sites -------------------------------------------------------------------------
     def sites(self, value: Any) -> list[SiteSpec]:

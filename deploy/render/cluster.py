@@ -133,16 +133,31 @@ topic write {config_topic(job.name)}
 
 
 # -- Slurm ------------------------------------------------------------------------------
-def render_slurm(job: Job, *, job_path: str, run_dir: str, gpus: bool) -> dict[str, str]:
+def render_slurm(
+    job: Job,
+    *,
+    job_path: str,
+    run_dir: str,
+    gpus: bool,
+    submit_from: str = ".",
+    cpus_per_rank: int = 1,
+) -> dict[str, str]:
     """A batch script per site (``<site>.sbatch``) and the broker (``broker/``).
 
     ``job_path`` is where the job file is on the clusters; ``run_dir`` where each
-    site writes its run, ``{site}`` replaced by the site's name (relative paths:
-    from where sbatch is run)."""
+    site writes its run, ``{site}`` replaced by the site's name (absolute: the same
+    wherever sbatch is run); ``submit_from`` the scripts' folder as the operator
+    names it to sbatch (the scripts' headers say so)."""
     check_job(job)
     files = {
         f"{site.name}.sbatch": sbatch_script(
-            job, site, job_path=job_path, run_dir=run_dir, gpus=gpus
+            job,
+            site,
+            job_path=job_path,
+            run_dir=run_dir,
+            gpus=gpus,
+            submit_from=submit_from,
+            cpus_per_rank=cpus_per_rank,
         )
         for site in job.sites
     }
@@ -152,32 +167,56 @@ def render_slurm(job: Job, *, job_path: str, run_dir: str, gpus: bool) -> dict[s
     return files
 
 
-def sbatch_script(job: Job, site: SiteSpec, *, job_path: str, run_dir: str, gpus: bool) -> str:
+def sbatch_script(
+    job: Job,
+    site: SiteSpec,
+    *,
+    job_path: str,
+    run_dir: str,
+    gpus: bool,
+    submit_from: str = ".",
+    cpus_per_rank: int = 1,
+) -> str:
     per_node = site.ranks_per_node
     gpu_line = f"#SBATCH --gpus-per-node={per_node}\n" if gpus else ""
+    script = f"{submit_from.rstrip('/')}/{site.name}.sbatch"
+    if site.nodes == 1:
+        # One node: torchrun's rendezvous stays inside the launcher (--standalone, a
+        # free port). A fixed port would meet whatever else holds it on the node.
+        rendezvous = ""
+        head = ""
+    else:
+        rendezvous = f' \\\n    --rdzv-endpoint "$HEAD_ADDR:{RDZV_PORT}"'
+        head = f"""
+# torchrun's c10d rendezvous store runs on the allocation's first node, port
+# {RDZV_PORT}, dialled at the address Slurm reaches it at (its NodeAddr; the node's
+# name where it has none). (sed, not head: head stops reading, and with a long
+# host list scontrol then dies of SIGPIPE, which pipefail would turn into a
+# failed job.)
+HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
+HEAD_ADDR=$(scontrol show node "$HEAD" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')
+HEAD_ADDR=${{HEAD_ADDR:-$HEAD}}
+"""
     return f"""\
 #!/bin/bash
 # Isthmus job "{job.name}", site {site.name}: {site.ranks} ranks on {site.nodes} node(s), \
 {per_node} per node.
-# Submit on {site.name}'s cluster: sbatch {site.name}.sbatch
+# Submit on {site.name}'s cluster: sbatch {shlex.quote(script)}
 # sbatch passes the submitting shell's environment on: submit where `isthmus` is on PATH.
 #SBATCH --job-name=isthmus-{job.name}-{site.name}
 #SBATCH --nodes={site.nodes}
 #SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task={per_node * cpus_per_rank}
 {gpu_line}set -euo pipefail
 
 JOB_FILE={shlex.quote(job_path)}
 RUN_DIR={shlex.quote(run_dir.replace("{site}", site.name))}
-
-# torchrun's c10d rendezvous store runs on the allocation's first host. (sed, not
-# head: head stops reading, and with a long host list scontrol then dies of
-# SIGPIPE, which pipefail would turn into a failed job.)
-HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
-
+{head}
 # One `isthmus site` per node; each starts torchrun with its node's
-# {per_node} rank(s) (--nnodes {site.nodes} --nproc-per-node {per_node}).
-srun isthmus site "$JOB_FILE" --site {site.name} --out "$RUN_DIR" \\
-    --rdzv-endpoint "$HEAD:{RDZV_PORT}"
+# {per_node} rank(s) (--nnodes {site.nodes} --nproc-per-node {per_node}), on the
+# task's {per_node * cpus_per_rank} CPUs (srun gives a step only what it asks for).
+srun --cpus-per-task={per_node * cpus_per_rank} isthmus site "$JOB_FILE" --site {site.name} \\
+    --out "$RUN_DIR"{rendezvous}
 """
 
 
