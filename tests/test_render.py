@@ -158,6 +158,22 @@ def test_every_manifest_parses_and_has_the_fields_kubernetes_requires(kubernetes
     assert [p["port"] for p in service["spec"]["ports"]] == [job.control.broker.port]
 
 
+@pytest.mark.parametrize("version", ["1.28.0", "1.37.0"])  # the oldest the docs name; the newest
+def test_every_manifest_passes_the_kubernetes_api_schemas(kubernetes, version):
+    """Validated with kubernetes-validate's copy of the API's OpenAPI schemas, strict:
+    an unknown or misplaced field fails here, not at kubectl apply."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    checked = 0
+    for path in sorted(kubernetes.rglob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                raise AssertionError(f"{path.relative_to(kubernetes)}: {exc.message}") from None
+            checked += 1
+    assert checked >= 10
+
+
 def test_each_site_is_an_indexed_job_with_a_pod_per_node_that_meet_at_pod_0(kubernetes, job):
     for site in job.sites:
         config_map, headless, indexed_job, _ = site_objects(kubernetes, site.name)
