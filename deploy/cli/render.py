@@ -70,8 +70,9 @@ def register(commands: Any) -> None:
     kubernetes = sub.add_argument_group("kubernetes")
     kubernetes.add_argument(
         "--image",
-        default=render.DEFAULT_IMAGE,
-        help=f"the sites' container image, with isthmus installed (default {render.DEFAULT_IMAGE})",
+        help="the sites' container image, with isthmus installed (default: what "
+        f"deploy/images/Dockerfile builds, {render.DEFAULT_IMAGE}, or with --gpus "
+        f"{render.DEFAULT_GPU_IMAGE})",
     )
 
 
@@ -94,6 +95,8 @@ def check_image(image: str) -> None:
 
 
 def _render(args: argparse.Namespace) -> int:
+    if args.image is None:
+        args.image = render.DEFAULT_GPU_IMAGE if args.gpus else render.DEFAULT_IMAGE
     if args.target == "kubernetes":
         check_image(args.image)
     job = load_job(args.job)

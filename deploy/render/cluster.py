@@ -28,6 +28,9 @@ from isthmus.job.ports import RDZV_PORT
 
 TARGETS = ("slurm", "kubernetes")
 DEFAULT_IMAGE = "isthmus:latest"
+"""What deploy/images/Dockerfile builds by default (CPU torch)."""
+DEFAULT_GPU_IMAGE = "isthmus:latest-cuda"
+"""What it builds with torch's CUDA wheels (the default with --gpus)."""
 DEFAULT_BROKER_PORT = 8883
 
 RESERVED_SITE_NAMES = ("broker", "operator")
