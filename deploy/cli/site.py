@@ -96,6 +96,15 @@ def register(commands: Any) -> None:
         "from one of them, and train on (2 sites or more)",
     )
     sub.add_argument(
+        "--resume",
+        type=Path,
+        metavar="RUN_DIR",
+        help="go on from this site's newest checkpoint in RUN_DIR (its earlier --out): "
+        "when every site resumes, all go on from the newest round every site holds; when "
+        "another site is live, this one rejoins it and pulls its state instead (see "
+        "docs/sites.md)",
+    )
+    sub.add_argument(
         "--log-format",
         choices=FORMATS,
         default="text",
@@ -122,6 +131,8 @@ def _site(args: argparse.Namespace) -> int:
     check_real_network(job, spec)
     out = args.out or Path("runs") / f"{job.name}-{spec.name}"
     launcher = TorchrunLayout.from_environment()
+    if args.resume is not None:
+        out = _plan_resume(args, job, spec, launcher)
     if launcher is None or launcher.rank == 0:  # once per site, not once per rank
         warning = insecure_warning(job)
         for line in tcp_advice() + ([warning] if warning else []):
@@ -141,6 +152,47 @@ def _site(args: argparse.Namespace) -> int:
     if spec.nodes == 1:
         check_can_listen(spec, index, ranks=range(spec.ranks))
     return run_torchrun(args, job, spec, out)
+
+
+def _plan_resume(
+    args: argparse.Namespace, job: Job, spec: SiteSpec, launcher: TorchrunLayout | None
+) -> Path:
+    """--resume: agree with the other sites how to start (the round, or rejoining the
+    live ones); the ranks learn it from ISTHMUS_RESUME_ROUND, or --rejoin. Returns
+    the run directory the site goes on in."""
+    from isthmus.deploy.run.site_resume import check_run_dir, describe, plan_resume
+    from isthmus.deploy.session.environment import RESUME_ROUND
+
+    if args.out is not None or args.rejoin:
+        raise UsageError(
+            "--resume: RUN_DIR is where the site goes on; give it without --out or --rejoin"
+        )
+    if launcher is not None:
+        raise UsageError(
+            "--resume: run isthmus site itself, not under your torchrun (it starts torchrun "
+            "for the site's ranks): every rank would otherwise agree on its own"
+        )
+    if spec.nodes > 1:
+        raise UsageError(
+            f"--resume: site {spec.name!r} has {spec.nodes} nodes; resuming takes sites of "
+            "one node (their checkpoints are on that node). Start it with --rejoin while "
+            "the others run"
+        )
+    rounds = check_run_dir(args.resume, job, spec)
+    plan = plan_resume(job, spec.name, rounds)
+    say(describe(plan, rounds), prefix=f"isthmus site {spec.name}: ")
+    if plan.round is None:
+        args.rejoin = True
+    else:
+        os.environ[RESUME_ROUND] = str(plan.round)  # torchrun passes it to the ranks
+    return args.resume
+
+
+def _resume_round() -> int | None:
+    from isthmus.deploy.session.environment import RESUME_ROUND
+
+    value = os.environ.get(RESUME_ROUND)
+    return int(value) if value and value.isdigit() else None
 
 
 def site_of(job: Job, name: str) -> tuple[int, SiteSpec]:
@@ -293,6 +345,8 @@ def prepare_site_dir(job_path: Path, job_name: str, site: str, out: Path, rejoin
     ``sites/SITE/``. Every rank may call it: the file is replaced atomically."""
     from isthmus.deploy.run.run_dir import RunError, resolve_job
 
+    if _resume_round() is not None and (out / "job.yaml").is_file():
+        return  # a resumed site goes on with its run's own job file
     finished = out / "sites" / site / "result.json"
     if finished.exists() and not rejoin:
         raise UsageError(
@@ -345,7 +399,10 @@ def _train_rank(
     try:
         # A peer, round or broker failure: one line naming it, not a traceback.
         code = run_site_main(
-            lambda: train_until_stopped(out, spec.name, rejoin=rejoin), "isthmus site"
+            lambda: train_until_stopped(
+                out, spec.name, resume_round=_resume_round(), rejoin=rejoin
+            ),
+            "isthmus site",
         )
     finally:
         if progress is not None:
@@ -360,7 +417,11 @@ def launch_environment(out: Path, site: str, rejoin: bool) -> dict[str, str]:
 
     run_dir = out.resolve()
     return LaunchEnvironment(
-        job=run_dir / "job.yaml", site=site, run_dir=run_dir, rejoin=rejoin
+        job=run_dir / "job.yaml",
+        site=site,
+        run_dir=run_dir,
+        rejoin=rejoin,
+        resume_round=_resume_round(),
     ).to_environ()
 
 
