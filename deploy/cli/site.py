@@ -27,14 +27,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
-import errno
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,10 +41,18 @@ from isthmus.deploy.cli import log_format
 from isthmus.deploy.cli.log_format import FORMATS, say
 from isthmus.deploy.cli.registry import UsageError, add_command
 from isthmus.deploy.cli.run import accept_command
+
+# The checks before start and the progress lines live apart (one topic each).
+from isthmus.deploy.cli.site_checks import (
+    check_can_listen,
+    check_gpus,
+    check_real_network,
+    describe_ports,
+    site_of,
+)
+from isthmus.deploy.cli.site_progress import SiteProgress, prints_progress
 from isthmus.deploy.jobfile import Job, SiteSpec, load_job, parse_address
 from isthmus.deploy.run.host_tuning import tcp_advice
-from isthmus.job.addressing import resolve
-from isthmus.job.basics import FieldError
 from isthmus.job.exposure import insecure_warning
 from isthmus.job.ports import RDZV_PORT
 
@@ -193,107 +197,6 @@ def _resume_round() -> int | None:
 
     value = os.environ.get(RESUME_ROUND)
     return int(value) if value and value.isdigit() else None
-
-
-def site_of(job: Job, name: str) -> tuple[int, SiteSpec]:
-    names = [s.name for s in job.sites]
-    if name not in names:
-        close = difflib.get_close_matches(name, names, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise UsageError(
-            f"--site: the job {job.name!r} has no site {name!r}; {hint}its sites: "
-            + ", ".join(names)
-        )
-    return names.index(name), job.sites[names.index(name)]
-
-
-def check_real_network(job: Job, spec: SiteSpec) -> None:
-    """A site on a real network needs a broker and everyone's addresses."""
-    if job.control is None:
-        raise UsageError(
-            "control.broker: the sites of a job meet at its MQTT broker (membership, "
-            "settings, telemetry); name it in the job file, e.g. "
-            "control: {broker: mqtts://broker.example.com:8883}"
-        )
-    resolve(job, spec.name)  # AddressError names the missing address
-
-
-def describe_ports(job: Job, spec: SiteSpec) -> str:
-    """What a firewall must let through for this site, inbound and outbound."""
-    listen = spec.listen_addresses() or []
-    dialled = spec.dial_addresses() or []
-    lines = [f"site {spec.name!r} of job {job.name!r}:", "inbound, from the other sites (TCP):"]
-    if not listen:
-        lines.append("  (no address in the job file: give this site address: HOST:PORT)")
-    for rank, (bound, dial) in enumerate(zip(listen, dialled or listen, strict=True)):
-        seen = f" (dialled at {dial[0]}:{dial[1]})" if dial != bound else ""
-        node = rank // spec.ranks_per_node
-        lines.append(f"  rank {rank} (node {node}): listens on {bound[0]}:{bound[1]}{seen}")
-    lines.append("outbound, to the other sites (TCP):")
-    for other in job.sites:
-        if other.name == spec.name:
-            continue
-        targets = other.dial_addresses()
-        where = ", ".join("{}:{}".format(*a) for a in targets) if targets else "(no address)"
-        lines.append(f"  {other.name}: {where}")
-    if job.control is not None:
-        broker = job.control.broker
-        lines.append(f"outbound, to the broker (TCP): {broker.host}:{broker.port}")
-    if job.metrics is not None:
-        first = job.metrics.prometheus_port
-        last = first + spec.ranks_per_node - 1
-        ports = f"{first}" if last == first else f"{first}-{last}"
-        lines.append(
-            f"inbound, from your Prometheus (TCP): /metrics on port {ports} of every node "
-            "(rank r of a node: prometheus_port + r)"
-        )
-    if spec.nodes > 1:
-        lines.append(
-            f"inside the site only: torchrun's rendezvous (TCP {RDZV_PORT} on the first node) "
-            "and the collective backend's ports (NCCL/Gloo) between its nodes"
-        )
-    return "\n".join(lines)
-
-
-def check_can_listen(spec: SiteSpec, index: int, ranks: range | list[int]) -> None:
-    """Bind each rank's address now, to refuse one that cannot be used before any
-    process starts (the peer service binds it again when it starts)."""
-    listen = spec.listen_addresses() or []
-    for rank in ranks:
-        host, port = listen[rank]
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind((host, port))
-            except OSError as exc:
-                raise UsageError(_bind_problem(index, rank, host, port, exc)) from None
-
-
-def _bind_problem(index: int, rank: int, host: str, port: int, exc: OSError) -> str:
-    where = f"sites[{index}].address: rank {rank} cannot listen on {host}:{port}"
-    if exc.errno == errno.EADDRINUSE:
-        return f"{where}: the port is in use; stop what holds it, or choose another port"
-    if exc.errno == errno.EADDRNOTAVAIL:
-        return (
-            f"{where}: {host} is not an address of this machine; listen on one of its "
-            "addresses (0.0.0.0 for all) and put the address others dial in advertise:"
-        )
-    if exc.errno == errno.EACCES:
-        return f"{where}: permission denied (ports below 1024 need root); choose a port >= 1024"
-    return f"{where}: {exc.strerror}"
-
-
-def check_gpus(job: Any, spec: SiteSpec, index: int, local_ranks: int) -> None:
-    """On GPU machines each local rank takes one GPU (``train.device``); more ranks
-    than GPUs, or ``device: cuda`` on a machine without one, is refused with the fix."""
-    from isthmus.intra.devices import check_site_fits
-
-    try:
-        check_site_fits(spec.name, local_ranks, job.train.device)
-    except FieldError as exc:
-        where = f"sites[{index}]: ranks {spec.ranks}, nodes {spec.nodes}"
-        raise UsageError(f"train.{exc} ({where})") from None
 
 
 @dataclass(frozen=True)
@@ -483,30 +386,6 @@ def _wait_with_progress(
             signal.signal(sig, previous)
 
 
-def prints_progress(spec: SiteSpec, endpoint: str | None) -> bool:
-    """Whether this node's launcher prints the site's progress: on a site of several
-    nodes only the first does (every node reads the same records on a shared file
-    system, and each line would come once per node). The first node is Slurm's
-    node 0, a Kubernetes indexed job's pod 0, or else the node the rendezvous
-    endpoint names."""
-    if spec.nodes == 1:
-        return True
-    for variable in ("SLURM_NODEID", "JOB_COMPLETION_INDEX"):
-        if variable in os.environ:
-            return os.environ[variable] == "0"
-    if endpoint is None:
-        return True
-    host = endpoint.rsplit(":", 1)[0].strip("[]")
-    try:
-        address = socket.getaddrinfo(host, None)[0][4][0]
-        family = socket.AF_INET6 if ":" in address else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.bind((address, 0))  # only an address of this machine binds
-    except OSError:
-        return False
-    return True
-
-
 def _pass_signals(proc: subprocess.Popen) -> dict[int, Any]:
     """SIGINT, SIGTERM and SIGUSR1 (leave the run) go to the command as they came."""
 
@@ -611,70 +490,3 @@ def _children(pid: int) -> list[int]:
         if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
             found.append(int(entry.name))
     return found
-
-
-class SiteProgress:
-    """Prints the site's progress from its records: a line per round, view and rejoin."""
-
-    POLL_S = 1.0
-
-    def __init__(self, out: Path, site: str) -> None:
-        from isthmus.deploy.run.records import RecordTail
-
-        self.site = site
-        self._tail = RecordTail(out / "sites" / site / "metrics.jsonl", from_end=True)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="isthmus-site-progress", daemon=True)
-        self._loss: float | None = None
-        self._round: int | None = None
-
-    def start(self) -> SiteProgress:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._print_new()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.POLL_S):
-            self._print_new()
-
-    def _print_new(self) -> None:
-        for record in self._tail.read():
-            line = self.line_for(record)
-            if line:
-                say(line, prefix=f"{self.site}: ", stream=sys.stdout, record=record.get("kind"))
-
-    def line_for(self, record: dict[str, Any]) -> str | None:
-        kind = record.get("kind")
-        if kind == "step":
-            self._loss = record.get("loss")
-            return None
-        if kind == "round":
-            if record.get("outer_steps") == self._round:
-                return None  # the closing totals of the last round, already shown
-            self._round = record.get("outer_steps")
-            loss = f", loss {self._loss:.3f}" if isinstance(self._loss, float) else ""
-            sent = record.get("wan_bytes_sent", 0) / 1e6
-            return (
-                f"round {record.get('outer_steps')} at step {record.get('step')}{loss}, "
-                f"{sent:.1f} MB sent"
-            )
-        if kind == "view":
-            return (
-                f"view {record.get('epoch')}: members {', '.join(record.get('members', []))} "
-                f"from round {record.get('start_round')} ({record.get('reason')})"
-            )
-        if kind == "rejoin":
-            pulled = record.get("bytes", 0) / 1e6
-            return (
-                f"rejoined at round {record.get('round')}: pulled {pulled:.1f} MB from "
-                f"{record.get('donor')} in {record.get('seconds', 0):.1f} s"
-            )
-        if kind == "eval" and record.get("final"):
-            return f"final held-out loss {record.get('eval_loss'):.3f}"
-        if kind == "state" and record.get("state") in ("finished", "left"):
-            return str(record["state"])
-        return None
