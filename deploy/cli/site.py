@@ -106,7 +106,7 @@ def register(commands: Any) -> None:
         help="go on from this site's newest checkpoint in RUN_DIR (its earlier --out): "
         "when every site resumes, all go on from the newest round every site holds; when "
         "another site is live, this one rejoins it and pulls its state instead (see "
-        "docs/sites.md)",
+        "docs/two-clusters.md#resuming-a-stopped-job)",
     )
     sub.add_argument(
         "--log-format",
