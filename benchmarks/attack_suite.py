@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import torch
 
 from isthmus.deploy.examples.diloco_train import loopback_job
 from isthmus.deploy.render.certs import make_certs, revoke_site
@@ -125,10 +126,13 @@ def _rounds(out: Path, site: str) -> int:
 # -- the attacks -------------------------------------------------------------------------
 def _tls(files: dict[str, Path], ca_dir: str, cert_dir: str, who: str) -> TransportSettings:
     """Settings built from files as they are (an attacker's program runs no checks)."""
-    ca = files[ca_dir] / "ca.crt" if ca_dir != "stolen" else files["certs"] / "ca.crt"
-    material = (ca.read_bytes(), *(files[cert_dir] / f"{who}.{x}" for x in ("crt", "key")))
+    ca, cert, key = (
+        files[ca_dir] / "ca.crt",
+        files[cert_dir] / f"{who}.crt",
+        files[cert_dir] / f"{who}.key",
+    )
     return TransportSettings(
-        tls=SiteTls(JOB, who, material[0], material[1].read_bytes(), material[2].read_bytes())
+        tls=SiteTls(JOB, who, ca.read_bytes(), cert.read_bytes(), key.read_bytes())
     )
 
 
@@ -186,15 +190,9 @@ async def _stream(stub: Any, chunks: list[wire_pb2.Chunk], hold_s: float = 0.0) 
 
 def _old_chunk() -> wire_pb2.Chunk:
     [chunk] = encode_chunks(
-        parse_codec("none"), torch_zeros(1024), round=0, shard=0, max_chunk_bytes=1 << 20
+        parse_codec("none"), torch.zeros(1024), round=0, shard=0, max_chunk_bytes=1 << 20
     )
     return chunk
-
-
-def torch_zeros(n: int) -> Any:
-    import torch
-
-    return torch.zeros(n)
 
 
 Attack = Callable[[str, dict[str, Path], int], Awaitable[list[str]]]

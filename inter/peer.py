@@ -97,6 +97,7 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
         *,
         check_certificates: bool = False,
         max_streams_per_site: int = 256,
+        max_message_bytes: int = TransportSettings().max_message_bytes,
         revocations: Revocations | None = None,
     ) -> None:
         self.identity = identity
@@ -116,8 +117,8 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
         strategy that holds the global state; None refuses every request."""
         self.part_bytes = 4 * 1024 * 1024
         self.max_streams_per_site = max_streams_per_site
-        self.max_message_bytes = 0
-        """The largest message gRPC lets in (named when a bigger one is cut off)."""
+        self.max_message_bytes = max_message_bytes
+        """The largest chunk message a peer may send; a bigger one is cut off, named."""
         self.streams: Counter[str] = Counter()
         """Streams (Exchange, FetchState) open now, per calling site."""
 
@@ -188,8 +189,8 @@ class PeerServicer(wire_pb2_grpc.PeerServiceServicer):
         await self._open_stream(site, context)
         try:
             async for chunk in request_iterator:
-                if chunk.ByteSize() > self.max_message_bytes:
-                    await self._cut_off_oversized(site, chunk.ByteSize(), context)
+                if (size := chunk.ByteSize()) > self.max_message_bytes:
+                    await self._cut_off_oversized(site, size, context)
                 yield await self.accept(chunk, site, rank, context.peer())
         finally:
             self.streams[site] -= 1
@@ -402,10 +403,10 @@ class PeerServer:
             on_chunk,
             check_certificates=self.settings.tls is not None,
             max_streams_per_site=self.settings.max_streams_per_site,
+            max_message_bytes=self.settings.max_message_bytes,
             revocations=None if self.settings.tls is None else self.settings.tls.revocations,
         )
         self.servicer.part_bytes = self.settings.max_chunk_bytes
-        self.servicer.max_message_bytes = self.settings.max_message_bytes
         self.server = grpc.aio.server(
             interceptors=[self.metrics, *interceptors],
             options=self.settings.server_options(),

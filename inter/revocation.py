@@ -13,6 +13,7 @@ could otherwise write one that locks out every site.
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import os
 from pathlib import Path
@@ -94,8 +95,15 @@ class Revocations:
         self.refresh()
         if not self.serials:
             return None
-        serial = x509.load_pem_x509_certificate(cert_pem).serial_number
+        serial = _serial(cert_pem)
         return serial if serial in self.serials else None
+
+
+@functools.lru_cache(maxsize=256)
+def _serial(cert_pem: bytes) -> int:
+    """A certificate's serial number. Cached: every call from a peer presents the same
+    certificate, and parsing it is the only work a revocation check does."""
+    return x509.load_pem_x509_certificate(cert_pem).serial_number
 
 
 _MAKE = (

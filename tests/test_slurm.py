@@ -63,14 +63,22 @@ def _submit_all(cluster: SlurmCluster, job: Path, sites: list[str], capsys) -> d
     }
 
 
+def _run_to_the_end(
+    cluster: SlurmCluster, job: Path, sites: list[str], capsys
+) -> tuple[dict[str, int], dict[str, str], dict[str, dict]]:
+    """Submit every site, wait for all to complete; the job ids, each site's Slurm
+    output and its ``result.json``."""
+    ids = _submit_all(cluster, job, sites, capsys)
+    states = cluster.wait(list(ids.values()), timeout_s=400)
+    outputs = {site: (job.parent / f"slurm-{i}.out").read_text() for site, i in ids.items()}
+    assert set(states.values()) == {"COMPLETED"}, (states, outputs, cluster.logs())
+    return ids, outputs, _results(job, sites)
+
+
 def _results(job: Path, sites: list[str]) -> dict[str, dict]:
     runs = job.parent / "runs"
     return {s: json.loads((runs / f"slurmjob-{s}" / "sites" / s / "result.json").read_text())
             for s in sites}  # fmt: skip
-
-
-def _outputs(job: Path, ids: dict[str, int]) -> dict[str, str]:
-    return {site: (job.parent / f"slurm-{i}.out").read_text() for site, i in ids.items()}
 
 
 def test_two_sites_submitted_with_sbatch_train_one_model_while_port_29400_is_taken(
@@ -90,11 +98,7 @@ def test_two_sites_submitted_with_sbatch_train_one_model_while_port_29400_is_tak
         squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         squatter.bind(("0.0.0.0", 29400))
         squatter.listen()
-        ids = _submit_all(cluster, job, ["a", "b"], capsys)
-        states = cluster.wait(list(ids.values()), timeout_s=400)
-    outputs = _outputs(job, ids)
-    assert set(states.values()) == {"COMPLETED"}, (states, outputs, cluster.logs())
-    results = _results(job, ["a", "b"])
+        ids, _, results = _run_to_the_end(cluster, job, ["a", "b"], capsys)
     assert results["a"]["param_sha256"] == results["b"]["param_sha256"]
     assert results["a"]["outer_steps"] == 3
     # Each site's step was given a CPU per rank (task/affinity pins to what it gets).
@@ -114,11 +118,7 @@ def test_a_site_on_two_nodes_trains_and_prints_its_progress_once(
         f"  - {{name: c, ranks: 2, nodes: 2, address: 127.0.0.1:{base + 1}}}\n",
     )
     monkeypatch.chdir(tmp_path / "job")
-    ids = _submit_all(cluster, job, ["a", "c"], capsys)
-    states = cluster.wait(list(ids.values()), timeout_s=400)
-    outputs = _outputs(job, ids)
-    assert set(states.values()) == {"COMPLETED"}, (states, outputs, cluster.logs())
-    results = _results(job, ["a", "c"])
+    _, outputs, results = _run_to_the_end(cluster, job, ["a", "c"], capsys)
     assert results["a"]["param_sha256"] == results["c"]["param_sha256"]
     # Both nodes of c read the same records; only the first prints them.
     assert outputs["c"].count("c: round 3 at step 12") == 1, outputs["c"]

@@ -28,10 +28,6 @@ MAX_ROUNDS_AHEAD = 16
 """How many rounds past its own a rank holds chunks for. Peers are at most a round
 or two ahead (every round needs every participant); more is a peer out of step."""
 
-MAX_EARLY_BYTES_PER_SITE = 1 << 30
-"""Default bound on the encoded bytes one site's chunks may hold here before their
-round opens (see ``TransportSettings.max_early_bytes_per_site``)."""
-
 BufferKey = tuple[int, int, str]
 """(round, shard, site)."""
 
@@ -128,12 +124,13 @@ class Incoming:
 class Inbox:
     """Every incoming buffer of one engine, and which rounds' chunks it keeps."""
 
-    def __init__(self, max_early_bytes_per_site: int = MAX_EARLY_BYTES_PER_SITE) -> None:
+    def __init__(self, max_early_bytes_per_site: int) -> None:
         self.buffers: dict[BufferKey, Incoming] = {}
         self.max_early_bytes_per_site = max_early_bytes_per_site
-        """Chunks of a site beyond this many bytes held before their rounds open are
-        not taken (ROUND_AHEAD: its sender sends them again later): a peer far ahead,
-        or one that floods, cannot fill this rank's memory."""
+        """(``TransportSettings.max_early_bytes_per_site``) Chunks of a site beyond
+        this many bytes held before their rounds open are not taken (ROUND_AHEAD: its
+        sender sends them again later): a peer far ahead, or one that floods, cannot
+        fill this rank's memory."""
         self._active: list[int] = []
         """Rounds running now (a list: a round may run twice at once only by
         mistake, and then both must finish before it is forgotten)."""
