@@ -1,7 +1,8 @@
 """``isthmus site --resume``: a job of sites started one by one, stopped whole, resumed.
 
 Sites as an operator starts them on separate clusters (``isthmus site``, each its
-own run directory), a real Mosquitto between them."""
+own run directory; a site of two nodes as two commands sharing one, as on a
+cluster's shared file system), a real Mosquitto between them."""
 
 from __future__ import annotations
 
@@ -17,13 +18,14 @@ from test_control import Mosquitto
 from test_site import MOSQUITTO, free_port_block, write
 
 from isthmus.deploy.cli import main
+from isthmus.deploy.cli.registry import UsageError
 
 ISTHMUS = [sys.executable, "-m", "isthmus"]
 JOB = """\
 name: resumable
 sites:
   - {{name: a, ranks: 1, address: 127.0.0.1:{a}}}
-  - {{name: b, ranks: 2, address: 127.0.0.1:{b}}}
+  - {{name: b, ranks: 2, nodes: 2, address: 127.0.0.1:{b}}}
 train: {{strategy: diloco, steps: 48, sync_every: 4, warmup_steps: 2, checkpoint_every: 1}}
 control: {{broker: mqtt://127.0.0.1:{broker}}}
 """
@@ -32,6 +34,7 @@ control: {{broker: mqtt://127.0.0.1:{broker}}}
 def _start(job: Path, site: str, *flags: str) -> subprocess.Popen:
     return subprocess.Popen(
         [*ISTHMUS, "site", str(job), "--site", site, *flags],
+        cwd=job.parent,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -62,21 +65,38 @@ def _finish(procs: dict[str, subprocess.Popen], timeout: float = 200) -> dict[st
     return outputs
 
 
+def _start_job(job: Path, runs: dict[str, Path], rdzv: int, *flags: str) -> dict:
+    """Site a (one node) and both nodes of site b, each with ``flags`` and its run
+    directory after ``flag`` (``--out`` or ``--resume``)."""
+    flag, *rest = flags
+    b_nodes = [("--rdzv-endpoint", f"127.0.0.1:{rdzv}", "--node-rank", str(k)) for k in (0, 1)]
+    return {
+        "a": _start(job, "a", flag, str(runs["a"]), *rest),
+        **{
+            f"b node {k}": _start(job, "b", flag, str(runs["b"]), *rest, *node)
+            for k, node in enumerate(b_nodes)
+        },
+    }
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(MOSQUITTO is None, reason="mosquitto is not installed")
 def test_a_job_stopped_whole_resumes_to_the_same_parameters_bit_for_bit(tmp_path):
+    """Site b has two nodes: each answers in the agreement for itself, and both
+    go on from the round every node of every site holds."""
     broker = Mosquitto(tmp_path).start()
     try:
-        base = free_port_block(3)
+        base = free_port_block(4)
         job = write(tmp_path, JOB.format(a=base, b=base + 1, broker=broker.port))
+        rdzv = free_port_block(1)
         # The reference: trained without a stop.
         whole = {s: tmp_path / "whole" / s for s in ("a", "b")}
-        _finish({s: _start(job, s, "--out", str(whole[s])) for s in whole})
+        _finish(_start_job(job, whole, rdzv, "--out"))
         reference = {_digest(whole[s], s) for s in whole}
         assert len(reference) == 1
         # Stopped whole after a few rounds (SIGTERM, as an operator or scheduler does)...
         runs = {s: tmp_path / "stopped" / s for s in ("a", "b")}
-        procs = {s: _start(job, s, "--out", str(runs[s])) for s in runs}
+        procs = _start_job(job, runs, rdzv, "--out")
         deadline = time.monotonic() + 240
         while min(_rounds_done(runs[s], s) for s in runs) < 5:
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs.values())
@@ -87,8 +107,10 @@ def test_a_job_stopped_whole_resumes_to_the_same_parameters_bit_for_bit(tmp_path
             proc.communicate(timeout=60)
         assert not (runs["a"] / "sites" / "a" / "result.json").exists()
         # ... and resumed, each site from its own run directory.
-        outputs = _finish({s: _start(job, s, "--resume", str(runs[s])) for s in runs})
+        outputs = _finish(_start_job(job, runs, rdzv, "--resume"))
         assert "every site resumes after round" in outputs["a"], outputs["a"]
+        assert "every site resumes after round" in outputs["b node 0"], outputs["b node 0"]
+        assert '"b/node1": [' in outputs["a"], outputs["a"]  # node 1 answered for itself
         assert {_digest(runs[s], s) for s in runs} == reference
     finally:
         broker.stop()
@@ -132,7 +154,8 @@ def test_sites_agree_on_the_newest_round_they_all_hold_and_leave_nothing_behind(
 
     broker = Mosquitto(tmp_path).start()
     try:
-        job = load_job(write(tmp_path, JOB.format(a=7100, b=7200, broker=broker.port)))
+        one_node = JOB.replace(", nodes: 2", "")  # two sites, one answer each
+        job = load_job(write(tmp_path, one_node.format(a=7100, b=7200, broker=broker.port)))
         # What the stopped run left at the broker: a view and b's offline status.
         publish(broker.address, membership_topic(job.name), encode({"epoch": 3}))
         publish(broker.address, status_topic(job.name, "b"), encode({"state": "offline"}))
@@ -157,6 +180,72 @@ def test_sites_agree_on_the_newest_round_they_all_hold_and_leave_nothing_behind(
         assert plan.round is None and plan.live == ("b",)
     finally:
         broker.stop()
+
+
+@pytest.mark.skipif(MOSQUITTO is None, reason="mosquitto is not installed")
+def test_every_node_of_a_site_answers_and_a_node_without_the_checkpoints_stops_all(tmp_path):
+    """Site b has two nodes. Each answers with the rounds it sees; a round counts only
+    if every node holds it. A node that sees none (its run directory is not the
+    one the other node wrote: no shared file system) stops every node and site,
+    naming the cause, instead of letting b's nodes start from different rounds."""
+    import threading
+
+    from isthmus.deploy.jobfile import load_job
+    from isthmus.deploy.run.site_resume import plan_resume
+
+    broker = Mosquitto(tmp_path).start()
+    try:
+        job = load_job(write(tmp_path, JOB.format(a=7100, b=7200, broker=broker.port)))
+
+        def agree(held: dict[tuple[str, int], list[int]]) -> dict:
+            plans: dict = {}
+
+            def resume(site: str, node: int) -> None:
+                try:
+                    plans[site, node] = plan_resume(job, site, held[site, node], node=node,
+                                                    wait_s=30)  # fmt: skip
+                except Exception as error:
+                    plans[site, node] = error
+
+            threads = [threading.Thread(target=resume, args=key) for key in held]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+            return plans
+
+        plans = agree({("a", 0): [4, 5], ("b", 0): [4, 5], ("b", 1): [3, 4]})
+        assert {plan.round for plan in plans.values()} == {4}, plans
+        assert plans["b", 1].rounds == {"a": [4, 5], "b": [4, 5], "b/node1": [3, 4]}
+        plans = agree({("a", 0): [4, 5], ("b", 0): [4, 5], ("b", 1): []})
+        for plan in plans.values():
+            assert isinstance(plan, UsageError), plans
+            assert "b/node1: []" in str(plan) and "every node shares" in str(plan)
+        assert _retained(broker, f"isthmus/{job.name}/resume/#") == {}
+    finally:
+        broker.stop()
+
+
+def test_a_node_of_a_multi_node_site_must_say_which_it_is_to_resume(tmp_path, capsys, monkeypatch):
+    job = write(tmp_path, JOB.format(a=7100, b=7200, broker=1883))
+    run = tmp_path / "run"
+    (run / "sites" / "b").mkdir(parents=True)
+    (run / "job.yaml").write_text(job.read_text())
+    for variable in ("SLURM_NODEID", "JOB_COMPLETION_INDEX"):
+        monkeypatch.delenv(variable, raising=False)
+
+    def site(*flags: str) -> str:
+        assert main(["site", str(job), "--site", "b", "--resume", str(run), *flags]) == 2
+        return capsys.readouterr().err
+
+    assert "--node-rank: site 'b' has 2 nodes; give each node's index (0 to 1)" in site()
+    assert "--node-rank: 2 is not a node of site 'b', which has 2 nodes" in site("--node-rank", "2")
+    monkeypatch.setenv("SLURM_NODEID", "x")
+    assert "SLURM_NODEID='x' is not a node index" in site()
+    monkeypatch.setenv("SLURM_NODEID", "1")  # found: on to the run directory's checks
+    assert "no checkpoint of site 'b'" in site()
+    (run / "job.yaml").unlink()
+    assert "must be on a file system every one of them shares" in site()
 
 
 def _retained(broker: Mosquitto, pattern: str) -> dict[str, bytes]:

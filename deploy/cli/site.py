@@ -109,6 +109,14 @@ def register(commands: Any) -> None:
         "docs/two-clusters.md#resuming-a-stopped-job)",
     )
     sub.add_argument(
+        "--node-rank",
+        type=int,
+        metavar="N",
+        help="which node of a multi-node site this is (0 first), for --resume; Slurm's "
+        "SLURM_NODEID or a Kubernetes indexed job's JOB_COMPLETION_INDEX gives it when "
+        "this flag does not",
+    )
+    sub.add_argument(
         "--log-format",
         choices=FORMATS,
         default="text",
@@ -176,20 +184,47 @@ def _plan_resume(
             "--resume: run isthmus site itself, not under your torchrun (it starts torchrun "
             "for the site's ranks): every rank would otherwise agree on its own"
         )
-    if spec.nodes > 1:
-        raise UsageError(
-            f"--resume: site {spec.name!r} has {spec.nodes} nodes; resuming takes sites of "
-            "one node (their checkpoints are on that node). Start it with --rejoin while "
-            "the others run"
-        )
+    node = _node_rank(args, spec)
     rounds = check_run_dir(args.resume, job, spec)
-    plan = plan_resume(job, spec.name, rounds)
-    say(describe(plan, rounds), prefix=f"isthmus site {spec.name}: ")
+    plan = plan_resume(job, spec.name, rounds, node=node)
+    if node == 0:  # once per site
+        say(describe(plan, rounds), prefix=f"isthmus site {spec.name}: ")
     if plan.round is None:
         args.rejoin = True
     else:
         os.environ[RESUME_ROUND] = str(plan.round)  # torchrun passes it to the ranks
     return args.resume
+
+
+def _node_rank(args: argparse.Namespace, spec: SiteSpec) -> int:
+    """This node's index in its site, for the resume agreement: every node of a
+    multi-node site answers for itself, since each sees the checkpoints only
+    through its own mount of the run directory."""
+    if spec.nodes == 1:
+        return 0
+    if args.node_rank is not None:
+        node, source = args.node_rank, "--node-rank"
+    else:
+        found = [v for v in ("SLURM_NODEID", "JOB_COMPLETION_INDEX") if v in os.environ]
+        if not found:
+            raise UsageError(
+                f"--node-rank: site {spec.name!r} has {spec.nodes} nodes; give each node's "
+                f"index (0 to {spec.nodes - 1}) with --node-rank when it resumes (under "
+                "Slurm or a Kubernetes indexed job it is found on its own)"
+            )
+        source = found[0]
+        try:
+            node = int(os.environ[source])
+        except ValueError:
+            raise UsageError(
+                f"{source}={os.environ[source]!r} is not a node index; give --node-rank"
+            ) from None
+    if not 0 <= node < spec.nodes:
+        raise UsageError(
+            f"{source}: {node} is not a node of site {spec.name!r}, which has {spec.nodes} "
+            f"nodes (0 to {spec.nodes - 1})"
+        )
+    return node
 
 
 def _resume_round() -> int | None:

@@ -19,9 +19,18 @@ the other sites' retained statuses:
   membership view and site statuses: the resumed job starts from every site,
   as a new run does.
 
+A site of several nodes takes part node by node: every node of it runs
+``isthmus site --resume`` and answers with the rounds it sees, under
+``<site>/node<k>`` (node 0 under the site's name), and the leader (node 0 of
+the first site) waits for every node's answer and acknowledgement. A round
+counts only if every node of every site holds it, so a site whose nodes do not
+share the run directory's file system is refused by name instead of starting
+its nodes from different rounds.
+
 Topics, all under ``isthmus/<job>/resume/`` and retained: ``request``
-(``nonce``), ``answer/<site>`` (``nonce``, ``rounds``), ``decision``
-(``nonce``, ``round`` or ``error``, ``rounds``), ``ack/<site>`` (``nonce``).
+(``nonce``), ``answer/<node>`` (``nonce``, ``rounds``), ``decision``
+(``nonce``, ``round`` or ``error``, ``rounds``), ``ack/<node>`` (``nonce``),
+where ``<node>`` is a site's name or ``<site>/node<k>``.
 """
 
 from __future__ import annotations
@@ -55,15 +64,26 @@ class ResumePlan:
     rounds: dict[str, list[int]] | None = None
 
 
+def node_label(site: str, node: int) -> str:
+    """How a node answers in the agreement: node 0 as its site."""
+    return site if node == 0 else f"{site}/node{node}"
+
+
 def check_run_dir(run_dir: Path, job: Job, spec: SiteSpec) -> list[int]:
     """The rounds of which this site holds a complete checkpoint in ``run_dir``;
     refuses, naming --resume and the fix, a directory of another job or site, a
     finished one, or one without checkpoints."""
     own = run_dir / "job.yaml"
     if not own.is_file():
+        shared = (
+            f" (site {spec.name!r} has {spec.nodes} nodes: its run directory must be on a "
+            "file system every one of them shares)"
+            if spec.nodes > 1
+            else ""
+        )
         raise UsageError(
-            f"--resume: {run_dir} is not a site's run directory (no job.yaml); give the "
-            f"--out of the site's earlier run (default runs/{job.name}-{spec.name})"
+            f"--resume: {run_dir} is not a site's run directory (no job.yaml){shared}; give "
+            f"the --out of the site's earlier run (default runs/{job.name}-{spec.name})"
         )
     kept = load_job(own, check_files=False)
     if kept.name != job.name:
@@ -93,20 +113,25 @@ def check_run_dir(run_dir: Path, job: Job, spec: SiteSpec) -> list[int]:
     return rounds
 
 
-def plan_resume(job: Job, site: str, rounds: list[int], *, wait_s: float = WAIT_S) -> ResumePlan:
-    """Agree with the other sites (see the module's doc) how this site starts."""
+def plan_resume(
+    job: Job, site: str, rounds: list[int], *, node: int = 0, wait_s: float = WAIT_S
+) -> ResumePlan:
+    """Agree with the other sites (see the module's doc) how this site starts;
+    ``node``: which node of a site of several nodes this is."""
     assert job.control is not None
-    return asyncio.run(_agree(job, site, rounds, wait_s))
+    return asyncio.run(_agree(job, site, node, rounds, wait_s))
 
 
 def _topic(job: Job, *parts: str) -> str:
     return "/".join(("isthmus", job.name, "resume", *parts))
 
 
-async def _agree(job: Job, site: str, rounds: list[int], wait_s: float) -> ResumePlan:
+async def _agree(job: Job, site: str, node: int, rounds: list[int], wait_s: float) -> ResumePlan:
     assert job.control is not None
     sites = [s.name for s in job.sites]
-    leader = sites[0]
+    nodes = [node_label(s.name, k) for s in job.sites for k in range(s.nodes)]
+    me, leader = node_label(site, node), nodes[0]
+    answer_prefix, ack_prefix = _topic(job, "answer", ""), _topic(job, "ack", "")
     broker = job.control.broker_for(site)
     nonce = secrets.token_hex(8)
     answered: str | None = None
@@ -114,28 +139,29 @@ async def _agree(job: Job, site: str, rounds: list[int], wait_s: float) -> Resum
     acks: set[str] = set()
     decided: dict[str, Any] | None = None
     started = last_said = time.monotonic()
-    client_id = f"isthmus-resume-{job.name}-{site}-{secrets.token_hex(4)}"
+    client_id = f"isthmus-resume-{job.name}-{site}-{node}-{secrets.token_hex(4)}"
     async with broker.client(client_id) as client:
         await client.subscribe(f"isthmus/{job.name}/sites/+/status", qos=1)
         await client.subscribe(_topic(job, "#"), qos=1)
-        if site == leader:
+        if me == leader:
             await client.publish(_topic(job, "decision"), b"", qos=1, retain=True)
             await client.publish(
                 _topic(job, "request"), encode({"nonce": nonce}), qos=1, retain=True
             )
-            answers[site] = rounds
+            answers[me] = rounds
         messages = client.messages.__aiter__()
         while True:
             now = time.monotonic()
             if now - started > wait_s:
-                missing = [s for s in sites if s not in answers] if site == leader else [leader]
+                missing = [n for n in nodes if n not in answers] if me == leader else [leader]
                 raise UsageError(
                     f"--resume: waited {wait_s:g} s for sites {', '.join(missing)} to resume "
-                    "(or to be live); start them with --resume too"
+                    "(or to be live); start them with --resume too (every node of a site "
+                    "of several nodes)"
                 )
             if now - last_said > SAY_EVERY_S:
                 last_said = now
-                say(f"waiting for the other sites to resume (leader {leader})", prefix=f"{site}: ")
+                say(f"waiting for the other sites to resume (leader {leader})", prefix=f"{me}: ")
             try:
                 message = await asyncio.wait_for(messages.__anext__(), timeout=1.0)
             except TimeoutError:
@@ -148,10 +174,10 @@ async def _agree(job: Job, site: str, rounds: list[int], wait_s: float) -> Resum
                 live = body.get("state") == "online" and decided is None
                 if other != site and topic == status_topic(job.name, other) and live:
                     return ResumePlan(None, live=(other,))
-            if site == leader:
-                if topic.startswith(_topic(job, "answer", "")) and body.get("nonce") == nonce:
-                    answers[topic.rsplit("/", 1)[1]] = list(body.get("rounds") or [])
-                    if decided is None and all(s in answers for s in sites):
+            if me == leader:
+                if topic.startswith(answer_prefix) and body.get("nonce") == nonce:
+                    answers[topic[len(answer_prefix) :]] = list(body.get("rounds") or [])
+                    if decided is None and all(n in answers for n in nodes):
                         decided = _decide(nonce, answers)
                         # The stopped run's last membership view and the sites' last
                         # statuses (retained; "offline") would hold the resumed sites to
@@ -165,19 +191,19 @@ async def _agree(job: Job, site: str, rounds: list[int], wait_s: float) -> Resum
                         await client.publish(
                             _topic(job, "decision"), encode(decided), qos=1, retain=True
                         )
-                if topic.startswith(_topic(job, "ack", "")) and body.get("nonce") == nonce:
-                    acks.add(topic.rsplit("/", 1)[1])
-                if decided is not None and acks >= set(sites) - {site}:
-                    # Every site has the round: leave nothing a later resume could read.
-                    for leftover in ["request", "decision", *(f"answer/{s}" for s in sites),
-                                     *(f"ack/{s}" for s in sites)]:  # fmt: skip
+                if topic.startswith(ack_prefix) and body.get("nonce") == nonce:
+                    acks.add(topic[len(ack_prefix) :])
+                if decided is not None and acks >= set(nodes) - {me}:
+                    # Every node has the round: leave nothing a later resume could read.
+                    for leftover in ["request", "decision", *(f"answer/{n}" for n in nodes),
+                                     *(f"ack/{n}" for n in nodes)]:  # fmt: skip
                         await client.publish(_topic(job, leftover), b"", qos=1, retain=True)
                     return _plan(decided)
                 continue
             if topic == _topic(job, "request") and body.get("nonce") != answered:
                 answered = body.get("nonce")
                 await client.publish(
-                    _topic(job, "answer", site),
+                    _topic(job, "answer", me),
                     encode({"nonce": answered, "rounds": rounds}),
                     qos=1,
                     retain=True,
@@ -186,10 +212,10 @@ async def _agree(job: Job, site: str, rounds: list[int], wait_s: float) -> Resum
                 topic == _topic(job, "decision")
                 and answered is not None
                 and body.get("nonce") == answered
-                and (body.get("rounds") or {}).get(site) == rounds
+                and (body.get("rounds") or {}).get(me) == rounds
             ):
                 await client.publish(
-                    _topic(job, "ack", site), encode({"nonce": answered}), qos=1, retain=True
+                    _topic(job, "ack", me), encode({"nonce": answered}), qos=1, retain=True
                 )
                 return _plan(body)
 
@@ -202,6 +228,11 @@ def _decide(nonce: str, answers: dict[str, list[int]]) -> dict[str, Any]:
     else:
         held = "; ".join(f"{s}: {r}" for s, r in sorted(answers.items()))
         decision["error"] = f"no round of which every site holds a checkpoint ({held})"
+        if any("/node" in label for label in answers):
+            decision["error"] += (
+                "; a site of several nodes needs its run directory on a file system "
+                "every node shares"
+            )
     return decision
 
 
