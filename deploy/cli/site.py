@@ -145,6 +145,11 @@ def _site(args: argparse.Namespace) -> int:
     launcher = TorchrunLayout.from_environment()
     if args.resume is not None:
         out = _plan_resume(args, job, spec, launcher)
+    elif not args.rejoin and (launcher is None or launcher.rank == 0):
+        # A fresh start: what a stopped earlier run left at the broker is not this run's.
+        from isthmus.deploy.run.stale_run import forget_stale_run
+
+        forget_stale_run(job, spec.name)
     if launcher is None or launcher.rank == 0:  # once per site, not once per rank
         warning = insecure_warning(job)
         for line in tcp_advice() + ([warning] if warning else []):

@@ -48,6 +48,7 @@ from isthmus.deploy.run.site_processes import (
     site_environment,
     terminate,
 )
+from isthmus.deploy.run.stale_run import forget_stale_run
 from isthmus.deploy.session.environment import METRICS_PORTS
 from isthmus.job.addressing import load_state
 from isthmus.job.ports import free_ports
@@ -214,6 +215,9 @@ class Launcher:
             self._choose_metrics_ports()
         if self.job.control is None:
             self._start_broker()
+        else:
+            # A broker of the user's own may hold an earlier run's view and statuses.
+            forget_stale_run(self.job, None)
         if self.job.wan is not None:
             self._start_emulator()
         if self.job.tune.online:
