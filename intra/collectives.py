@@ -271,7 +271,7 @@ def reduce_scatter_tensor(
 ) -> None:
     """``output`` = this rank's block of ``input`` reduced over ``group``."""
     _check_call("reduce_scatter_tensor", where, group, device, [output, input])
-    dist.reduce_scatter_tensor(output, input, op=op, group=group)
+    _REDUCE_SCATTER_SINGLE(output, input, op=op, group=group)
 
 
 def all_gather_into_tensor(
@@ -284,7 +284,13 @@ def all_gather_into_tensor(
 ) -> None:
     """``output`` = every rank's ``input``, concatenated in rank order."""
     _check_call("all_gather_into_tensor", where, group, device, [output, input])
-    dist.all_gather_into_tensor(output, input, group=group)
+    _ALL_GATHER_SINGLE(output, input, group=group)
+
+
+# torch 2.13 renamed the single-tensor collectives (``*_single``) and warns at every
+# call of the old names, once per rank log; the GPU machines' torch 2.11 has only those.
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def all_gather(
