@@ -144,8 +144,6 @@ def test_resume_refuses_a_directory_of_another_job_or_site(tmp_path, capsys):
 
 @pytest.mark.skipif(MOSQUITTO is None, reason="mosquitto is not installed")
 def test_sites_agree_on_the_newest_round_they_all_hold_and_leave_nothing_behind(tmp_path):
-    import threading
-
     from test_control import publish
 
     from isthmus.deploy.jobfile import load_job
@@ -159,18 +157,9 @@ def test_sites_agree_on_the_newest_round_they_all_hold_and_leave_nothing_behind(
         # What the stopped run left at the broker: a view and b's offline status.
         publish(broker.address, membership_topic(job.name), encode({"epoch": 3}))
         publish(broker.address, status_topic(job.name, "b"), encode({"state": "offline"}))
-        plans = {}
-        held = {"a": [4, 5], "b": [3, 4]}  # b was stopped while writing round 5
-
-        def resume(site: str) -> None:
-            plans[site] = plan_resume(job, site, held[site], wait_s=30)
-
-        threads = [threading.Thread(target=resume, args=(s,)) for s in ("b", "a")]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
-        assert plans["a"].round == plans["b"].round == 4
+        # b was stopped while writing round 5 (b first: the leader need not be).
+        plans = _agree(job, {("b", 0): [3, 4], ("a", 0): [4, 5]})
+        assert plans["a", 0].round == plans["b", 0].round == 4
         # Nothing is left that a later resume (or the resumed membership) could read.
         left = _retained(broker, f"isthmus/{job.name}/#")
         assert left == {}, left
@@ -188,36 +177,15 @@ def test_every_node_of_a_site_answers_and_a_node_without_the_checkpoints_stops_a
     if every node holds it. A node that sees none (its run directory is not the
     one the other node wrote: no shared file system) stops every node and site,
     naming the cause, instead of letting b's nodes start from different rounds."""
-    import threading
-
     from isthmus.deploy.jobfile import load_job
-    from isthmus.deploy.run.site_resume import plan_resume
 
     broker = Mosquitto(tmp_path).start()
     try:
         job = load_job(write(tmp_path, JOB.format(a=7100, b=7200, broker=broker.port)))
-
-        def agree(held: dict[tuple[str, int], list[int]]) -> dict:
-            plans: dict = {}
-
-            def resume(site: str, node: int) -> None:
-                try:
-                    plans[site, node] = plan_resume(job, site, held[site, node], node=node,
-                                                    wait_s=30)  # fmt: skip
-                except Exception as error:
-                    plans[site, node] = error
-
-            threads = [threading.Thread(target=resume, args=key) for key in held]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(60)
-            return plans
-
-        plans = agree({("a", 0): [4, 5], ("b", 0): [4, 5], ("b", 1): [3, 4]})
+        plans = _agree(job, {("a", 0): [4, 5], ("b", 0): [4, 5], ("b", 1): [3, 4]})
         assert {plan.round for plan in plans.values()} == {4}, plans
         assert plans["b", 1].rounds == {"a": [4, 5], "b": [4, 5], "b/node1": [3, 4]}
-        plans = agree({("a", 0): [4, 5], ("b", 0): [4, 5], ("b", 1): []})
+        plans = _agree(job, {("a", 0): [4, 5], ("b", 0): [4, 5], ("b", 1): []})
         for plan in plans.values():
             assert isinstance(plan, UsageError), plans
             assert "b/node1: []" in str(plan) and "every node shares" in str(plan)
@@ -246,6 +214,29 @@ def test_a_node_of_a_multi_node_site_must_say_which_it_is_to_resume(tmp_path, ca
     assert "no checkpoint of site 'b'" in site()
     (run / "job.yaml").unlink()
     assert "must be on a file system every one of them shares" in site()
+
+
+def _agree(job, held: dict[tuple[str, int], list[int]]) -> dict:
+    """Every (site, node) of ``held`` resumes at once, each in a thread, as separate
+    machines would; its plan, or the error it was refused with."""
+    import threading
+
+    from isthmus.deploy.run.site_resume import plan_resume
+
+    plans: dict = {}
+
+    def resume(site: str, node: int) -> None:
+        try:
+            plans[site, node] = plan_resume(job, site, held[site, node], node=node, wait_s=30)
+        except Exception as error:
+            plans[site, node] = error
+
+    threads = [threading.Thread(target=resume, args=key) for key in held]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return plans
 
 
 def _retained(broker: Mosquitto, pattern: str) -> dict[str, bytes]:

@@ -5,15 +5,13 @@ real Mosquitto."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 from test_control import Mosquitto, publish
 from test_site import MOSQUITTO, free_port_block, write
-from test_site_resume import _retained
+from test_site_resume import _finish, _retained, _start
 
-from isthmus.deploy.jobfile import load_job
+from isthmus.deploy.jobfile import load_job, parse_job
 from isthmus.inter.control_topics import config_topic, encode, membership_topic, status_topic
 
 pytestmark = pytest.mark.skipif(MOSQUITTO is None, reason="mosquitto is not installed")
@@ -72,15 +70,8 @@ def test_an_earlier_runs_retained_state_is_cleared_unless_a_site_is_online(tmp_p
 def test_no_broker_there_is_left_to_the_control_plane_to_name():
     from isthmus.deploy.run.stale_run import forget_stale_run
 
-    port = free_port_block(1)
-    job = load_job_text(JOB.format(a=7100, b=7200, broker=port))
+    job = parse_job(JOB.format(a=7100, b=7200, broker=free_port_block(1)))
     assert forget_stale_run(job, "a") == []
-
-
-def load_job_text(text: str):
-    from isthmus.deploy.jobfile import parse_job
-
-    return parse_job(text)
 
 
 @pytest.mark.slow
@@ -93,35 +84,7 @@ def test_a_job_started_again_after_a_stopped_run_trains_as_a_new_run(tmp_path):
         base = free_port_block(2)
         job = write(tmp_path, JOB.format(a=base, b=base + 1, broker=broker.port))
         _leave_a_stopped_run(broker, "again")
-        procs = {
-            s: subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "isthmus",
-                    "site",
-                    str(job),
-                    "--site",
-                    s,
-                    "--out",
-                    str(tmp_path / s),
-                ],
-                cwd=tmp_path,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for s in "ab"
-        }
-        said = {}
-        try:
-            for name, proc in procs.items():
-                said[name] = proc.communicate(timeout=120)[0]
-        finally:
-            for proc in procs.values():
-                proc.kill()
-        for name, proc in procs.items():
-            assert proc.returncode == 0, f"{name}:\n{said[name][-3000:]}"
+        said = _finish({s: _start(job, s, "--out", str(tmp_path / s)) for s in "ab"}, 120)
         results = {
             s: json.loads((tmp_path / s / "sites" / s / "result.json").read_text()) for s in "ab"
         }

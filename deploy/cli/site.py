@@ -50,7 +50,7 @@ from isthmus.deploy.cli.site_checks import (
     describe_ports,
     site_of,
 )
-from isthmus.deploy.cli.site_progress import SiteProgress, prints_progress
+from isthmus.deploy.cli.site_progress import SiteProgress, prints_progress, scheduler_node_index
 from isthmus.deploy.jobfile import Job, SiteSpec, load_job, parse_address
 from isthmus.deploy.run.host_tuning import tcp_advice
 from isthmus.job.exposure import insecure_warning
@@ -210,20 +210,18 @@ def _node_rank(args: argparse.Namespace, spec: SiteSpec) -> int:
     if args.node_rank is not None:
         node, source = args.node_rank, "--node-rank"
     else:
-        found = [v for v in ("SLURM_NODEID", "JOB_COMPLETION_INDEX") if v in os.environ]
-        if not found:
+        scheduled = scheduler_node_index()
+        if scheduled is None:
             raise UsageError(
                 f"--node-rank: site {spec.name!r} has {spec.nodes} nodes; give each node's "
                 f"index (0 to {spec.nodes - 1}) with --node-rank when it resumes (under "
                 "Slurm or a Kubernetes indexed job it is found on its own)"
             )
-        source = found[0]
+        source, value = scheduled
         try:
-            node = int(os.environ[source])
+            node = int(value)
         except ValueError:
-            raise UsageError(
-                f"{source}={os.environ[source]!r} is not a node index; give --node-rank"
-            ) from None
+            raise UsageError(f"{source}={value!r} is not a node index; give --node-rank") from None
     if not 0 <= node < spec.nodes:
         raise UsageError(
             f"{source}: {node} is not a node of site {spec.name!r}, which has {spec.nodes} "

@@ -15,6 +15,15 @@ from isthmus.deploy.cli.log_format import say
 from isthmus.deploy.jobfile import SiteSpec
 
 
+def scheduler_node_index() -> tuple[str, str] | None:
+    """(variable, value) of the scheduler's word on which node of its job this is:
+    Slurm's ``SLURM_NODEID`` or a Kubernetes indexed job's ``JOB_COMPLETION_INDEX``."""
+    for variable in ("SLURM_NODEID", "JOB_COMPLETION_INDEX"):
+        if variable in os.environ:
+            return variable, os.environ[variable]
+    return None
+
+
 def prints_progress(spec: SiteSpec, endpoint: str | None) -> bool:
     """Whether this node's launcher prints the site's progress: on a site of several
     nodes only the first does (every node reads the same records on a shared file
@@ -23,9 +32,9 @@ def prints_progress(spec: SiteSpec, endpoint: str | None) -> bool:
     endpoint names."""
     if spec.nodes == 1:
         return True
-    for variable in ("SLURM_NODEID", "JOB_COMPLETION_INDEX"):
-        if variable in os.environ:
-            return os.environ[variable] == "0"
+    scheduled = scheduler_node_index()
+    if scheduled is not None:
+        return scheduled[1] == "0"
     if endpoint is None:
         return True
     host = endpoint.rsplit(":", 1)[0].strip("[]")

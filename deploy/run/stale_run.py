@@ -28,7 +28,7 @@ import secrets
 import time
 
 from isthmus.deploy.jobfile import Job
-from isthmus.inter.control_topics import config_topic, decode, membership_topic
+from isthmus.inter.control_topics import config_topic, decode, membership_topic, site_of
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +55,10 @@ async def _forget(job: Job, site: str | None) -> list[str]:
     assert job.control is not None
     broker = job.control.broker_for(site)
     statuses: dict[str, dict] = {}
-    retained: list[str] = []
-    prefix = f"isthmus/{job.name}/sites/"
+    retained: dict[str, None] = {}  # the topics, in the order they came, once each
     identifier = f"isthmus-fresh-start-{job.name}-{site or 'run'}-{secrets.token_hex(4)}"
     async with broker.client(identifier, timeout=5) as client:
-        await client.subscribe(f"{prefix}+/status", qos=1)
+        await client.subscribe(f"isthmus/{job.name}/sites/+/status", qos=1)
         await client.subscribe(membership_topic(job.name), qos=1)
         await client.subscribe(config_topic(job.name), qos=1)
         messages = client.messages.__aiter__()
@@ -72,12 +71,10 @@ async def _forget(job: Job, site: str | None) -> list[str]:
             if not message.payload:
                 continue  # cleared already
             topic = str(message.topic)
-            retained.append(topic)
-            if topic.startswith(prefix):
+            retained[topic] = None
+            if (kind := site_of(topic, job.name)) is not None:
                 body = decode(message.payload)
-                statuses[topic[len(prefix) :].split("/")[0]] = (
-                    body if isinstance(body, dict) else {}
-                )
+                statuses[kind[1]] = body if isinstance(body, dict) else {}
         online = sorted(s for s, body in statuses.items() if body.get("state") == "online")
         if online:
             log.info(
@@ -86,13 +83,13 @@ async def _forget(job: Job, site: str | None) -> list[str]:
                 ", ".join(online),
             )
             return []
-        for topic in dict.fromkeys(retained):
+        for topic in retained:
             await client.publish(topic, b"", qos=1, retain=True)
     if retained:
         log.info(
             "cleared what an earlier run of job %s left at the broker (%s): no site of it "
             "is online, so this one starts afresh",
             job.name,
-            ", ".join(dict.fromkeys(retained)),
+            ", ".join(retained),
         )
-    return list(dict.fromkeys(retained))
+    return list(retained)
