@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# benchmarks/gpu.py on a lent GPU machine that has torch but none of Isthmus's
+# other packages and no network: installs the wheels carried in .whl/ (see
+# docs/gpu.md, "Running the GPU benchmark on a bare machine"), makes the isthmus.*
+# namespace importable from this checkout without building it, then runs the
+# parts in groups, each under its own time limit so that one slow part cannot
+# take the others' figures with it. Everything lands in $OUT (default: runs/gpu/).
+#
+#   bash benchmarks/gpu_device.sh            # every part
+#   GPU_RUNS=3 bash benchmarks/gpu_device.sh # more isthmus run / plain loop pairs
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu}
+mkdir -p "$OUT"
+started=$(date +%s)
+stamp() { echo "[device $(($(date +%s) - started))s] $*"; }
+
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/isthmus-site .whl/*.whl || { echo "wheel install failed"; exit 3; }
+    export PYTHONPATH=/tmp/isthmus-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# The isthmus.* namespace as pyproject.toml maps it (isthmus.intra is intra/, ...).
+ns=/tmp/isthmus-ns/isthmus
+rm -rf /tmp/isthmus-ns && mkdir -p "$ns"
+cp isthmus/*.py "$ns"/
+for d in job intra inter proto sim deploy; do ln -s "$PWD/$d" "$ns/$d"; done
+export PYTHONPATH=/tmp/isthmus-ns:$PYTHONPATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv \
+    >"$OUT/machine.txt" 2>&1
+python3 -c "import torch, grpc, google.protobuf as p; print('torch', torch.__version__, \
+'cuda', torch.version.cuda, 'grpc', grpc.__version__, 'protobuf', p.__version__)" \
+    >>"$OUT/machine.txt" 2>&1
+nproc >>"$OUT/machine.txt"
+cat "$OUT/machine.txt"
+python3 -c "import isthmus.inter.peer, isthmus.deploy.cli, isthmus.deploy.run" || { echo "import failed"; exit 4; }
+
+part() {  # part SECONDS NAME ARGS...: one group of benchmarks/gpu.py's parts
+    local limit=$1 name=$2
+    shift 2
+    stamp "$name (limit ${limit}s)"
+    timeout --signal=INT --kill-after=15 "$limit" \
+        python3 benchmarks/gpu.py --json "$OUT/gpu-$name.json" "$@" 2>&1 | tee "$OUT/gpu-$name.log"
+    stamp "$name exit ${PIPESTATUS[0]}"
+}
+part "${GPU_LIMIT_EXCHANGE:-160}" exchange --only codecs,exchange
+part "${GPU_LIMIT_INNER:-150}" inner --only inner --runs "${GPU_RUNS:-2}"
+part "${GPU_LIMIT_SITES:-140}" sites --only shared,two-ranks
+stamp "CUDA tests"
+timeout 50 python3 -m pytest -q -p no:cacheprovider -o addopts= \
+    tests/test_codecs_device.py tests/test_devices.py 2>&1 | tail -25 >"$OUT/pytest.log"
+cat "$OUT/pytest.log"
+stamp "done"
