@@ -6,10 +6,27 @@
 # parts in groups, each under its own time limit so that one slow part cannot
 # take the others' figures with it. Everything lands in $OUT (default: runs/gpu/).
 #
-#   bash benchmarks/gpu_device.sh            # every part
+#   bash benchmarks/gpu_device.sh --wheels   # here, with pip and PyPI: fill .whl/
+#   bash benchmarks/gpu_device.sh            # there: every part
 #   GPU_RUNS=3 bash benchmarks/gpu_device.sh # more isthmus run / plain loop pairs
 set -uo pipefail
 cd "$(dirname "$0")/.."
+
+# What the GPU image (torch, grpcio, protobuf, pyyaml, rich, matplotlib, ...) lacks,
+# as CPython 3.12 x86-64 wheels. argon2-cffi: amqtt's authentication plugin imports
+# pwdlib's argon2 hasher, and without it the embedded broker does not start.
+WHEELS="zstandard==0.25.0 aiomqtt==2.5.1 paho-mqtt==2.2.0 amqtt==0.12.1 dacite==1.9.2
+pwdlib==0.3.1 argon2-cffi==25.1.0 argon2-cffi-bindings==26.2.0 transitions==0.9.3
+websockets==17.4 ruamel.yaml==0.19.1 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12
+tensorboardX==2.6.5 grpcio-health-checking==1.85.1 protobuf==7.36.2 grpcio==1.85.3"
+if [ "${1:-}" = "--wheels" ]; then
+    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >>.git/info/exclude
+    # shellcheck disable=SC2086
+    exec python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp -d .whl --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+        --platform manylinux_2_26_x86_64 --platform manylinux1_x86_64 $WHEELS
+fi
 OUT=${OUT:-runs/gpu}
 mkdir -p "$OUT"
 started=$(date +%s)
@@ -20,12 +37,10 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
         --target /tmp/isthmus-site .whl/*.whl || { echo "wheel install failed"; exit 3; }
     export PYTHONPATH=/tmp/isthmus-site${PYTHONPATH:+:$PYTHONPATH}
 fi
-# The isthmus.* namespace as pyproject.toml maps it (isthmus.intra is intra/, ...).
-ns=/tmp/isthmus-ns/isthmus
-rm -rf /tmp/isthmus-ns && mkdir -p "$ns"
-cp isthmus/*.py "$ns"/
-for d in job intra inter proto sim deploy; do ln -s "$PWD/$d" "$ns/$d"; done
-export PYTHONPATH=/tmp/isthmus-ns:$PYTHONPATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+# The isthmus.* namespace as pyproject.toml maps it (isthmus.intra is intra/, ...),
+# linked inside this copy of the checkout: a python started here finds ./isthmus first.
+for d in job intra inter proto sim deploy; do [ -e "isthmus/$d" ] || ln -s "../$d" "isthmus/$d"; done
+export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv \
     >"$OUT/machine.txt" 2>&1

@@ -113,6 +113,24 @@ def broker(request, tmp_path) -> Iterator[Broker]:
             yield embedded.address
 
 
+def test_an_embedded_broker_that_cannot_start_says_why_in_one_line():
+    """Seen on a bare GPU machine (an amqtt plugin's dependency missing): isthmus run
+    ended in a traceback. A port already taken fails amqtt the same way, for real."""
+    import socket
+
+    from isthmus.deploy.run.broker import BrokerStartError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(BrokerStartError) as refused:
+            EmbeddedBroker(port=port).start()
+    message = str(refused.value)
+    assert f"127.0.0.1:{port}" in message and "control.broker" in message
+    assert "\n" not in message
+
+
 def publish(broker: Broker, topic: str, payload: bytes, retain: bool = True) -> None:
     async def send() -> None:
         async with broker.client(f"test-{time.time_ns()}") as client:

@@ -26,6 +26,10 @@ def control_state_path(job: Job) -> Path:
     return Path(f"{job.name}.control.json")
 
 
+class BrokerStartError(RuntimeError):
+    """The embedded broker did not start; the message says why and what to do."""
+
+
 class EmbeddedBroker:
     """amqtt on its own thread and loop, listening on 127.0.0.1 only."""
 
@@ -61,7 +65,16 @@ class EmbeddedBroker:
             await broker.start()
             return broker
 
-        self._broker = asyncio.run_coroutine_threadsafe(start(), self._loop).result(30)
+        try:
+            self._broker = asyncio.run_coroutine_threadsafe(start(), self._loop).result(30)
+        except Exception as exc:  # amqtt missing a plugin's dependency, the port taken, ...
+            self.stop()
+            raise BrokerStartError(
+                f"the embedded MQTT broker (amqtt) did not start on {self.host}:{self.port}: "
+                f"{type(exc).__name__}: {exc or 'no answer in 30 s'}; reinstall Isthmus's "
+                "dependencies (pip install isthmus brings amqtt's), or name a "
+                "broker of your own under control.broker (docs/control-plane.md)"
+            ) from exc
         return self
 
     def stop(self) -> None:

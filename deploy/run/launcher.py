@@ -272,9 +272,12 @@ class Launcher:
         """The control plane's embedded broker; its address goes where the sites
         (RUN_DIR/control.json) and ``isthmus config set|watch`` (./JOB.control.json)
         look for it."""
-        from isthmus.deploy.run.broker import EmbeddedBroker, control_state_path
+        from isthmus.deploy.run.broker import BrokerStartError, EmbeddedBroker, control_state_path
 
-        self.broker = EmbeddedBroker().start()
+        try:
+            self.broker = EmbeddedBroker().start()
+        except BrokerStartError as exc:
+            raise RunError(str(exc)) from None
         state = {"broker": self.broker.address.url, "run_dir": str(self.run_dir.resolve())}
         write_json_atomic(self.run_dir / "control.json", state)
         self._control_state = control_state_path(self.job)
