@@ -1,6 +1,7 @@
 """The performance model against emulated runs on this machine: predicted vs measured.
 
-    python benchmarks/perf_model_validation.py [--out DIR] [--write-docs]
+    python benchmarks/perf_model_validation.py [--set fit|held-out|both] [--out DIR] [--write-docs]
+    python benchmarks/perf_model_validation.py --replay DIR/validation.json   # re-predict only
 
 1. Calibration (not part of the validation): the compute time of a step
    right before and right after each run (their mean), on its job file
@@ -13,20 +14,29 @@
    DiLoCo runs of 2 and of 4 sites on a 1 ms, 1 Gbit/s link (their measured
    syncing time per round minus the model's wire time and its wait for the
    last site).
-2. Validation: emulated runs (``isthmus run``) of 2-4 sites, sync, DiLoCo and
-   Streaming DiLoCo, two bandwidths; each run's measured time per inner step
-   and compute utilisation against the model's prediction; the error of each.
-   Target: within 10%. The runs evaluate only at the end (``eval_every: 0``):
-   the model has no evaluation, and one in the middle of a run stops the
-   training thread while a Streaming fragment's exchange goes on uncounted.
+2. Validation, in two sets kept apart. The fit set (``FIT``: 2-4 one-rank
+   sites, uniform links, sync, DiLoCo and Streaming DiLoCo) is what the model's
+   choices were made on. The held-out set (``HELD_OUT``) was chosen after them
+   and is never used to fit anything: sites of 2 ranks beside sites of 1 and
+   two sites of 2 ranks, uneven links, link jitter, every strategy (async
+   too), 120-step runs and 300-step ones. Each run's measured time per inner
+   step and compute utilisation against what ``isthmus sim`` predicts for its
+   job file (``isthmus.deploy.cli.sim.job_scenario``: the same path); the
+   error of each. Target: within 10% on every run. The runs evaluate only at
+   the end (``eval_every: 0``): the model has no evaluation, and one in the
+   middle of a run stops the training thread while a Streaming fragment's
+   exchange goes on uncounted.
 
 Prints the table; with ``--write-docs`` rewrites the table in
-docs/performance-model.md between its markers.
+docs/performance-model.md between its markers. Every run's calibrations and
+measurements are kept in the JSON, so ``--replay`` predicts them again with
+the current model without running anything.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -37,11 +47,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from isthmus.deploy.bench.calibrate import calibrate, steady_calibration, steps_between_syncs
-from isthmus.deploy.cli.sim import CODEC_BYTES_PER_S, ENGINE_EFFICIENCY
+from isthmus.deploy.cli.sim import job_scenario
 from isthmus.deploy.run.records import read_records
 from isthmus.deploy.run.summary import training_figures
-from isthmus.intra.model import config_for
-from isthmus.sim.perf_model import Scenario, exchange_seconds, predict_run, uniform_links
+from isthmus.sim.perf_model import Scenario, exchange_seconds, predict_run
 
 BATCH = 8
 FRAGMENTS = 2
@@ -57,18 +66,29 @@ class Case:
     strategy: str
     sync_every: int
     steps: int
+    ranks: tuple[int, ...] = ()
+    """Ranks of each site (default: one each)."""
+    links: tuple[tuple[int, int, float, float, float], ...] = ()
+    """Links that differ from the default: (site, site, Mbit/s, RTT ms, jitter ms)."""
+
+    @property
+    def site_ranks(self) -> tuple[int, ...]:
+        return self.ranks or (1,) * self.sites
 
     @property
     def name(self) -> str:
         h = f", H={self.sync_every}" if self.strategy != "sync" else ""
+        ranks = f" ({'+'.join(map(str, self.site_ranks))} ranks)" if self.ranks else ""
+        links = "" if not self.links else f", {len(self.links)} uneven link(s)"
+        jitter = any(link[4] for link in self.links)
         return (
-            f"{self.sites} sites, {self.bandwidth_mbit:g} Mbit/s, {self.rtt_ms:g} ms, "
-            f"{self.strategy}{h}"
+            f"{self.sites} sites{ranks}, {self.bandwidth_mbit:g} Mbit/s, {self.rtt_ms:g} ms"
+            f"{links}{' with jitter' if jitter else ''}, {self.strategy}{h}, {self.steps} steps"
         )
 
 
 CALIBRATIONS = (Case(2, 1000, 1, "diloco", 10, 60), Case(4, 1000, 1, "diloco", 10, 60))
-CASES = [
+FIT = [
     Case(2, 100, 40, "sync", 10, 40),
     Case(2, 100, 40, "diloco", 20, 120),
     Case(3, 200, 80, "diloco", 20, 120),
@@ -77,14 +97,43 @@ CASES = [
     Case(4, 20, 60, "sync", 10, 20),
     Case(4, 100, 60, "streaming", 20, 120),
 ]
+UNEVEN = ((0, 1, 100, 120, 0), (0, 2, 300, 160, 0), (1, 2, 200, 140, 5))
+"""The new user's job of the issue: 100-300 Mbit/s at 120-160 ms, jitter on one."""
+HELD_OUT = [
+    Case(3, 200, 140, "diloco", 50, 300, ranks=(2, 1, 1), links=UNEVEN),
+    Case(3, 200, 140, "diloco", 50, 120, ranks=(2, 1, 1), links=UNEVEN),
+    Case(2, 100, 40, "sync", 10, 40, ranks=(2, 2)),
+    Case(2, 50, 80, "diloco", 20, 120, ranks=(2, 2)),
+    Case(2, 200, 60, "streaming", 20, 120, ranks=(2, 1)),
+    Case(3, 20, 100, "async", 20, 120, ranks=(2, 1, 1)),
+    Case(2, 30, 150, "diloco", 10, 120, ranks=(1, 2)),
+    Case(2, 20, 80, "sync", 10, 30, ranks=(2, 1)),
+    Case(3, 100, 60, "streaming", 30, 300, links=((0, 1, 20, 40, 0), (1, 2, 300, 200, 0))),
+    Case(2, 10, 200, "diloco", 30, 300, links=((0, 1, 10, 200, 10),)),
+    Case(4, 50, 30, "async", 10, 120),
+    Case(3, 100, 60, "sync", 10, 40, links=((0, 2, 100, 60, 3),)),
+    Case(2, 100, 300, "streaming", 40, 120),
+]
+SETS = {"fit": FIT, "held-out": HELD_OUT}
 
 
 def job_text(case: Case) -> str:
     names = [f"s{i}" for i in range(case.sites)]
+    sites = ", ".join(
+        f"{{name: {n}, ranks: {r}}}" for n, r in zip(names, case.site_ranks, strict=True)
+    )
+    links = "".join(
+        f", {{between: [s{a}, s{b}], bandwidth_mbit: {mbit}, rtt_ms: {rtt}"
+        + (f", jitter_ms: {jitter}" if jitter else "")
+        + "}"
+        for a, b, mbit, rtt, jitter in case.links
+    )
     return (
         "name: validation\n"
-        f"sites: [{', '.join('{name: ' + n + '}' for n in names)}]\n"
-        f"wan: {{default: {{rtt_ms: {case.rtt_ms}, bandwidth_mbit: {case.bandwidth_mbit}}}}}\n"
+        f"sites: [{sites}]\n"
+        f"wan: {{default: {{rtt_ms: {case.rtt_ms}, bandwidth_mbit: {case.bandwidth_mbit}}}"
+        + (f", links: [{links[2:]}]" if links else "")
+        + "}\n"
         f"train: {{strategy: {case.strategy}, steps: {case.steps}, "
         f"sync_every: {case.sync_every}, batch_size: {BATCH}, eval_every: 0}}\n"
     )
@@ -135,7 +184,7 @@ def between_syncs(case: Case) -> int:
 
 
 def contention(sites: int) -> float:
-    """One process per site on this machine's cores."""
+    """One process per site on this machine's cores (the calibration runs: one rank each)."""
     return max(1.0, sites / (os.cpu_count() or 1))
 
 
@@ -147,40 +196,25 @@ def scenario(
     slowest_s: float | None = None,
     jitter_s: float = 0.0,
 ) -> Scenario:
-    names = [f"s{i}" for i in range(case.sites)]
-    config = config_for("tiny")
-    return Scenario(
-        params=float(config.parameter_count()),
-        step_s=step_s,
-        slowest_step_s=slowest_s,
-        step_jitter_s=jitter_s,
-        tokens_per_step=case.sites * BATCH * config.seq_len,
-        sites=names,
-        links=uniform_links(names, bandwidth_mbit=case.bandwidth_mbit, rtt_ms=case.rtt_ms),
-        strategy=case.strategy,
-        sync_every=case.sync_every,
-        fragments=FRAGMENTS,
-        overlap_steps=1,
-        codec_bytes_per_s=CODEC_BYTES_PER_S,
-        efficiency=ENGINE_EFFICIENCY,
+    """What ``isthmus sim JOB --step-ms --step-jitter-ms`` predicts from for the case's
+    job file, with the fitted host work and the slowest site's pace."""
+    with tempfile.TemporaryDirectory() as folder:
+        job = Path(folder) / "validation.yaml"
+        job.write_text(job_text(case))
+        base = job_scenario(job, step_s, jitter_s)
+    return dataclasses.replace(
+        base,
+        slowest_step_s=slowest_s if slowest_s and slowest_s > step_s else None,
         outer_step_s=outer_s,
         peer_overhead_s=peer_s,
-        host_contention=contention(case.sites),
     )
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, help="keep the runs here (default: a temp dir)")
-    parser.add_argument("--write-docs", action="store_true")
-    args = parser.parse_args()
-    root = args.out or Path(tempfile.mkdtemp(prefix="isthmus-validation-"))
-    root.mkdir(parents=True, exist_ok=True)
-
-    # Host work of a DiLoCo exchange, (a + b (S - 1)) x processes per core: the outer
-    # step a and b per peer, from DiLoCo on a fast link with 2 and with 4 sites (the
-    # syncing time per round beyond the model's wire time and its wait for the last
-    # site, from the variation of the run's own steps).
+def fit_host_work(root: Path) -> dict[str, float]:
+    """Host work of a DiLoCo exchange, (a + b (S - 1)) x processes per core: the outer
+    step a and b per peer, from DiLoCo on a fast link with 2 and with 4 sites (the
+    syncing time per round beyond the model's wire time and its wait for the last
+    site, from the variation of the run's own steps)."""
     beyond = {}
     for case in CALIBRATIONS:
         measured = run(case, root / f"calibration-{case.sites}")
@@ -202,75 +236,135 @@ def main() -> int:
         "times processes per core",
         flush=True,
     )
+    return {"outer_step_ms": overhead * 1e3, "peer_overhead_ms": peer * 1e3}
 
-    rows = []
-    for index, case in enumerate(CASES):
-        # This machine's speed drifts (the same 2-site step measured 83 and 130 ms
-        # twenty minutes apart, and 74 and 92 ms in two cases minutes apart):
-        # calibrate each case's step right before and right after it, on its own
-        # job file, as `isthmus sim --calibrate` would, and use the mean, so a
-        # drift during the run is bracketed instead of carried in whole.
-        folder = root / f"case-{index}"
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "calibrate.yaml").write_text(job_text(case))
-        before = calibrate(folder / "calibrate.yaml", keep=folder / "calibration-before")
-        measured = run(case, folder)
-        after = calibrate(folder / "calibrate.yaml", keep=folder / "calibration-after")
-        before_s, after_s = before.step_s, after.step_s
-        step_s = (before_s + after_s) / 2
-        jitter_s = (before.jitter_s + after.jitter_s) / 2
-        by_site = {
-            site: (t + after.step_s_by_site.get(site, t)) / 2
-            for site, t in before.step_s_by_site.items()
-        }
-        slowest_s = max(step_s, *by_site.values())
-        predicted = predict_run(scenario(case, step_s, overhead, peer, slowest_s, jitter_s))
-        uniform = predict_run(scenario(case, step_s, overhead, peer))
-        steady = predict_run(scenario(case, step_s, overhead, peer, slowest_s))
-        row = {
-            "case": case.name,
-            "steps": case.steps,
-            "calibrated_step_ms": step_s * 1e3,
-            "calibrated_before_ms": before_s * 1e3,
-            "calibrated_after_ms": after_s * 1e3,
-            "calibrated_by_site_ms": {site: t * 1e3 for site, t in sorted(by_site.items())},
-            "calibrated_slowest_ms": slowest_s * 1e3,
-            "calibrated_jitter_ms": jitter_s * 1e3,
-            "measured_jitter_ms": measured["jitter_s"] * 1e3,
-            "predicted_step_ms_all_sites_alike": uniform.step_s * 1e3,
-            "predicted_utilization_all_sites_alike": uniform.utilization,
-            "predicted_step_ms_without_jitter": steady.step_s * 1e3,
-            "predicted_utilization_without_jitter": steady.utilization,
-            "measured_compute_by_site_ms": {
-                site: v * 1e3 for site, v in sorted(measured["compute_s_by_site"].items())
-            },
-            "measured_step_ms": measured["step_s"] * 1e3,
-            "predicted_step_ms": predicted.step_s * 1e3,
-            "step_error": predicted.step_s / measured["step_s"] - 1,
-            "measured_utilization": measured["utilization"],
-            "predicted_utilization": predicted.utilization,
-            "utilization_error": predicted.utilization / measured["utilization"] - 1,
-        }
-        rows.append(row)
-        (root / "validation.json").write_text(json.dumps({"rows": rows}, indent=2))
-        print(
-            f"{case.name:48s} calibrated {before_s * 1e3:.1f} ms before, "
-            f"{after_s * 1e3:.1f} ms after; step {row['measured_step_ms']:7.1f} ms measured, "
-            f"{row['predicted_step_ms']:7.1f} predicted ({row['step_error']:+.1%}); "
-            f"utilisation {row['measured_utilization']:.1%} vs "
-            f"{row['predicted_utilization']:.1%} ({row['utilization_error']:+.1%})",
-            flush=True,
-        )
-    result = {
-        "calibration": {
-            "outer_step_ms": overhead * 1e3,
-            "peer_overhead_ms": peer * 1e3,
-        },
-        "rows": rows,
+
+def measure(case: Case, folder: Path) -> dict:
+    """The case's run between two calibrations on its own job file. This machine's
+    speed drifts (the same 2-site step measured 83 and 130 ms twenty minutes apart),
+    so each case's step is calibrated right before and right after it, as ``isthmus
+    sim --calibrate`` would, and the mean used: a drift during the run is bracketed
+    instead of carried in whole."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "calibrate.yaml").write_text(job_text(case))
+    before = calibrate(folder / "calibrate.yaml", keep=folder / "calibration-before")
+    measured = run(case, folder)
+    after = calibrate(folder / "calibrate.yaml", keep=folder / "calibration-after")
+    return {
+        "before": {"by_site": before.step_s_by_site, "jitter_s": before.jitter_s},
+        "after": {"by_site": after.step_s_by_site, "jitter_s": after.jitter_s},
+        "measured": measured,
     }
-    (root / "validation.json").write_text(json.dumps(result, indent=2))
-    worst = max(max(abs(r["step_error"]), abs(r["utilization_error"])) for r in rows)
-    print(f"largest error: {worst:.1%} (target <= 10%); runs and JSON in {root}")
+
+
+def predict(case: Case, raw: dict, host: dict[str, float]) -> dict:
+    """The row of one case: its calibration, measurement and the model's prediction."""
+    before, after, measured = raw["before"], raw["after"], raw["measured"]
+    before_s = statistics.median(before["by_site"].values())
+    after_s = statistics.median(after["by_site"].values())
+    step_s = (before_s + after_s) / 2
+    jitter_s = (before["jitter_s"] + after["jitter_s"]) / 2
+    by_site = {
+        site: (t + after["by_site"].get(site, t)) / 2 for site, t in before["by_site"].items()
+    }
+    slowest_s = max(step_s, *by_site.values())
+    outer_s, peer_s = host["outer_step_ms"] / 1e3, host["peer_overhead_ms"] / 1e3
+    predicted = predict_run(scenario(case, step_s, outer_s, peer_s, slowest_s, jitter_s))
+    uniform = predict_run(scenario(case, step_s, outer_s, peer_s))
+    steady = predict_run(scenario(case, step_s, outer_s, peer_s, slowest_s))
+    return {
+        "case": case.name,
+        "multi_rank": any(r > 1 for r in case.site_ranks),
+        "strategy": case.strategy,
+        "steps": case.steps,
+        "calibrated_step_ms": step_s * 1e3,
+        "calibrated_before_ms": before_s * 1e3,
+        "calibrated_after_ms": after_s * 1e3,
+        "calibrated_by_site_ms": {site: t * 1e3 for site, t in sorted(by_site.items())},
+        "calibrated_slowest_ms": slowest_s * 1e3,
+        "calibrated_jitter_ms": jitter_s * 1e3,
+        "measured_jitter_ms": measured["jitter_s"] * 1e3,
+        "predicted_step_ms_all_sites_alike": uniform.step_s * 1e3,
+        "predicted_utilization_all_sites_alike": uniform.utilization,
+        "predicted_step_ms_without_jitter": steady.step_s * 1e3,
+        "predicted_utilization_without_jitter": steady.utilization,
+        "measured_compute_by_site_ms": {
+            site: v * 1e3 for site, v in sorted(measured["compute_s_by_site"].items())
+        },
+        "measured_step_ms": measured["step_s"] * 1e3,
+        "predicted_step_ms": predicted.step_s * 1e3,
+        "step_error": predicted.step_s / measured["step_s"] - 1,
+        "measured_utilization": measured["utilization"],
+        "predicted_utilization": predicted.utilization,
+        "utilization_error": predicted.utilization / measured["utilization"] - 1,
+    }
+
+
+def print_row(row: dict) -> None:
+    print(
+        f"{row['case']:80s} calibrated {row['calibrated_before_ms']:.1f} ms before, "
+        f"{row['calibrated_after_ms']:.1f} ms after; step {row['measured_step_ms']:7.1f} ms "
+        f"measured, {row['predicted_step_ms']:7.1f} predicted ({row['step_error']:+.1%}); "
+        f"utilisation {row['measured_utilization']:.1%} vs "
+        f"{row['predicted_utilization']:.1%} ({row['utilization_error']:+.1%})",
+        flush=True,
+    )
+
+
+def summarise(result: dict) -> None:
+    for name in SETS:
+        rows = [r for r in result["rows"] if r.get("set") == name]
+        if not rows:
+            continue
+        worst = max(max(abs(r["step_error"]), abs(r["utilization_error"])) for r in rows)
+        within = sum(
+            abs(r["step_error"]) <= 0.10 and abs(r["utilization_error"]) <= 0.10 for r in rows
+        )
+        multi = sum(r["multi_rank"] for r in rows)
+        print(
+            f"{name}: {within} of {len(rows)} runs within 10% ({multi} with a multi-rank "
+            f"site); largest error {worst:.1%}"
+        )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--set", choices=[*SETS, "both"], default="both")
+    parser.add_argument("--out", type=Path, help="keep the runs here (default: a temp dir)")
+    parser.add_argument(
+        "--replay", type=Path, help="a validation.json: predict its runs again, run nothing"
+    )
+    parser.add_argument("--write-docs", action="store_true")
+    args = parser.parse_args()
+    if args.replay:
+        result = json.loads(args.replay.read_text())
+        cases = {c.name: c for cases in SETS.values() for c in cases}
+        for row in result["rows"]:
+            if "raw" in row and row["case"] in cases:
+                kept = {k: row[k] for k in ("set", "raw")}
+                row.clear()
+                row.update(
+                    kept | predict(cases[kept["raw"]["case"]], kept["raw"], result["calibration"])
+                )
+                print_row(row)
+        summarise(result)
+        args.replay.write_text(json.dumps(result, indent=2))
+        if args.write_docs:
+            write_docs(result)
+        return 0
+    root = args.out or Path(tempfile.mkdtemp(prefix="isthmus-validation-"))
+    root.mkdir(parents=True, exist_ok=True)
+    result: dict = {"calibration": fit_host_work(root), "rows": []}
+    chosen = list(SETS) if args.set == "both" else [args.set]
+    for name in chosen:
+        for index, case in enumerate(SETS[name]):
+            raw = measure(case, root / f"{name}-{index}") | {"case": case.name}
+            row = {"set": name, "raw": raw} | predict(case, raw, result["calibration"])
+            result["rows"].append(row)
+            (root / "validation.json").write_text(json.dumps(result, indent=2))
+            print_row(row)
+    summarise(result)
+    print(f"runs and JSON in {root}")
     if args.write_docs:
         write_docs(result)
     return 0
