@@ -352,7 +352,8 @@ def main() -> int:
         if args.write_docs:
             write_docs(result)
         return 0
-    root = args.out or Path(tempfile.mkdtemp(prefix="isthmus-validation-"))
+    # Absolute: the calibration runs start in their own folder.
+    root = (args.out or Path(tempfile.mkdtemp(prefix="isthmus-validation-"))).resolve()
     root.mkdir(parents=True, exist_ok=True)
     result: dict = {"calibration": fit_host_work(root), "rows": []}
     chosen = list(SETS) if args.set == "both" else [args.set]

@@ -12,6 +12,9 @@ exchange of ``n`` bytes has two parts:
   reduce-scatter before and all-gather after the WAN, over the site's fabric,
   2 (d - 1) / d of the float32 values at the fabric's bandwidth plus 2 (d - 1)
   latencies (counted with the wire: it is communication, not host work);
+* copies: on GPU sites, the encoded bytes between the GPU and pinned host
+  memory, chunk by chunk on the copy engines beside the sending: the wire part
+  is the longer of the two;
 * host: work in the training process: the codec's time, a fixed overhead per
   exchange, an overhead per peer site (the messages handled per peer), and
   for the DiLoCo family the outer step (pseudo-gradients, the outer
@@ -106,6 +109,10 @@ class Scenario:
     """Encode plus decode speed of the codec, bytes of float32 per second."""
     efficiency: float = 1.0
     """The engine's measured fraction of the all-reduce bound it reaches."""
+    host_link_bytes_per_s: float = math.inf
+    """GPU sites: the device-host copies of the encoded bytes (PCIe), on the copy
+    engines beside the sending: an exchange's wire part takes the longer of the
+    two. The CPU sites of an emulated run copy nothing."""
     exchange_overhead_s: float = 0.0
     """Fixed host seconds per exchange beyond the wire: start, vote, outer step, Python."""
     peer_overhead_s: float = 0.0
@@ -120,6 +127,15 @@ class Scenario:
     host_contention: float = 1.0
     """How much slower host work runs: processes per core on a shared machine (an
     emulated run); 1 where every process has its own cores."""
+    host_hardware: str = "cpu"
+    """Where the host work runs (``isthmus.sim.hardware``): what the codec, outer-step
+    and overhead figures above were taken from; reported with the prediction."""
+    outer_overlaps_backward: bool = False
+    """The DiLoCo family's exchange may overlap the backward pass of the step that
+    ends its round, as sync's gradient buckets do. Isthmus starts it after that
+    step (False); published simulators (Douillard et al.'s, behind the Streaming
+    DiLoCo paper's tables) let it overlap, and the published comparison uses
+    their convention to reproduce them."""
     backward_fraction: float = 2 / 3
     """Share of a step's compute that Sync's bucketed exchange can hide behind."""
     sync_overlap: bool = True
@@ -242,6 +258,9 @@ def exchange_cost(scenario: Scenario, nbytes: float, *, outer: float = 0.0) -> E
     raw_bytes = nbytes / CODEC_BYTES_PER_VALUE[scenario.codec] * 4
     codec_s = raw_bytes / scenario.codec_bytes_per_s if scenario.codec != "none" else 0.0
     wire_s = (costs[algorithm] - latency) / scenario.efficiency + latency
+    # What one site sends (and receives) in either algorithm: 2 (S-1)/S of the bytes.
+    copies_s = 2 * (len(sites) - 1) / len(sites) * nbytes / scenario.host_link_bytes_per_s
+    wire_s = max(wire_s, copies_s)
     d = scenario.site_ranks
     if d > 1:
         wire_s += 2 * (d - 1) / d * raw_bytes / scenario.fabric_bytes_per_s
@@ -311,15 +330,16 @@ def predict_run(scenario: Scenario) -> Prediction:
         )
     compute = h * pace
     full = exchange_cost(s, s.wan_bytes, outer=1.0)
+    backward = s.backward_fraction * pace if s.outer_overlaps_backward else 0.0
     if s.strategy == "diloco":
-        exposed = s.late_s(h) + exchange_cost(s, 64.0).seconds + full.seconds
+        exposed = s.late_s(h) + exchange_cost(s, 64.0).seconds + _overlapped(full, backward)
     elif s.strategy == "async":
-        exposed = _overlapped(full, compute, s.late_s(h))
+        exposed = _overlapped(full, compute + backward, s.late_s(h))
     else:  # streaming: the sites meet at every fragment's exchange
         part = exchange_cost(s, s.wan_bytes / s.fragments, outer=1 / s.fragments)
         algorithm = part.algorithm
         late = s.late_s(h / s.fragments)
-        exposed = s.fragments * _overlapped(part, s.overlap_steps * pace, late)
+        exposed = s.fragments * _overlapped(part, s.overlap_steps * pace + backward, late)
     round_s = compute + exposed
     return Prediction(
         s.strategy,

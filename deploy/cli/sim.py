@@ -13,6 +13,7 @@ from typing import Any
 from isthmus.deploy.cli.registry import UsageError, add_command
 from isthmus.deploy.jobfile import Job, load_job
 from isthmus.sim.cost import LinkCost
+from isthmus.sim.hardware import SiteHardware, site_hardware
 from isthmus.sim.perf_model import (
     CODEC_BYTES_PER_VALUE,
     GPU_FLOPS,
@@ -28,12 +29,8 @@ from isthmus.sim.topology import Topology
 ENGINE_EFFICIENCY = 0.88
 """The direct all-reduce's measured fraction of its bound (``isthmus bench allreduce``,
 3 sites, 200 Mbit/s: 0.88-0.90)."""
-CODEC_BYTES_PER_S = 1.45e9
-"""int8 encode + decode per core on this machine (``isthmus bench codec``)."""
-OUTER_STEP_S = 0.003
-"""DiLoCo's outer step over the tiny model here (pseudo-gradients, Nesterov SGD on
-the CPU copies, the copy back; 0.47 M parameters, one thread): 3.1-3.6 ms, timed
-directly, 2026-11-24; times processes per core in an emulated job."""
+DEFAULT_GPU = "h100"
+"""The sites' accelerator when neither --gpu nor the job says: host work at its speeds."""
 PEER_OVERHEAD_S = 0.0
 """Host work of one exchange per peer site here, beyond the wire and the wait for
 the last site: none measurable. Fitted to DiLoCo runs of 2 and 4 sites on a fast
@@ -62,7 +59,13 @@ def register(commands: Any) -> None:
     what.add_argument(
         "--gpus-per-site", type=int, help="GPUs (ranks) per site, without a job file (default 1)"
     )
-    what.add_argument("--gpu", choices=sorted(GPU_FLOPS), help="compute from FLOPs at --mfu")
+    what.add_argument(
+        "--gpu",
+        choices=sorted(GPU_FLOPS),
+        help="the sites' accelerator: their host work (codec, device-host copies, outer step) "
+        f"at its speeds (default {DEFAULT_GPU}; an emulated job's is this machine's cpu), and "
+        "the compute per step from FLOPs at --mfu unless --step-ms or --calibrate gives it",
+    )
     what.add_argument("--mfu", type=float, default=0.4, help="with --gpu (default 0.4)")
     what.add_argument(
         "--tokens-per-gpu", type=float, default=4096 * 2, help="tokens per step per GPU"
@@ -121,9 +124,11 @@ def _sim(args: argparse.Namespace) -> int:
             "codec": scenario.codec,
             "efficiency": scenario.efficiency,
             "chosen": scenario.strategy,
+            "host_work": site_hardware(scenario.host_hardware).describe(),
         },
         "predictions": rows,
         "validated_range": range_note(scenario),
+        "validation": validated_range(scenario),
     }
     if args.json:
         print(json.dumps(out, indent=2))
@@ -154,8 +159,18 @@ def _sim(args: argparse.Namespace) -> int:
             f"{row['exchange_s']:9.2f}s {row['utilization']:11.1%} "
             f"{row['wan_bytes_per_token']:12.1f}{mark}"
         )
+    host = sc["host_work"]
+    print(
+        f"host work on {host['hardware']}: outer step {scenario.outer_step_s * 1e3:.1f} ms per "
+        f"exchange of the whole model, codec {sc['codec']} "
+        f"{host['codec_ns_per_value'][sc['codec']]:.3g} ns per value; measured: "
+        f"{'; '.join(host['measured'])}"
+        + (f"; assumed: {'; '.join(host['assumed'])}" if host["assumed"] else "")
+    )
     if out["validated_range"]:
         print(f"note: {out['validated_range']}")
+    else:
+        print(f"within the validated range: {out['validation']['validated_for']}")
     return 0
 
 
@@ -165,13 +180,57 @@ def _with(scenario: Scenario, **changes: Any) -> Scenario:
     return dataclasses.replace(scenario, **changes)
 
 
+VALIDATED = {
+    "sites": (2, 4),
+    "ranks_per_site": (1, 2),
+    "bandwidth_mbit": (10.0, 300.0),
+    "rtt_ms": (30.0, 300.0),
+    "params": (0.0, 1e6),
+}
+"""What the model's predictions were checked against (benchmarks/perf_model_validation.py,
+its fit and held-out runs: docs/performance-model.md): emulated runs of the built-in
+tiny model on this project's 2-core CPU machine, every strategy, 20-300 steps. A test
+keeps this in step with the benchmark's cases."""
+
+
+def validated_range(scenario: Scenario) -> dict[str, Any]:
+    """The range the prediction is validated for, and where ``scenario`` lies outside it."""
+    v = VALIDATED
+    rates = [c.bandwidth_bytes_per_s * 8 / 1e6 for c in scenario.links.values()]
+    rtts = [c.one_way_s * 2e3 for c in scenario.links.values()]
+    outside = []
+    if not v["sites"][0] <= len(scenario.sites) <= v["sites"][1]:
+        outside.append(f"{len(scenario.sites)} sites")
+    if not v["ranks_per_site"][0] <= scenario.site_ranks <= v["ranks_per_site"][1]:
+        outside.append(f"{scenario.site_ranks} data-parallel ranks per site")
+    for name, values, unit in (("bandwidth_mbit", rates, "Mbit/s"), ("rtt_ms", rtts, "ms")):
+        low, high = v[name]
+        off = sorted({round(x, 3) for x in values if not low - 1e-9 <= x <= high + 1e-9})
+        if off:
+            outside.append(f"links of {', '.join(f'{x:g}' for x in off)} {unit}")
+    if scenario.params > v["params"][1]:
+        outside.append(f"{scenario.params:.3g} parameters")
+    if scenario.host_hardware != "cpu":
+        outside.append(f"host work on {scenario.host_hardware} (modelled, not validated)")
+    statement = (
+        f"validated for {v['sites'][0]}-{v['sites'][1]} sites of "
+        f"{v['ranks_per_site'][0]}-{v['ranks_per_site'][1]} ranks, links of "
+        f"{v['bandwidth_mbit'][0]:g}-{v['bandwidth_mbit'][1]:g} Mbit/s and "
+        f"{v['rtt_ms'][0]:g}-{v['rtt_ms'][1]:g} ms RTT, the tiny model emulated on a CPU "
+        "(docs/performance-model.md)"
+    )
+    return {"validated_for": statement, "outside": outside}
+
+
 def range_note(scenario: Scenario) -> str:
-    if scenario.params > 1e8 or len(scenario.sites) > 4:
-        return (
-            "outside the validated range (emulated runs of the tiny model, 2-4 sites, on this "
-            "machine; docs/performance-model.md): an extrapolation of the same formulas"
-        )
-    return ""
+    """Empty inside the validated range; else a sentence naming what lies outside."""
+    checked = validated_range(scenario)
+    if not checked["outside"]:
+        return ""
+    return (
+        f"outside the validated range in: {'; '.join(checked['outside'])} "
+        f"({checked['validated_for']}): an extrapolation of the same formulas"
+    )
 
 
 def scenario_from(args: argparse.Namespace) -> Scenario:
@@ -213,6 +272,8 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
             raise ScenarioError("step_jitter_ms", f"must be >= 0, got {given_jitter}")
         jitter_s = given_jitter / 1e3
     strategy = args.strategy or (train.strategy if train else "diloco")
+    hardware = _hardware(job, args)
+    codec = args.codec or (train.codec.partition("+")[0] if train else "none")
     return Scenario(
         params=params,
         step_s=step_s,
@@ -226,10 +287,12 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
         fragments=_given(args.fragments, train.fragments if train else 2),
         overlap_steps=_given(args.overlap_steps, train.overlap_steps if train else 1),
         # The model counts a codec's fixed size; zstd's gain depends on the data.
-        codec=args.codec or (train.codec.partition("+")[0] if train else "none"),
-        codec_bytes_per_s=CODEC_BYTES_PER_S,
+        codec=codec,
+        codec_bytes_per_s=hardware.codec_bytes_per_s(codec),
+        host_link_bytes_per_s=hardware.host_link_bytes_per_s,
         efficiency=args.efficiency,
-        **_host_work(job, params),
+        host_hardware=hardware.name,
+        **_host_work(job, params, hardware),
         **_fabric(job, args),
     )
 
@@ -253,16 +316,23 @@ def _fabric(job: Job | None, args: argparse.Namespace) -> dict[str, Any]:
     return {"site_ranks": dp, "fabric_bytes_per_s": rate * shards, "fabric_latency_s": latency}
 
 
-def _host_work(job: Job | None, params: float) -> dict[str, float]:
-    """Host work as measured here, for a job emulated on this machine: every rank on
-    its cores (host work overlapping the others' compute shares them), and the outer
-    step on CPU copies scaling with the values it updates (measured on the tiny model,
-    0.47 M parameters). Real sites have their own cores and accelerators: not counted."""
+def _hardware(job: Job | None, args: argparse.Namespace) -> SiteHardware:
+    """Where the sites' host work runs: this machine's CPU for a job emulated here (or
+    one that trains on the CPU), else the --gpu named, else :data:`DEFAULT_GPU`."""
+    if job is not None and (job.wan is not None or job.train.device == "cpu"):
+        return site_hardware("cpu")
+    return site_hardware(getattr(args, "gpu", None) or DEFAULT_GPU)
+
+
+def _host_work(job: Job | None, params: float, hardware: SiteHardware) -> dict[str, float]:
+    """The outer step over the whole model at the hardware's speed. For a job emulated
+    on this machine, every rank shares its cores (host work overlapping the others'
+    compute shares them): host work runs processes-per-core times slower."""
+    work = {"outer_step_s": hardware.outer_step_s_per_value * params}
     if job is None or job.wan is None:
-        return {}
+        return work
     ranks = sum(s.ranks for s in job.sites)
-    return {
-        "outer_step_s": OUTER_STEP_S * params / 471_000,
+    return work | {
         "peer_overhead_s": PEER_OVERHEAD_S,
         "host_contention": max(1.0, ranks / (os.cpu_count() or 1)),
     }
@@ -322,8 +392,6 @@ def _step_seconds(
         if args.step_ms <= 0:
             raise ScenarioError("step_ms", f"must be > 0, got {args.step_ms}")
         return args.step_ms / 1e3, None, 0.0
-    if args.gpu is not None:
-        return step_seconds_from_flops(params, tokens, args.gpu, args.mfu), None, 0.0
     if job is not None and args.calibrate:
         from isthmus.deploy.bench.calibrate import calibrate
 
@@ -331,6 +399,8 @@ def _step_seconds(
         print("calibrating: a short run of the job, synchronising as it does ...", file=sys.stderr)
         measured = calibrate(Path(args.job))
         return measured.step_s, measured.slowest_step_s, measured.jitter_s
+    if args.gpu is not None:
+        return step_seconds_from_flops(params, tokens, args.gpu, args.mfu), None, 0.0
     raise ScenarioError(
         "step_ms", "give --step-ms, --gpu (FLOPs at --mfu), or --calibrate (measure here)"
     )
