@@ -150,6 +150,7 @@ def run(case: Case, folder: Path) -> dict[str, float]:
         capture_output=True,
         text=True,
         timeout=900,
+        cwd=folder,  # isthmus run writes JOB.control.json where it starts
     )
     if done.returncode:
         raise RuntimeError(f"{case.name}: run failed: {done.stderr[-2000:]}")

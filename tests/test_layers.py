@@ -158,3 +158,20 @@ def test_the_job_model_loads_without_torch_grpc_or_yaml() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_every_package_folder_is_in_the_wheel() -> None:
+    """pyproject.toml lists the packages one by one (the folders map onto isthmus.*):
+    a sub-package left out is missing from a built wheel, and `pip install isthmus`
+    would fail at its first import (deploy/session was, until this test)."""
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {
+        "isthmus." + ".".join(init.parent.relative_to(ROOT).parts)
+        for package in PACKAGES
+        for init in (ROOT / package).rglob("__init__.py")
+        if "__pycache__" not in init.parts
+    }
+    listed = set(setuptools["packages"]) - {"isthmus"}
+    assert folders == listed, f"not in pyproject's packages: {sorted(folders - listed)}"
