@@ -273,6 +273,11 @@ def predict(case: Case, raw: dict, host: dict[str, float]) -> dict:
     predicted = predict_run(scenario(case, step_s, outer_s, peer_s, slowest_s, jitter_s))
     uniform = predict_run(scenario(case, step_s, outer_s, peer_s))
     steady = predict_run(scenario(case, step_s, outer_s, peer_s, slowest_s))
+    endless = predict_run(
+        dataclasses.replace(
+            scenario(case, step_s, outer_s, peer_s, slowest_s, jitter_s), steps=None
+        )
+    )
     return {
         "case": case.name,
         "multi_rank": any(r > 1 for r in case.site_ranks),
@@ -288,6 +293,8 @@ def predict(case: Case, raw: dict, host: dict[str, float]) -> dict:
         "predicted_step_ms_all_sites_alike": uniform.step_s * 1e3,
         "predicted_utilization_all_sites_alike": uniform.utilization,
         "predicted_step_ms_without_jitter": steady.step_s * 1e3,
+        "predicted_step_ms_steady_state": endless.step_s * 1e3,
+        "predicted_utilization_steady_state": endless.utilization,
         "predicted_utilization_without_jitter": steady.utilization,
         "measured_compute_by_site_ms": {
             site: v * 1e3 for site, v in sorted(measured["compute_s_by_site"].items())

@@ -40,6 +40,13 @@ interval, and ``W(n)`` and ``C(n)`` the wire and host parts:
 Sync's step is t + late(1) + max(0, W(N) - h) + C(N): its last bucket waits
 for the last site.
 
+Given the run's length (``steps``), the figures cover the whole run as
+``isthmus run`` measures it: the rounds that fit in it, and the final
+synchronisation every run ends with (sync: one more exchange of the model;
+DiLoCo and async: a last round for the steps since the previous one, if any,
+and async's last send with only those steps to hide behind; streaming: every
+fragment once more, blocking). A short run pays it over fewer steps.
+
 Every round needs every site, so where sites compute at different speeds
 the slowest one's ``t`` sets the rounds' pace (``slowest_step_s``) and a
 typical site's counts as its compute. Utilisation is H t / round. ``sim``
@@ -127,6 +134,11 @@ class Scenario:
     host_contention: float = 1.0
     """How much slower host work runs: processes per core on a shared machine (an
     emulated run); 1 where every process has its own cores."""
+    steps: int | None = None
+    """The run's inner steps per site. Given, the prediction covers the whole run
+    as ``isthmus run`` measures it: the rounds that fit in it and the final
+    synchronisation every run ends with, which a short run pays over fewer steps.
+    None: the steady state of a run without end."""
     host_hardware: str = "cpu"
     """Where the host work runs (``isthmus.sim.hardware``): what the codec, outer-step
     and overhead figures above were taken from; reported with the prediction."""
@@ -160,6 +172,8 @@ class Scenario:
             )
         if self.sync_every < 1:
             raise ScenarioError("sync_every", f"must be >= 1, got {self.sync_every}")
+        if self.steps is not None and self.steps < 1:
+            raise ScenarioError("steps", f"must be >= 1, got {self.steps}")
         if self.fragments < 1 or self.fragments > self.sync_every:
             raise ScenarioError("fragments", f"must be in [1, sync_every], got {self.fragments}")
         if self.codec not in CODEC_BYTES_PER_VALUE:
@@ -308,49 +322,79 @@ def predict_run(scenario: Scenario) -> Prediction:
     s, t, h = scenario, scenario.step_s, scenario.sync_every
     pace = s.pace_s
     sites = len(s.sites)
-    full = exchange_cost(s, s.wan_bytes)
-    algorithm = full.algorithm
     # What one site sends in one exchange of n bytes: 2 (S-1)/S n, both algorithms.
     sent_per_exchange = 2 * (sites - 1) / sites * s.wan_bytes * sites if sites > 1 else 0.0
     if s.strategy == "sync":
+        full = exchange_cost(s, s.wan_bytes)
         model_bytes = 4 * s.params
         hideable = max(0.0, 1 - s.bucket_bytes / model_bytes) if s.sync_overlap else 0.0
         hidden = s.backward_fraction * pace * hideable
         exposed = s.late_s(1) + _overlapped(full, hidden)
         round_s = pace + exposed
+        # The run ends with one more exchange of the whole model, not overlapped.
+        step_s, utilization = _whole_run(s, round_s, 1, 0.0, full.seconds) or (
+            round_s,
+            t / round_s,
+        )
         return Prediction(
             "sync",
-            round_s,
+            step_s,
             round_s,
             full.seconds,
             exposed,
-            t / round_s,
+            utilization,
             sent_per_exchange / s.tokens_per_step,
-            algorithm,
+            full.algorithm,
         )
     compute = h * pace
     full = exchange_cost(s, s.wan_bytes, outer=1.0)
+    algorithm = full.algorithm
     backward = s.backward_fraction * pace if s.outer_overlaps_backward else 0.0
+    left = (s.steps or 0) % h  # steps after the last whole round
     if s.strategy == "diloco":
         exposed = s.late_s(h) + exchange_cost(s, 64.0).seconds + _overlapped(full, backward)
+        # A last round for the steps since the previous one, if any.
+        final = s.late_s(left) + exchange_cost(s, 64.0).seconds + full.seconds if left else 0.0
+        whole = _whole_run(s, pace, h, exposed, final)
     elif s.strategy == "async":
         exposed = _overlapped(full, compute + backward, s.late_s(h))
+        # The last send has only the steps after it to hide behind, then a
+        # synchronous round for those steps, if any.
+        last = _overlapped(full, left * pace, s.late_s(max(left, 1))) - exposed
+        whole = _whole_run(s, pace, h, exposed, last + (full.seconds if left else 0.0))
     else:  # streaming: the sites meet at every fragment's exchange
         part = exchange_cost(s, s.wan_bytes / s.fragments, outer=1 / s.fragments)
         algorithm = part.algorithm
         late = s.late_s(h / s.fragments)
-        exposed = s.fragments * _overlapped(part, s.overlap_steps * pace + backward, late)
+        per_fragment = _overlapped(part, s.overlap_steps * pace + backward, late)
+        exposed = s.fragments * per_fragment
+        # Finishing: every fragment exchanged once more, blocking.
+        every = max(1, h // s.fragments)
+        whole = _whole_run(s, pace, every, per_fragment, late + full.seconds)
     round_s = compute + exposed
+    step_s, utilization = whole or (round_s / h, h * t / round_s)
     return Prediction(
         s.strategy,
-        round_s / h,
+        step_s,
         round_s,
         full.seconds,
         exposed,
-        h * t / round_s,
+        utilization,
         sent_per_exchange / (h * s.tokens_per_step),
         algorithm,
     )
+
+
+def _whole_run(
+    s: Scenario, per_step_s: float, period: int, exposed_s: float, final_s: float
+) -> tuple[float, float] | None:
+    """Wall seconds per step and utilisation over a run of ``s.steps`` steps, each
+    ``per_step_s`` long, with ``exposed_s`` waited every ``period`` steps and
+    ``final_s`` at the end; None for the steady state (no ``s.steps``)."""
+    if s.steps is None:
+        return None
+    wall = s.steps * per_step_s + s.steps // period * exposed_s + final_s
+    return wall / s.steps, s.steps * s.step_s / wall
 
 
 def uniform_links(

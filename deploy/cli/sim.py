@@ -284,6 +284,8 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
         links=links,
         strategy=strategy,
         sync_every=_given(args.sync_every, train.sync_every if train else 50),
+        # The whole run, its final synchronisation included, as isthmus run measures it.
+        steps=train.steps if train else None,
         fragments=_given(args.fragments, train.fragments if train else 2),
         overlap_steps=_given(args.overlap_steps, train.overlap_steps if train else 1),
         # The model counts a codec's fixed size; zstd's gain depends on the data.
