@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -210,6 +211,17 @@ def test_every_strategy_runs_and_ends_identical(tmp_path, strategy, eval_every, 
         mine = [r for r in evals if r["site"] == site]
         assert [r["step"] for r in mine if not r.get("final")] == evaluated_at
         assert [r["step"] for r in mine if r.get("final")] == [8]
+    # Compute utilisation leaves the evaluations inside training out (the final one
+    # comes after the site's wall time): the figure isthmus sim predicts.
+    sites = summary["sites"].values()
+    for site, name in zip(sites, summary["sites"], strict=True):
+        timed = sum(r["seconds"] for r in evals if r["site"] == name and not r.get("final"))
+        assert site["eval_seconds"] == pytest.approx(timed) and (timed > 0) == bool(evaluated_at)
+    assert summary["compute_utilization"] == pytest.approx(
+        statistics.fmean(
+            s["compute_seconds"] / (s["wall_seconds"] - s["eval_seconds"]) for s in sites
+        )
+    )
 
 
 @pytest.mark.parametrize(

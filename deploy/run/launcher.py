@@ -84,6 +84,7 @@ class SiteState:
     eval_loss: float | None = None
     tokens: int = 0
     compute_s: float = 0.0
+    eval_s: float = 0.0
     outer_steps: int = 0
     wan_bytes_sent: int = 0
     wan_bytes_sent_to: dict[str, int] = field(default_factory=dict)
@@ -564,3 +565,4 @@ def _apply(site: SiteState, record: dict[str, Any]) -> None:
         site.wan_bytes_sent_to = record["wan_bytes_sent_to"]
     elif kind == "eval":
         site.eval_loss = record["eval_loss"]
+        site.eval_s += record.get("seconds") or 0.0

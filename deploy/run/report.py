@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from isthmus.deploy.run.records import read_records
+from isthmus.deploy.run.summary import compute_utilization
 
 COLOURS = {"computing": "#4caf50", "waiting": "#ffb300", "syncing": "#1e88e5"}
 
@@ -172,9 +173,8 @@ def _plot_timeline(
                 if r["kind"] == "blocked" and r["what"] == kind
             ]
             axes.broken_barh(spans, (row - 0.35, 0.7), color=COLOURS[kind])
-        utilisation = summary["sites"].get(site, {})
-        if utilisation.get("wall_seconds"):
-            share = utilisation["compute_seconds"] / utilisation["wall_seconds"]
+        share = compute_utilization(summary["sites"].get(site, {}))
+        if share is not None:
             axes.text(last, row, f"  {share:.0%} computing", va="center", fontsize=8)
     axes.set_yticks(range(len(names)), names)
     axes.set_xlabel("wall time (s)")
@@ -233,7 +233,7 @@ def _markdown(summary: dict[str, Any], images: list[tuple[str, str]]) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, site in summary["sites"].items():
-        share = site["compute_seconds"] / site["wall_seconds"] if site["wall_seconds"] else 0
+        share = compute_utilization(site) or 0.0
         digest = site["param_sha256"][:16] + "…" if site["param_sha256"] else "-"
         lines.append(
             f"| {name} | {site['status']} | {site['inner_steps']} | {site['outer_steps']} | "

@@ -21,6 +21,7 @@ SITE_FIELDS = (
     "outer_steps",
     "compute_seconds",
     "wall_seconds",
+    "eval_seconds",
     "param_sha256",
 )
 
@@ -46,6 +47,7 @@ def build_summary(state: RunState, *, ended: float | None = None) -> dict[str, A
                 "outer_steps": site.outer_steps,
                 "compute_seconds": site.compute_s,
                 "wall_seconds": ended - site.started if site.started else 0.0,
+                "eval_seconds": site.eval_s,
                 "param_sha256": None,
             }
             sent_to[name] = site.wan_bytes_sent_to
@@ -56,9 +58,7 @@ def build_summary(state: RunState, *, ended: float | None = None) -> dict[str, A
         f"{a}<->{b}": sent_to[a].get(b, 0) + sent_to[b].get(a, 0)
         for a, b in combinations([s.name for s in state.job.sites], 2)
     }
-    utilisation = [
-        s["compute_seconds"] / s["wall_seconds"] for s in sites.values() if s["wall_seconds"]
-    ]
+    utilisation = [u for s in sites.values() if (u := compute_utilization(s)) is not None]
     summary: dict[str, Any] = {
         "job": state.job.name,
         "strategy": state.job.train.strategy,
@@ -92,24 +92,40 @@ def _read_result(path: Path) -> dict[str, Any] | None:
         return None
 
 
+def compute_utilization(site: dict[str, Any]) -> float | None:
+    """A site's compute utilisation, the one definition (docs/run.md; the performance
+    model predicts the same): its compute seconds over its training wall time, which
+    runs from its first step to the end of its final synchronisation, less the
+    held-out evaluations in it (neither training nor waiting for the network)."""
+    training = (site.get("wall_seconds") or 0.0) - (site.get("eval_seconds") or 0.0)
+    if training <= 0:
+        return None
+    return (site.get("compute_seconds") or 0.0) / training
+
+
 def training_figures(run_dir: Path, summary: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """Per site: wall seconds per inner step and compute utilisation with the held-out
-    evaluations left out (what the performance model predicts; it has no evaluation)."""
+    """Per site: wall seconds per inner step and compute utilisation, held-out
+    evaluations left out (what the performance model predicts)."""
     from isthmus.deploy.run.records import read_records
 
-    records = read_records(run_dir / "metrics.jsonl")
+    records = None
     figures = {}
     for name, site in summary["sites"].items():
         if not site.get("inner_steps") or not site.get("wall_seconds"):
             continue
-        evals = sum(
-            r.get("seconds") or 0.0
-            for r in records
-            if r.get("site") == name and r.get("kind") == "eval"
-        )
-        wall = site["wall_seconds"] - evals
+        if site.get("eval_seconds") is None:  # a summary from before eval_seconds
+            if records is None:
+                records = read_records(run_dir / "metrics.jsonl")
+            site = site | {
+                "eval_seconds": sum(
+                    r.get("seconds") or 0.0
+                    for r in records
+                    if r.get("site") == name and r.get("kind") == "eval"
+                )
+            }
+        wall = site["wall_seconds"] - site["eval_seconds"]
         figures[name] = {
             "step_s": wall / site["inner_steps"],
-            "utilization": site["compute_seconds"] / wall if wall > 0 else 0.0,
+            "utilization": compute_utilization(site) or 0.0,
         }
     return figures

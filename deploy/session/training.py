@@ -125,6 +125,8 @@ class TrainingRun:
         self._views_seen = (0, 0)
         self._outer_seen = 0
         self._train_started = 0.0
+        self.eval_s = 0.0
+        """Held-out evaluations the script timed inside steps (eval_seconds)."""
         self._clock: RoundClock | None = None
         self._resume_round = site.launch.resume_round if site.launch else None
         self._rejoin = bool(site.launch and site.launch.rejoin)
@@ -173,6 +175,7 @@ class TrainingRun:
         self._views_seen = (0, len(strategy.member.caught_up))
         self.tokens = int(self._resumed.get("tokens", 0))
         self.compute_s = float(self._resumed.get("compute_s", 0.0))
+        self.eval_s = float(self._resumed.get("eval_s", 0.0))
         self._train_started = time.time() - float(self._resumed.get("wall_s", 0.0))
         self._outer_seen = strategy.outer_steps
         self._clock = RoundClock(time.perf_counter(), self.tokens, self.compute_s, self.start_step)
@@ -245,6 +248,7 @@ class TrainingRun:
         # evaluation the script timed (eval_seconds): neither is training.
         blocked = sum(b.seconds for b in strategy.blocked) + logged.get("eval_seconds", 0.0)
         self.compute_s += time.perf_counter() - started - blocked
+        self.eval_s += logged.get("eval_seconds", 0.0)
         loss, tokens = self._site_totals(logged)
         self.loss = loss
         self.tokens += tokens
@@ -342,6 +346,7 @@ class TrainingRun:
             "step": steps,
             "tokens": self.tokens,
             "compute_s": self.compute_s,
+            "eval_s": self.eval_s,
             "wall_s": time.time() - self._train_started,
         }
         rounds = strategy.outer_steps
@@ -393,6 +398,7 @@ class TrainingRun:
             "outer_steps": strategy.outer_steps,
             "compute_seconds": self.compute_s,
             "wall_seconds": time.time() - self._train_started,
+            "eval_seconds": self.eval_s,
             "wan_bytes_sent": totals["wan_bytes_sent"],
             "wan_bytes_received": totals["wan_bytes_received"],
             "wan_bytes_sent_to": totals["wan_bytes_sent_to"],
