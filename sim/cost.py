@@ -6,10 +6,16 @@ sites (``DESIGN.md``, "Performance model"):
 
 * ``direct`` (reduce-scatter to slice owners, all-gather from them, full mesh):
   in each of two phases every site sends N/S to each other site at once, so a
-  phase lasts as long as the slowest pair link carrying N/S, or the slowest
-  uplink carrying (S-1)N/S, plus the largest latency;
+  phase lasts as long as the slowest pair: its link's latency plus N/S at its
+  bandwidth, or a site's latency plus (S-1)N/S through its uplink;
 * ``ring`` (sorted order, chunk-pipelined): 2(S-1) steps of N/S on each ring
-  link, paced by the slowest ring link or uplink, plus 2(S-1) latencies.
+  link, each as long as the slowest hop (its latency plus N/S at its rate).
+
+Latency and transfer add per link, then the slowest link sets the pace: on
+uneven links the longest latency and the lowest bandwidth are often different
+links (a 20 Mbit/s link at 40 ms beside a 300 Mbit/s one at 200 ms), and
+adding the worst of each overstated a 3-site exchange by a third
+(docs/performance-model.md, "Validation").
 
 The collective engine uses this to choose an algorithm (``auto``); the
 benchmarks use it for the bound they report efficiency against.
@@ -47,10 +53,17 @@ def direct_seconds(
         return 0.0
     uplinks = uplink_bytes_per_s or {}
     share = nbytes / s
-    slowest = max(share / link(a, b).bandwidth_bytes_per_s for a in sites for b in sites if a != b)
-    capped = max(((s - 1) * share / uplinks[x] for x in sites if x in uplinks), default=0.0)
-    latency = max(link(a, b).one_way_s for a in sites for b in sites if a != b)
-    return 2 * (max(slowest, capped) + latency)
+    pairs = [(a, b, link(a, b)) for a in sites for b in sites if a != b]
+    slowest = max(cost.one_way_s + share / cost.bandwidth_bytes_per_s for _, _, cost in pairs)
+    capped = max(
+        (
+            (s - 1) * share / uplinks[x] + max(cost.one_way_s for a, _, cost in pairs if a == x)
+            for x in sites
+            if x in uplinks
+        ),
+        default=0.0,
+    )
+    return 2 * max(slowest, capped)
 
 
 def ring_seconds(
@@ -66,10 +79,11 @@ def ring_seconds(
     order = sorted(sites)
     hops = [(order[k], order[(k + 1) % s]) for k in range(s)]
     share = nbytes / s
-    rates = [link(a, b).bandwidth_bytes_per_s for a, b in hops]
-    rates += [uplinks[x] for x in order if x in uplinks]
-    latency = max(link(a, b).one_way_s for a, b in hops)
-    return 2 * (s - 1) * (share / min(rates) + latency)
+    step = 0.0
+    for a, b in hops:
+        rate = min(link(a, b).bandwidth_bytes_per_s, uplinks.get(a, float("inf")))
+        step = max(step, link(a, b).one_way_s + share / rate)
+    return 2 * (s - 1) * step
 
 
 ALGORITHMS = {"direct": direct_seconds, "ring": ring_seconds}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 
@@ -69,6 +70,47 @@ def test_each_sites_step_and_how_late_the_last_one_arrives(tmp_path):
     assert calibration.step_s == pytest.approx(0.15)
     sigma = (0.04 / 3) / (math.sqrt(2) / math.sqrt(math.pi))
     assert calibration.jitter_s == pytest.approx(sigma)
+
+
+def test_time_neither_compute_nor_blocked_is_measured_per_exchange(tmp_path):
+    """Each step record is written 0.1 s of compute plus 0.3 s blocked plus what a
+    site spends beside both (a: 0.05 s per step, b: none) after the last one."""
+    metrics = tmp_path / "metrics.jsonl"
+    for site, extra in (("a", 0.05), ("b", 0.0)):
+        lines = []
+        t = 1000.0
+        for number in range(1, 9):
+            started = t
+            t += 0.1 + 0.3 + extra
+            lines.append(
+                {
+                    "t": started + 0.1,
+                    "site": site,
+                    "kind": "blocked",
+                    "what": "syncing",
+                    "started": started + 0.1,
+                    "seconds": 0.3,
+                }
+            )
+            lines.append(
+                {
+                    "t": t,
+                    "site": site,
+                    "kind": "step",
+                    "step": number,
+                    "compute_s": 0.1 * number,
+                    "loss": 1.0,
+                }
+            )
+        with metrics.open("a") as out:
+            out.writelines(json.dumps(line) + "\n" for line in lines)
+    calibration = steady_calibration(metrics, every=2, warm_up=2)
+    # 6 steps after the warm-up, 3 synchronisations: 0.3 s beside compute, 0.1 each.
+    assert calibration.outside_s_by_site == pytest.approx({"a": 0.1, "b": 0.0}, abs=1e-9)
+    assert calibration.in_site_s == pytest.approx(0.1)
+    # A Streaming synchronisation exchanges one fragment: per whole model, times P.
+    halves = steady_calibration(metrics, every=2, warm_up=2, model_share=0.5)
+    assert halves.outside_s_by_site["a"] == pytest.approx(0.2)
 
 
 def test_steps_slowed_at_every_site_alike_keep_no_one_waiting(tmp_path):

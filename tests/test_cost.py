@@ -50,3 +50,20 @@ def test_direct_wins_on_a_uniform_mesh_and_ring_avoids_a_slow_diagonal():
 def test_one_site_costs_nothing():
     assert direct_seconds(1e9, ["a"], uniform(1, 1)) == 0.0
     assert ring_seconds(1e9, ["a"], uniform(1, 1)) == 0.0
+
+
+def test_on_uneven_links_latency_and_transfer_add_per_link_then_the_slowest_sets_the_pace():
+    """A slow link at a short RTT beside a fast one at a long RTT (a held-out
+    validation job's): each phase lasts as long as its slowest pair, latency plus
+    transfer on the same link, not the largest latency plus the lowest bandwidth."""
+    sites = ["a", "b", "c"]
+    n = 3 * MB  # 1 MB a pair per phase
+
+    def uneven(x, y):
+        if {x, y} == {"a", "b"}:
+            return LinkCost.of(bandwidth_mbit=8, rtt_ms=40)  # 1 s per MB, 20 ms one way
+        return LinkCost.of(bandwidth_mbit=800, rtt_ms=400)  # 0.01 s per MB, 200 ms one way
+
+    assert direct_seconds(n, sites, uneven) == pytest.approx(2 * (1.0 + 0.02))
+    # The ring's every step waits for its slowest hop (a-b, b-c, c-a), likewise.
+    assert ring_seconds(n, sites, uneven) == pytest.approx(2 * 2 * (1.0 + 0.02))

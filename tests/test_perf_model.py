@@ -284,8 +284,9 @@ def test_sim_calibrates_the_step_with_a_short_run_of_the_job(tmp_path):
     out = json.loads(done.stdout)
     assert "calibrating" in done.stderr
     assert 0.001 < out["scenario"]["step_s"] < 5
-    # Two processes share the cores: the steps vary, and the calibration says by how much.
-    assert 0 < out["scenario"]["step_jitter_s"] < out["scenario"]["step_s"]
+    # Two processes share the cores: the steps vary, and the calibration says by how
+    # much (on a loaded machine by as much as a step or more).
+    assert 0 < out["scenario"]["step_jitter_s"] < 10 * out["scenario"]["step_s"]
     diloco = next(p for p in out["predictions"] if p["strategy"] == "diloco")
     assert 0 < diloco["utilization"] <= 1
 
