@@ -104,7 +104,7 @@ FIT = [
 ]
 UNEVEN = ((0, 1, 100, 120, 0), (0, 2, 300, 160, 0), (1, 2, 200, 140, 5))
 """The new user's job of the issue: 100-300 Mbit/s at 120-160 ms, jitter on one."""
-HELD_OUT = [
+DIAGNOSED = [
     Case(3, 200, 140, "diloco", 50, 300, ranks=(2, 1, 1), links=UNEVEN),
     Case(3, 200, 140, "diloco", 50, 120, ranks=(2, 1, 1), links=UNEVEN),
     Case(2, 100, 40, "sync", 10, 40, ranks=(2, 2)),
@@ -119,7 +119,36 @@ HELD_OUT = [
     Case(3, 100, 60, "sync", 10, 40, links=((0, 2, 100, 60, 3),)),
     Case(2, 100, 300, "streaming", 40, 120),
 ]
-SETS = {"fit": FIT, "held-out": HELD_OUT}
+"""The first held-out set. Its runs showed what the model and the measurements
+missed (uneven links, the engine's efficiency, a multi-rank site's per-step
+collective outside compute), so it was used to change them: no longer held out.
+Kept as the diagnosis set, its runs predicted again with every change."""
+HELD_OUT = [
+    Case(2, 150, 90, "diloco", 25, 200, ranks=(2, 1)),
+    Case(
+        3,
+        120,
+        100,
+        "streaming",
+        20,
+        120,
+        ranks=(1, 1, 2),
+        links=((0, 1, 50, 50, 0), (1, 2, 250, 180, 0)),
+    ),
+    Case(2, 40, 120, "async", 15, 120, ranks=(2, 2)),
+    Case(3, 150, 50, "sync", 10, 40, ranks=(2, 1, 1)),
+    Case(2, 80, 250, "streaming", 30, 240, ranks=(1, 2), links=((0, 1, 80, 250, 8),)),
+    Case(4, 100, 70, "diloco", 20, 120, ranks=(2, 1, 1, 1)),
+    Case(2, 15, 110, "diloco", 15, 120),
+    Case(3, 200, 150, "async", 25, 200, links=((0, 2, 15, 60, 0),)),
+    Case(4, 60, 90, "streaming", 20, 120, links=((1, 3, 60, 90, 4),)),
+    Case(2, 80, 35, "sync", 10, 30, ranks=(2, 2)),
+    Case(2, 250, 280, "sync", 10, 60),
+    Case(3, 120, 60, "diloco", 40, 240, ranks=(1, 2, 1), links=((1, 2, 25, 200, 0),)),
+    Case(2, 100, 40, "async", 10, 120, ranks=(2, 1)),
+]
+"""The held-out set: chosen after every change above and never used to make one."""
+SETS = {"fit": FIT, "diagnosis": DIAGNOSED, "held-out": HELD_OUT}
 
 
 def job_text(case: Case) -> str:
@@ -378,7 +407,12 @@ def summarise(result: dict) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--set", choices=[*SETS, "both"], default="both")
+    parser.add_argument(
+        "--set",
+        choices=[*SETS, "both"],
+        default="both",
+        help="which runs: fit, diagnosis, held-out, or both (fit and held-out; default)",
+    )
     parser.add_argument("--out", type=Path, help="keep the runs here (default: a temp dir)")
     parser.add_argument(
         "--replay", type=Path, help="a validation.json: predict its runs again, run nothing"
@@ -405,7 +439,7 @@ def main() -> int:
     root = (args.out or Path(tempfile.mkdtemp(prefix="isthmus-validation-"))).resolve()
     root.mkdir(parents=True, exist_ok=True)
     result: dict = {"calibration": fit_host_work(root), "rows": []}
-    chosen = list(SETS) if args.set == "both" else [args.set]
+    chosen = ["fit", "held-out"] if args.set == "both" else [args.set]
     for name in chosen:
         for index, case in enumerate(SETS[name]):
             raw = measure(case, root / f"{name}-{index}") | {"case": case.name}
