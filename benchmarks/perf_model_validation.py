@@ -413,6 +413,10 @@ def main() -> int:
         default="both",
         help="which runs: fit, diagnosis, held-out, or both (fit and held-out; default)",
     )
+    parser.add_argument(
+        "--strategy",
+        help="only the runs of this strategy (e.g. to check a change to its calibration)",
+    )
     parser.add_argument("--out", type=Path, help="keep the runs here (default: a temp dir)")
     parser.add_argument(
         "--replay", type=Path, help="a validation.json: predict its runs again, run nothing"
@@ -442,6 +446,8 @@ def main() -> int:
     chosen = ["fit", "held-out"] if args.set == "both" else [args.set]
     for name in chosen:
         for index, case in enumerate(SETS[name]):
+            if args.strategy and case.strategy != args.strategy:
+                continue
             raw = measure(case, root / f"{name}-{index}") | {"case": case.name}
             row = {"set": name, "raw": raw} | predict(case, raw, result["calibration"])
             result["rows"].append(row)

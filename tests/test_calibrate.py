@@ -31,11 +31,17 @@ def test_the_calibration_synchronises_as_the_job_does():
     assert streaming["overlap_steps"] == 2
     assert streaming["sync_every"] == 4 * LOCKSTEP_EVERY
     assert calibration_train({"strategy": "streaming", "sync_every": 20})["sync_every"] == 20
-    # DiLoCo at the job's H up to 10; async's sites would drift apart: DiLoCo.
+    # DiLoCo at the job's H up to 10.
     assert calibration_train({"strategy": "diloco", "sync_every": 5})["sync_every"] == 5
-    for strategy in ("diloco", "async"):
-        lockstep = calibration_train({"strategy": strategy, "sync_every": 50})
-        assert lockstep["strategy"] == "diloco" and lockstep["sync_every"] == LOCKSTEP_EVERY
+    lockstep = calibration_train({"strategy": "diloco", "sync_every": 50})
+    assert lockstep["strategy"] == "diloco" and lockstep["sync_every"] == LOCKSTEP_EVERY
+    # Async: its exchange beside the compute, the sites in step: one streaming fragment
+    # overlapped with all but the last step of each round.
+    overlapped = calibration_train({"strategy": "async", "sync_every": 50})
+    assert overlapped["strategy"] == "streaming" and overlapped["fragments"] == 1
+    assert overlapped["sync_every"] == LOCKSTEP_EVERY
+    assert overlapped["overlap_steps"] == LOCKSTEP_EVERY - 1
+    assert steps_between_syncs(overlapped) == LOCKSTEP_EVERY
 
 
 def write_steps(metrics, steps: dict[str, list[float]]) -> None:
