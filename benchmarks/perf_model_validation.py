@@ -390,7 +390,7 @@ def print_row(row: dict) -> None:
 
 
 def summarise(result: dict) -> None:
-    for name in SETS:
+    for name in [*SETS, "async-recheck"]:
         rows = [r for r in result["rows"] if r.get("set") == name]
         if not rows:
             continue
@@ -478,6 +478,8 @@ def write_docs(result: dict) -> None:
         "fit": "Fit set (the model's choices were made on it)",
         "diagnosis": "Diagnosis set (the first held-out set; it found what was fixed)",
         "held-out": "Held-out set (never used to change anything)",
+        "async-recheck": "The async runs of both sets again, after the async calibration "
+        "changed because of them (so no longer held out)",
     }
     for name, title in titles.items():
         rows = [r for r in result["rows"] if r.get("set") == name]
