@@ -157,5 +157,3 @@ def site_hardware(name: str) -> SiteHardware:
     """``cpu`` or a GPU's name (h100, h200, a100, b200)."""
     return cpu_site() if name == "cpu" else gpu_site(name)
 
-
-HARDWARE = ("cpu", *sorted(GPU_MEMORY_BYTES_PER_S))
