@@ -156,4 +156,3 @@ def gpu_site(gpu: str) -> SiteHardware:
 def site_hardware(name: str) -> SiteHardware:
     """``cpu`` or a GPU's name (h100, h200, a100, b200)."""
     return cpu_site() if name == "cpu" else gpu_site(name)
-
