@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -231,6 +232,16 @@ def contention(sites: int) -> float:
     return max(1.0, sites / (os.cpu_count() or 1))
 
 
+@functools.cache
+def job_file_scenario(case: Case) -> Scenario:
+    """What ``isthmus sim JOB`` reads from the case's job file, made once per case;
+    the compute per step is set by :func:`scenario`."""
+    with tempfile.TemporaryDirectory() as folder:
+        job = Path(folder) / "validation.yaml"
+        job.write_text(job_text(case))
+        return job_scenario(job, 1.0)
+
+
 def scenario(
     case: Case,
     step_s: float,
@@ -241,12 +252,10 @@ def scenario(
 ) -> Scenario:
     """What ``isthmus sim JOB --step-ms --step-jitter-ms`` predicts from for the case's
     job file, with the fitted host work and the slowest site's pace."""
-    with tempfile.TemporaryDirectory() as folder:
-        job = Path(folder) / "validation.yaml"
-        job.write_text(job_text(case))
-        base = job_scenario(job, step_s, jitter_s)
     return dataclasses.replace(
-        base,
+        job_file_scenario(case),
+        step_s=step_s,
+        step_jitter_s=jitter_s,
         slowest_step_s=slowest_s if slowest_s and slowest_s > step_s else None,
         outer_step_s=outer_s,
         peer_overhead_s=peer_s,

@@ -352,9 +352,10 @@ def predict_run(scenario: Scenario) -> Prediction:
     backward = s.backward_fraction * pace if s.outer_overlaps_backward else 0.0
     left = (s.steps or 0) % h  # steps after the last whole round
     if s.strategy == "diloco":
-        exposed = s.late_s(h) + exchange_cost(s, 64.0).seconds + _overlapped(full, backward)
+        vote = exchange_cost(s, 64.0).seconds
+        exposed = s.late_s(h) + vote + _overlapped(full, backward)
         # A last round for the steps since the previous one, if any.
-        final = s.late_s(left) + exchange_cost(s, 64.0).seconds + full.seconds if left else 0.0
+        final = s.late_s(left) + vote + full.seconds if left else 0.0
         whole = _whole_run(s, pace, h, exposed, final)
     elif s.strategy == "async":
         exposed = _overlapped(full, compute + backward, s.late_s(h))

@@ -73,15 +73,15 @@ def test_a_billion_parameters_on_gpus_is_bound_by_the_wire_not_by_cpu_host_work(
     assert host["hardware"] == "h200" and any("outer step" in m for m in host["measured"])
 
 
-def test_device_host_copies_overlap_the_wire():
+def two_sites(bandwidth_mbit: float, **changes) -> Scenario:
+    """Two sites of a 1e6-parameter model (4 MB) on one link without latency."""
     sites = ["a", "b"]
-    base = Scenario(
-        params=1e6,
-        step_s=0.1,
-        tokens_per_step=1.0,
-        sites=sites,
-        links=uniform_links(sites, bandwidth_mbit=80, rtt_ms=0),
-    )
+    links = uniform_links(sites, bandwidth_mbit=bandwidth_mbit, rtt_ms=0)
+    return Scenario(params=1e6, tokens_per_step=1.0, sites=sites, links=links, **changes)
+
+
+def test_device_host_copies_overlap_the_wire():
+    base = two_sites(80, step_s=0.1)
     wire = exchange_cost(base, 4e6).wire_s  # 4 MB at 10 MB/s: 0.4 s
     assert wire == pytest.approx(0.4)
     slow_copies = dataclasses.replace(base, host_link_bytes_per_s=4e6)  # 1 s of copies
@@ -91,16 +91,7 @@ def test_device_host_copies_overlap_the_wire():
 
 
 def test_an_outer_exchange_may_overlap_the_backward_pass_as_published_simulators_assume():
-    sites = ["a", "b"]
-    base = Scenario(
-        params=1e6,
-        step_s=0.3,
-        tokens_per_step=1.0,
-        sites=sites,
-        links=uniform_links(sites, bandwidth_mbit=8, rtt_ms=0),  # 4 s per exchange
-        strategy="diloco",
-        sync_every=10,
-    )
+    base = two_sites(8, step_s=0.3, strategy="diloco", sync_every=10)  # 4 s per exchange
     after_the_step = predict_run(base)
     during_backward = predict_run(dataclasses.replace(base, outer_overlaps_backward=True))
     assert after_the_step.round_s - during_backward.round_s == pytest.approx(2 / 3 * 0.3)

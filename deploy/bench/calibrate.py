@@ -53,16 +53,15 @@ class Calibration:
     deviation of independent steps that would make the last site reach the
     calibration's synchronisations as late (beyond its mean pace) as it did."""
     outside_s_by_site: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Each site's seconds per exchange of the whole model that are neither compute
-    nor waiting on the strategy: on a site of several ranks, the hierarchical
-    step's in-site collectives (its ranks' Gloo or NCCL reduce-scatter and
-    all-gather around the WAN exchange), which only a run at the job's concurrency
-    shows (held-out validation: 0.2-0.4 s per exchange of the tiny model for a
-    2-rank site on this 2-core machine, against 0.03 s from Gloo's rate alone)."""
+    """Each site's wall seconds, per exchange of the whole model, that are neither
+    compute nor waiting on the strategy: what the model cannot see. A check, not a
+    model input: the validation found 0.1-0.5 s per exchange on 2-rank sites while
+    their per-step collective was timed outside compute, and 13-43 ms (1-2 ms a
+    step of bookkeeping) once it counted inside (docs/performance-model.md)."""
 
     @property
     def in_site_s(self) -> float:
-        """What the slowest site adds to every exchange of the whole model."""
+        """The largest of :attr:`outside_s_by_site`: what the worst site leaves unseen."""
         return max(self.outside_s_by_site.values(), default=0.0)
 
     @property
