@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -38,6 +39,7 @@ from typing import IO, Any
 import yaml
 
 from isthmus.deploy.jobfile import Job
+from isthmus.deploy.run import warm_start
 from isthmus.deploy.run.orphan import parent_environment
 from isthmus.deploy.run.records import RecordTail, write_json_atomic
 from isthmus.deploy.run.run_dir import RunError
@@ -49,9 +51,12 @@ from isthmus.deploy.run.site_processes import (
     terminate,
 )
 from isthmus.deploy.run.stale_run import forget_stale_run
+from isthmus.deploy.run.warm_start import ForkedRank, RankTemplate, TemplateError
 from isthmus.deploy.session.environment import METRICS_PORTS
 from isthmus.job.addressing import load_state
 from isthmus.job.ports import free_ports
+
+log = logging.getLogger(__name__)
 
 EMULATOR_START_S = 60.0
 POLL_S = 0.25
@@ -73,7 +78,7 @@ class SiteState:
 
     name: str
     ranks: int
-    procs: list[subprocess.Popen] = field(default_factory=list)
+    procs: list[subprocess.Popen | ForkedRank] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
     status: str = "starting"
     """starting, computing, waiting, syncing, rejoining, leaving, left, finished, failed
@@ -194,6 +199,8 @@ class Launcher:
         self._last_link_poll = 0.0
         self._link_bytes: dict[str, tuple[float, float]] = {}
         self.tensorboard: Any = None
+        self.template: RankTemplate | None = None
+        """Forks the built-in loop's ranks (:mod:`isthmus.deploy.run.warm_start`)."""
         self.tuner: Any = None
         self._pids: dict[str, list[int]] = {}
         # Faults that start or end at a round wait on the rounds the launcher reports.
@@ -212,6 +219,9 @@ class Launcher:
             + yaml.safe_dump(self.raw, sort_keys=False)
         )
         self._metrics = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+        if self.command is None and warm_start.enabled():
+            # Its imports run while the broker and the emulator start.
+            self.template = RankTemplate(run_dir, run_dir / "logs" / "template.log")
         if self.job.metrics is not None:
             self._choose_metrics_ports()
         if self.job.control is None:
@@ -254,20 +264,32 @@ class Launcher:
         env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
         state = self.state.sites[name]
         logs = [run_dir / "logs" / f"{name}-r{r}.log" for r in range(site.ranks)]
-        files = [log.open("ab") for log in logs]
-        self._files += files
         how = {"rejoin": rejoin, "resume_round": self.resume_round}
         command = self.command or builtin_command()
         env |= site_environment(run_dir, name, **how)
         if name in self.metrics_ports:  # the same ports when the site is restarted
             env[METRICS_PORTS] = ",".join(str(p) for p in self.metrics_ports[name])
-        state.procs = launch(command, site.ranks, env, files)
+        state.procs = self._launch(command, site.ranks, env, logs)
         state.logs = logs
         state.started = time.time()
         state.launched_at = time.monotonic()
         state.joined = False
         self._pids[name] = [p.pid for p in state.procs]
         write_json_atomic(run_dir / "pids.json", self._pids)
+
+    def _launch(
+        self, command: list[str], ranks: int, env: dict[str, str], logs: list[Path]
+    ) -> list[subprocess.Popen | ForkedRank]:
+        """The ranks of one site: forked from the warm template when they run the
+        built-in loop and it is up, else fresh processes."""
+        if self.template is not None:
+            try:
+                return launch(command, ranks, env, logs, self.template)
+            except TemplateError as exc:
+                log.warning("%s; starting ranks as fresh processes from now on", exc)
+                self.template.close()
+                self.template = None
+        return launch(command, ranks, env, logs)
 
     def _start_broker(self) -> None:
         """The control plane's embedded broker; its address goes where the sites
@@ -386,9 +408,11 @@ class Launcher:
                 continue
             # A site says "finished" before its processes exit; the exit codes decide.
             codes = [p.poll() for p in site.procs]
-            if any(c is not None and c != 0 for c in codes):
-                code = next(c for c in codes if c is not None and c != 0)
-                rank = codes.index(code)
+            bad = [(rank, c) for rank, c in enumerate(codes) if c is not None and c != 0]
+            if bad:
+                # A rank killed by a signal is the cause where others failed beside it
+                # (they lost their peer): it names the site's end, else the first rank.
+                rank, code = min(bad, key=lambda rank_code: (rank_code[1] > 0, rank_code[0]))
                 site.status = "lost" if code < 0 else "failed"
                 site.reason = exit_reason(rank, code, site.logs[rank])
                 if not self.survives_loss:
@@ -503,6 +527,9 @@ class Launcher:
         if self.emulator is not None:
             self._final_link_stats()
         terminate([*children, *([self.emulator] if self.emulator else [])])
+        if self.template is not None:
+            self.template.close()
+            self.template = None
         if self.tuner is not None:
             self.tuner.close()
             self.tuner = None

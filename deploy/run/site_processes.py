@@ -16,10 +16,11 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import IO
 
 from isthmus.deploy.run.orphan import parent_environment
+from isthmus.deploy.run.warm_start import ForkedRank, RankTemplate
 from isthmus.deploy.session.environment import LaunchEnvironment
 from isthmus.intra.launch import free_port, rank_environment
 
@@ -46,26 +47,38 @@ def site_environment(
 
 
 def launch(
-    command: list[str], ranks: int, env: dict[str, str], logs: list[IO[bytes]]
-) -> list[subprocess.Popen]:
+    command: list[str],
+    ranks: int,
+    env: dict[str, str],
+    logs: list[Path],
+    template: RankTemplate | None = None,
+) -> list[subprocess.Popen | ForkedRank]:
     """One process per rank with torchrun's environment, each logging to its own
     file and in its own session (a terminal's Ctrl-C reaches the launcher only); each
-    stops when the launcher is gone (:mod:`isthmus.deploy.run.orphan`)."""
+    stops when the launcher is gone (:mod:`isthmus.deploy.run.orphan`). With a
+    ``template``, the ranks of the built-in loop are forked from it
+    (:mod:`isthmus.deploy.run.warm_start`); any other command starts afresh."""
     master_port = free_port()
     base = {**os.environ, **env, **parent_environment()}
-    return [
-        subprocess.Popen(
-            command,
-            env={**base, **rank_environment(rank, ranks, master_port)},
-            stdout=logs[rank],
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        for rank in range(ranks)
-    ]
+    envs = [{**base, **rank_environment(rank, ranks, master_port)} for rank in range(ranks)]
+    if template is not None:
+        return [template.spawn([], e, log) for e, log in zip(envs, logs, strict=True)]
+    procs: list[subprocess.Popen | ForkedRank] = []
+    for rank_env, log in zip(envs, logs, strict=True):
+        with log.open("ab") as out:  # the child holds its own copy of the descriptor
+            procs.append(
+                subprocess.Popen(
+                    command,
+                    env=rank_env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+    return procs
 
 
-def terminate(procs: list[subprocess.Popen]) -> None:
+def terminate(procs: Sequence[subprocess.Popen | ForkedRank]) -> None:
     """SIGTERM to each live process group, SIGKILL to those still there after the grace."""
     live = [p for p in procs if p.poll() is None]
     for p in live:
@@ -79,7 +92,7 @@ def terminate(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+def _signal_group(proc: subprocess.Popen | ForkedRank, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, sig)
 

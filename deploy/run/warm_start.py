@@ -1,0 +1,410 @@
+"""Ranks of the built-in training loop forked from a warm template.
+
+A rank's interpreter spends ~3 CPU-seconds importing torch, DTensor and
+torch._dynamo (which the optimizer pulls in) before it does anything of its
+own: on a small machine running several emulated sites that is most of a short
+run's CPU, and every restart of a lost site pays it again. So ``isthmus run``
+starts one template process that does those imports once, and forks each rank
+of the built-in loop from it (``benchmarks/rank_startup.py`` measures the two).
+
+Forking is safe only from a process with one thread: the template starts no
+thread (its loop is a ``select`` on its request pipe and a SIGCHLD wake-up
+pipe), never touches CUDA, and checks ``/proc/self/task`` before each fork.
+A forked rank is what ``python -m isthmus.deploy.run.worker`` would be: its
+own session, its log as stdout and stderr, the rank's environment, its own
+seed for ``random``, torch's thread count from ``OMP_NUM_THREADS`` (libgomp
+read the template's at import), ``atexit`` handlers run at its end.
+
+The launcher's side (:class:`RankTemplate`) hands out :class:`ForkedRank`
+objects that answer ``poll``/``wait``/``pid`` like ``subprocess.Popen``. The
+ranks' parent is the template, so they end with it
+(:mod:`isthmus.deploy.run.orphan`), and it ends with the launcher. A template
+that cannot start, or ``ISTHMUS_WARM_START=0``, means plain processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from isthmus.deploy.run.orphan import PARENT_ENV, parent_environment
+
+log = logging.getLogger(__name__)
+
+ENABLE_ENV = "ISTHMUS_WARM_START"
+"""``0`` starts every rank as a fresh interpreter (the template is skipped)."""
+START_TIMEOUT_S = 120.0
+"""How long the template may take to import torch and say it is ready."""
+WORKER_MODULE = "isthmus.deploy.run.worker"
+_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch._dynamo",
+    WORKER_MODULE,
+)
+
+
+def enabled() -> bool:
+    return os.environ.get(ENABLE_ENV, "1") != "0"
+
+
+# -- the launcher's side -------------------------------------------------------------
+class ForkedRank:
+    """A rank forked by the template, as the launcher sees it: ``pid``, ``poll()``,
+    ``wait(timeout)`` and ``returncode`` as in ``subprocess.Popen`` (a signal's end
+    is its negative number)."""
+
+    def __init__(self, pid: int, args: list[str]) -> None:
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+        self._ended = threading.Event()
+
+    def _end(self, code: int) -> None:
+        self.returncode = code
+        self._ended.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+
+class TemplateError(RuntimeError):
+    pass
+
+
+class RankTemplate:
+    """The template process and the pipe to it. ``spawn`` forks one rank."""
+
+    def __init__(self, run_dir: Path, log_path: Path) -> None:
+        self._log = log_path.open("ab")
+        self.proc = subprocess.Popen(
+            # The run directory on the command line names the run in `ps`, for the
+            # template and for each rank forked from it (a fork keeps the command line).
+            [sys.executable, "-m", __name__, str(run_dir.resolve())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            start_new_session=True,
+            # One OpenMP thread: libgomp would otherwise start its pool at torch's
+            # import, and a process with threads must not fork. Each rank sets its
+            # own count (_run_worker).
+            env={
+                **os.environ,
+                **parent_environment(),
+                "PYTHONUNBUFFERED": "1",
+                "OMP_NUM_THREADS": "1",
+            },
+        )
+        self._lock = threading.Lock()
+        self._replies: dict[int, dict[str, Any]] = {}
+        self._replied = threading.Condition(self._lock)
+        self._ranks: dict[int, ForkedRank] = {}
+        self._early_ends: dict[int, int] = {}
+        self._next_id = 0
+        self._ready = threading.Event()
+        self._reader = threading.Thread(target=self._read, name="isthmus-template", daemon=True)
+        self._reader.start()
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        if not self._ready.wait(timeout) or self.proc.poll() is not None:
+            raise TemplateError(
+                f"the rank template did not start in {timeout:.0f} s "
+                f"(exit status {self.proc.poll()}; log: {self._log.name})"
+            )
+
+    def spawn(
+        self, args: list[str], env: dict[str, str], log_path: Path, module: str = WORKER_MODULE
+    ) -> ForkedRank:
+        """Fork one rank running ``python -m MODULE args...`` (the built-in loop's)."""
+        self.wait_ready()
+        with self._lock:
+            request_id = self._next_id
+            self._next_id += 1
+        request = {
+            "id": request_id,
+            "argv": [module, *args],
+            "env": env,
+            "log": str(log_path),
+            "cwd": os.getcwd(),
+        }
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError) as exc:
+            raise TemplateError(f"the rank template is gone: {exc}") from None
+        with self._lock:
+            deadline = time.monotonic() + 30.0
+            while request_id not in self._replies:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise TemplateError(f"the rank template did not fork (log: {self._log.name})")
+                self._replied.wait(0.5)
+            reply = self._replies.pop(request_id)
+            if "error" in reply:
+                raise TemplateError(reply["error"])
+            rank = ForkedRank(reply["pid"], ["python", "-m", module, *args])
+            self._ranks[rank.pid] = rank
+            if rank.pid in self._early_ends:  # it ended before the reply was read
+                rank._end(self._early_ends.pop(rank.pid))
+            return rank
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            message = json.loads(line)
+            with self._lock:
+                if "ready" in message:
+                    self._ready.set()
+                elif "ended" in message:
+                    pid, code = message["ended"], message["code"]
+                    rank = self._ranks.pop(pid, None)
+                    if rank is None:
+                        self._early_ends[pid] = code
+                    else:
+                        rank._end(code)
+                else:
+                    self._replies[message["id"]] = message
+                    self._replied.notify_all()
+        # The template is gone: whatever it had forked can no longer be told about.
+        self.proc.wait()
+        with self._lock:
+            for rank in self._ranks.values():
+                if rank.returncode is None:
+                    rank._end(_live_or_lost(rank.pid))
+            self._ranks.clear()
+            self._replied.notify_all()
+
+    def close(self) -> None:
+        """The template exits once the ranks it forked have (the launcher has
+        stopped them by now)."""
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(30.0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._reader.join(5.0)
+        self._log.close()
+
+
+def _live_or_lost(pid: int) -> int:
+    """The end of a rank whose template died: nothing can report it any more, so it
+    is killed if it still runs, and counted as killed either way."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    return -signal.SIGKILL
+
+
+# -- the template's side -------------------------------------------------------------
+_HELD = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+ORPHAN_GRACE_S = 30.0
+"""After the launcher is gone, how long the ranks get to stop on SIGTERM."""
+
+
+def _threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def serve() -> int:
+    for module in _PRELOAD:
+        __import__(module)
+    launcher = int(os.environ.pop(PARENT_ENV, "0") or 0)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # wake the select; reaped below
+    signal.signal(signal.SIGTERM, lambda *_: None)  # ended by closing stdin, not signals
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The pipes to the launcher on descriptors of their own; 0 and 1 become
+    # /dev/null and the template's log, so that a forked rank's 0, 1 and 2 are free
+    # to be its own.
+    requests = os.fdopen(os.dup(0), "rb")
+    out = os.fdopen(os.dup(1), "wb")
+    nothing = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(nothing, 0)
+    os.close(nothing)
+    os.dup2(2, 1)
+    selector = selectors.DefaultSelector()
+    selector.register(requests, selectors.EVENT_READ)
+    selector.register(wake_r, selectors.EVENT_READ)
+    children: set[int] = set()
+    private = [requests.fileno(), out.fileno(), wake_r, wake_w]
+
+    def say(message: dict[str, Any]) -> None:
+        out.write((json.dumps(message) + "\n").encode())
+        out.flush()
+
+    say({"ready": os.getpid()})
+    open_requests = True
+    orphaned: float | None = None
+    while open_requests or children:
+        for key, _ in selector.select(timeout=1.0):
+            if key.fileobj is requests:
+                line = requests.readline()
+                if not line:
+                    open_requests = False
+                    selector.unregister(requests)
+                    continue
+                request = json.loads(line)
+                if _threads() > 1:
+                    say({"id": request["id"], "error": "the rank template runs threads"})
+                    continue
+                # Signals wait until the child has its own handlers: one sent right
+                # after the fork (a Ctrl-C, a stop) must not hit the template's.
+                signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+                pid = os.fork()
+                if pid == 0:
+                    _run_rank(request, private)  # never returns
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD)
+                children.add(pid)
+                say({"id": request["id"], "pid": pid})
+            else:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_r, 512)
+        for pid, code in _reap():
+            children.discard(pid)
+            with contextlib.suppress(BrokenPipeError, ValueError):
+                say({"ended": pid, "code": code})
+        if launcher and orphaned is None and os.getppid() != launcher:
+            # The launcher was killed: its ranks would train on, orphaned. They watch
+            # this process, so it stops them first and goes once they have gone.
+            orphaned, open_requests = time.monotonic(), False
+            _signal_all(children, signal.SIGTERM)
+        if orphaned is not None and time.monotonic() > orphaned + ORPHAN_GRACE_S:
+            _signal_all(children, signal.SIGKILL)
+    return 0
+
+
+def _signal_all(children: set[int], sig: int) -> None:
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, sig)
+
+
+def _reap() -> list[tuple[int, int]]:
+    ended = []
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return ended
+        if pid == 0:
+            return ended
+        ended.append((pid, os.waitstatus_to_exitcode(status)))
+
+
+def _run_rank(request: dict[str, Any], private: list[int]) -> None:
+    """In the forked child: become what ``python -m WORKER args`` would be, run it,
+    and exit with its status. Never returns into the template's loop."""
+    code = 1
+    try:
+        os.setsid()
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD)  # held since before the fork
+        for fd in private:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        logged = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        nothing = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(nothing, 0)
+        os.dup2(logged, 1)
+        os.dup2(logged, 2)
+        os.close(logged)
+        os.close(nothing)
+        env = dict(request["env"])
+        if PARENT_ENV in env:  # this process's parent is the template, not the launcher
+            env[PARENT_ENV] = str(os.getppid())
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(request["cwd"])
+        code = _run_worker(request["argv"], env)
+    except BaseException:  # a rank's end must reach the launcher as a status
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(BaseException):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _run_worker(argv: list[str], env: dict[str, str]) -> int:
+    import atexit
+    import random
+    import runpy
+
+    import torch
+
+    random.seed()  # the template's state is every fork's: each rank draws its own
+    # The template imported torch with one OpenMP thread; a fresh interpreter would
+    # take OMP_NUM_THREADS, else one thread per CPU.
+    threads = env.get("OMP_NUM_THREADS", "")
+    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else _cpus())
+    sys.argv = list(argv)
+    # Imported by the template as a module; run afresh as __main__, as `python -m`
+    # would (runpy warns when the module is already in sys.modules).
+    sys.modules.pop(argv[0], None)
+    code: int = 0
+    try:
+        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        if exc.code is None:
+            code = 0
+        elif isinstance(exc.code, int):
+            code = exc.code
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        import traceback
+
+        traceback.print_exc()
+        code = 128 + signal.SIGINT
+    except BaseException:  # as the interpreter would: traceback, status 1
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    # What the interpreter does at its end: wait for non-daemon threads, then run
+    # the atexit handlers (the site's final records and files are written there).
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    return code
+
+
+if __name__ == "__main__":
+    # The argument (the run directory) is for `ps` only.
+    raise SystemExit(serve())
