@@ -60,7 +60,7 @@ part() {  # part SECONDS NAME ARGS...: one group of benchmarks/gpu.py's parts
     stamp "$name exit ${PIPESTATUS[0]}"
 }
 part "${GPU_LIMIT_EXCHANGE:-160}" exchange --only codecs,exchange
-part "${GPU_LIMIT_INNER:-150}" inner --only inner --runs "${GPU_RUNS:-2}"
+part "${GPU_LIMIT_INNER:-210}" inner --only inner --runs "${GPU_RUNS:-2}"
 part "${GPU_LIMIT_SITES:-140}" sites --only shared,two-ranks
 stamp "CUDA tests"
 timeout 50 python3 -m pytest -q -p no:cacheprovider -o addopts= \

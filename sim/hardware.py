@@ -38,8 +38,21 @@ CODEC_KERNEL_BYTES = {
 and minima (8), scales them into a scratch buffer (4 + 4), rounds it in place
 (4 + 4) and casts it to int8 (4 + 1); decode widens the bytes (1 + 4) and scales
 them in place (4 + 4). int4 and int2 add their packing and unpacking passes. An
-assumption from the code, not a measurement: the H200 run timed the codecs before
-their GPU step size was fixed (docs/benchmarks.md)."""
+assumption from the code, not a measurement; the blockwise codecs now take the H200's
+measured times (:data:`H200_CODEC_S_PER_VALUE`), the float ones still this."""
+
+H200_CODEC_S_PER_VALUE = {
+    "int8": (47.19e-3 - 2 * 5.10e-3) / 2**28,
+    "int4": (33.66e-3 - 2 * 138_412_032 / 54.7e9) / 2**28,
+    "int2": (20.73e-3 - 2 * 71_303_168 / 54.7e9) / 2**28,
+}
+"""Encode plus decode on the H200, 2^28 values, less the two pinned copies of the
+payload (measured for int8, 5.1 ms each way; for int4 and int2 their payload at
+54.7 GB/s): ``benchmarks/gpu.py`` codecs part, 2026-11-28, commit ``bb8c66f``
+(docs/benchmarks.md, "Second run"). 0.138 ns per value for int8, 13x the kernels'
+memory traffic at the copy bandwidth: most of it was host work (decode's
+one-core copy into pinned memory, since made threaded, not yet re-measured), so
+other GPUs take the H200's figure rather than one scaled by memory bandwidth."""
 
 CPU_CODEC_BYTES_PER_S = 1.45e9
 """int8 encode + decode per core on this project's 2-core machine, bytes of float32
@@ -126,11 +139,17 @@ def gpu_site(gpu: str) -> SiteHardware:
     memory = GPU_MEMORY_BYTES_PER_S[gpu] * MEMORY_FRACTION
     link = GPU_HOST_LINK_BYTES_PER_S[gpu]
     codec = {name: CODEC_KERNEL_BYTES[name] / memory for name in CODEC_WIRE_BYTES}
+    codec.update(H200_CODEC_S_PER_VALUE)
     codec["none"] = 0.0  # no kernels: the float32 values themselves cross PCIe
     outer = H200_OUTER_STEP_S_PER_VALUE * H200_COPY_BYTES_PER_S / memory
-    measured = ["H200 device copy 4,033 GB/s, 2026-11-28"]
+    measured = [
+        "H200 device copy 4,033 GB/s, 2026-11-28",
+        "codecs int8, int4, int2: encode + decode on the H200 less the pinned copies, "
+        "2026-11-28"
+        + ("" if gpu == "h200" else " (taken as they are: mostly host work, not scaled)"),
+    ]
     assumed = [
-        "codec kernels: device-memory bytes per value counted from the code "
+        "codecs fp16 and bf16: device-memory bytes per value counted from the code "
         "(CODEC_KERNEL_BYTES) at the memory bandwidth",
     ]
     if gpu == "h200":
