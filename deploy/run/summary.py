@@ -64,6 +64,7 @@ def build_summary(state: RunState, *, ended: float | None = None) -> dict[str, A
         "strategy": state.job.train.strategy,
         "command": state.command,
         "status": state.status,
+        "started": state.started,
         "wall_seconds": ended - state.started,
         "compute_utilization": statistics.fmean(utilisation) if utilisation else 0.0,
         "wan_bytes": sum(by_link.values()),
