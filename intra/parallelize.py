@@ -273,11 +273,21 @@ class SiteModel:
         return list(self.model.parameters())
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+        loss = self.forward_backward(inputs, targets)
+        return None if loss is None else loss.item()
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`step`, the loss left unread where it was computed (a detached 0-dim
+        tensor: float32, or float64 for the mean of a pipeline's microbatches).
+        Reading it (``.item()``) on a GPU waits for the backward pass to finish,
+        and the device idles while the host then launches the rest of the step;
+        the training loop reads it later
+        (:class:`~isthmus.deploy.session.host_values.LaterFloat`)."""
         if self._schedule is None:
             with autocast(self.device, self.precision):
                 loss = self._loss_fn(self.model(inputs), targets)
             loss.backward()
-            return loss.item()
+            return loss.detach()
         losses: list[torch.Tensor] = []
         with autocast(self.device, self.precision):
             if self.first_stage:
@@ -288,6 +298,11 @@ class SiteModel:
                 self._schedule.step(target=targets, losses=losses)
             else:
                 self._schedule.step()
-        if self.last_stage:
-            return sum(loss.item() for loss in losses) / len(losses)
-        return None
+        if not self.last_stage:
+            return None
+        # The microbatches' mean as Python's sum of their floats was: float64, added
+        # in order from the first.
+        total = losses[0].detach().double()
+        for loss in losses[1:]:
+            total = total + loss.detach().double()
+        return total / len(losses)

@@ -30,10 +30,12 @@ merged ``metrics.jsonl``. A line cut short by a killed process is skipped.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,11 +47,20 @@ if TYPE_CHECKING:  # the launcher reads records without importing torch
 
 class RecordWriter:
     """Appends one site's records, one flushed line each; writes nothing when not
-    ``enabled`` (every rank but the one that reports for the site)."""
+    ``enabled`` (every rank but the one that reports for the site).
+
+    A field may be a number still on its way from the device (anything with
+    ``ready()`` and ``__float__``, as
+    :class:`~isthmus.deploy.session.host_values.LaterFloat`): the record is then
+    held, with the time it was written at, until the value has arrived or the
+    next record comes (or :meth:`release`, or :meth:`close`), so records keep
+    their order and a GPU's step never waits for its own loss."""
 
     def __init__(self, path: Path, site: str, enabled: bool = True) -> None:
         self.site = site
         self._file = None
+        self._held: dict[str, Any] | None = None
+        self._lock = threading.Lock()  # the held record: the loop's and a strategy's
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = path.open("a", encoding="utf-8")
@@ -60,12 +71,40 @@ class RecordWriter:
         if self._file is None:
             return
         record = {"t": time.time(), "site": self.site, "kind": kind, **fields}
-        self._file.write(json.dumps(record, default=_plain) + "\n")
-        self._file.flush()
+        with self._lock:
+            self._write_held()
+            if any(_later(v) and not v.ready() for v in fields.values()):
+                self._held = record
+            else:
+                self._append(record)
+
+    def release(self) -> None:
+        """Write a held record now (waiting for its values)."""
+        with self._lock:
+            self._write_held()
 
     def close(self) -> None:
         if self._file is not None:
+            # A device that failed cannot give a held value: its record is lost with it.
+            with contextlib.suppress(Exception):
+                self.release()
             self._file.close()
+
+    def _write_held(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            self._append(held)
+
+    def _append(self, record: dict[str, Any]) -> None:
+        assert self._file is not None
+        record = {k: float(v) if _later(v) else v for k, v in record.items()}
+        self._file.write(json.dumps(record, default=_plain) + "\n")
+        self._file.flush()
+
+
+def _later(value: Any) -> bool:
+    """A value still to be read from a device (records import no torch)."""
+    return callable(getattr(value, "ready", None)) and hasattr(value, "__float__")
 
 
 def _ends_with_newline(path: Path) -> bool:

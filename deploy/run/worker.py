@@ -46,7 +46,7 @@ from isthmus.deploy.run.site_errors import run_site_main
 from isthmus.deploy.session.environment import LaunchEnvironment
 from isthmus.deploy.session.site import Site, Stopped
 from isthmus.inter.allocator import keep_freed_memory
-from isthmus.intra.gradients import average_replica_gradients, clip_grad_norm
+from isthmus.intra.gradients import average_replica_gradients, clip_gradients
 from isthmus.intra.parallelize import SiteModel
 from isthmus.job.settings import TrainSettings
 from isthmus.job.tune import LIVE_SYNC_EVERY
@@ -95,9 +95,11 @@ def train() -> int:
             rounds = run.strategy.outer_steps
             loss = _forward_backward(part, optimizer, run.settings, site, step, x, y, replicas)
             optimizer.step()  # the strategy's rounds run inside this call
-            logged: dict[str, float] = {"tokens": y.numel()}
+            logged: dict[str, float | torch.Tensor] = {"tokens": y.numel()}
             if loss is not None:
-                logged["loss"] = float(loss)
+                # Unread: on a GPU, site.log reads it once the device has it, with no
+                # wait on the step's work (the step's record is written then).
+                logged["loss"] = loss
             round_ended = run.strategy.outer_steps != rounds
             if _eval_due(run.settings, step + 1, round_ended) and site.layout.pp == 1:
                 started = time.perf_counter()  # a pipeline stage is not a model
@@ -126,15 +128,20 @@ def _forward_backward(
 ) -> torch.Tensor | None:
     """One inner step up to the optimizer's: this rank's loss (None on a pipeline
     stage that computes none), its gradients averaged over the site's replicas
-    (``replicas``: where the loop does it) and clipped by the whole model's norm."""
+    (``replicas``: where the loop does it) and clipped by the whole model's norm.
+
+    Nothing here reads a value back from the device: on a GPU the host goes on
+    queueing the optimizer's step and the next batch while the backward pass
+    runs, as a plain PyTorch loop does (the loss stays a tensor, the clipping
+    decides on the device)."""
     for group in optimizer.param_groups:
         group["lr"] = learning_rate(settings, step)
     optimizer.zero_grad()
-    rank_loss = part.step(x, y)
+    rank_loss = part.forward_backward(x, y)
     if replicas is not None:  # DDP-style buckets: one all-reduce per ~25 MB, not per tensor
         average_replica_gradients(part.parameters(), replicas, device=site.device)
     if settings.grad_clip and settings.strategy != "sync":  # sync clips the average
-        clip_grad_norm(part.parameters(), settings.grad_clip, part.stage_group)
+        clip_gradients(part.parameters(), settings.grad_clip, part.stage_group)
     return rank_loss
 
 

@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from isthmus.deploy.run.control import apply_settings
 from isthmus.deploy.run.round_records import write_blocked, write_round, write_views
+from isthmus.deploy.session.host_values import LaterFloat
 from isthmus.deploy.session.strategy_choice import strategy_from_settings
 from isthmus.inter.agreement import agree_on_model
 from isthmus.inter.membership import LeftTheRun
@@ -109,7 +110,7 @@ class TrainingRun:
         """Inner steps this site has completed (a resumed or pulled start counts)."""
         self.tokens = 0
         self.compute_s = 0.0
-        self.loss = math.nan
+        self._loss: float | LaterFloat = math.nan
         self.last_round: dict[str, Any] = {}
         """The last round's timings (``tokens_per_s``, ``round_s``, ``waiting_s``, ...),
         as the control plane's metrics carry them: for ``/metrics``."""
@@ -208,6 +209,11 @@ class TrainingRun:
         )
         return start_step
 
+    @property
+    def loss(self) -> float:
+        """The last step's loss (the site's mean): read from the device when asked."""
+        return float(self._loss)
+
     # -- the loop ------------------------------------------------------------------------
     def steps(self) -> Iterator[int]:
         """The step numbers to train, from where this site starts (0, the resumed or
@@ -226,18 +232,29 @@ class TrainingRun:
             yield step
             next_step = self._after_step(step, started)
             if next_step is None:
-                return
+                break
             step = next_step
+        # The last step's record, held while its loss came from the device.
+        self.site.records.release()
 
     def log(self, **metrics: Any) -> None:
         """What this rank reports of the step under way: ``loss`` (a float), ``tokens``
         (how many it trained on in this step), ``eval_loss`` (a held-out loss of the
         model as it is now; ``eval_seconds``: how long that took), and any other
-        numbers (kept in the step's record)."""
+        numbers (kept in the step's record). A tensor is read on the host with
+        ``.item()``; a floating-point one on a GPU (the loss) later, without
+        stalling the device (:class:`~isthmus.deploy.session.host_values.LaterFloat`):
+        the step's record is then written once it has arrived, at the latest with
+        the next record, under the time of its step."""
         for name, value in metrics.items():
             if isinstance(value, torch.Tensor):
-                value = value.item()
-            if not isinstance(value, int | float) or isinstance(value, bool):
+                later = value.is_floating_point() and value.device.type == "cuda"
+                # tokens and eval_seconds are counted at once; the rest only recorded.
+                if later and value.numel() == 1 and name not in ("tokens", "eval_seconds"):
+                    value = LaterFloat(value)
+                else:
+                    value = value.item()
+            if not isinstance(value, int | float | LaterFloat) or isinstance(value, bool):
                 raise TypeError(f"site.log({name}=...): must be a number, got {value!r}")
             self._logged[name] = value
 
@@ -254,7 +271,7 @@ class TrainingRun:
         loss, tokens = self._site_totals(logged)
         self.compute_s += time.perf_counter() - started - blocked
         self.eval_s += logged.get("eval_seconds", 0.0)
-        self.loss = loss
+        self._loss = loss
         self.tokens += tokens
         assert self._clock is not None
         self._clock.add_blocked(strategy.blocked)
@@ -295,15 +312,19 @@ class TrainingRun:
             return strategy.inner_steps
         return step + 1
 
-    def _site_totals(self, logged: dict[str, Any]) -> tuple[float, int]:
+    def _site_totals(self, logged: dict[str, Any]) -> tuple[float | LaterFloat, int]:
         """The step's loss (the mean over the site's ranks that logged one) and tokens
-        (summed over its data-parallel replicas: tp and pp ranks share a batch)."""
+        (summed over its data-parallel replicas: tp and pp ranks share a batch). A
+        one-rank site's loss may still be on its way from the device (LaterFloat);
+        several ranks read theirs to average them (a collective of host values)."""
         loss = logged.get("loss")
         tokens = logged.get("tokens")
         if tokens is None:
             tokens = self._active().tokens_per_step
         runtime = self.site.runtime
         if runtime.site.ranks == 1:
+            if isinstance(loss, LaterFloat):
+                return loss, int(tokens)
             return (math.nan if loss is None else float(loss)), int(tokens)
         layout = runtime.layout
         values = collectives.all_reduce_values(
