@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_device.sh --wheels   # here, with pip and PyPI: fill .whl/
 #   bash benchmarks/gpu_device.sh            # there: every part
 #   GPU_RUNS=3 bash benchmarks/gpu_device.sh # more isthmus run / plain loop pairs
+#   GPU_GROUPS="exchange inner" bash benchmarks/gpu_device.sh  # some groups only
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -59,11 +60,14 @@ part() {  # part SECONDS NAME ARGS...: one group of benchmarks/gpu.py's parts
         python3 benchmarks/gpu.py --json "$OUT/gpu-$name.json" "$@" 2>&1 | tee "$OUT/gpu-$name.log"
     stamp "$name exit ${PIPESTATUS[0]}"
 }
-part "${GPU_LIMIT_EXCHANGE:-160}" exchange --only codecs,exchange
-part "${GPU_LIMIT_INNER:-210}" inner --only inner --runs "${GPU_RUNS:-2}"
-part "${GPU_LIMIT_SITES:-140}" sites --only shared,two-ranks
-stamp "CUDA tests"
-timeout 50 python3 -m pytest -q -p no:cacheprovider -o addopts= \
-    tests/test_codecs_device.py tests/test_devices.py 2>&1 | tail -25 >"$OUT/pytest.log"
-cat "$OUT/pytest.log"
+groups=" ${GPU_GROUPS:-exchange inner sites tests} "
+[[ $groups == *" exchange "* ]] && part "${GPU_LIMIT_EXCHANGE:-160}" exchange --only codecs,exchange
+[[ $groups == *" inner "* ]] && part "${GPU_LIMIT_INNER:-210}" inner --only inner --runs "${GPU_RUNS:-2}"
+[[ $groups == *" sites "* ]] && part "${GPU_LIMIT_SITES:-140}" sites --only shared,two-ranks
+if [[ $groups == *" tests "* ]]; then
+    stamp "CUDA tests"
+    timeout 50 python3 -m pytest -q -p no:cacheprovider -o addopts= \
+        tests/test_codecs_device.py tests/test_devices.py tests/test_step_path.py 2>&1 | tail -25 >"$OUT/pytest.log"
+    cat "$OUT/pytest.log"
+fi
 stamp "done"
