@@ -10,6 +10,8 @@
 #   bash benchmarks/gpu_device.sh            # there: every part
 #   GPU_RUNS=3 bash benchmarks/gpu_device.sh # more isthmus run / plain loop pairs
 #   GPU_GROUPS="exchange inner" bash benchmarks/gpu_device.sh  # some groups only
+# The machine's copy of .git can be stale: name the commit sent, e.g.
+#   ISTHMUS_COMMIT=$(git rev-parse HEAD) written literally into the device command.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

@@ -153,7 +153,9 @@ def machine(device: torch.device, quick: bool) -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "isthmus": __version__,
-        "commit": _command("git", "rev-parse", "HEAD"),
+        # A lent machine's copy of the tree may carry a stale .git: the caller can
+        # name the commit it sent (benchmarks/gpu_device.sh passes ISTHMUS_COMMIT on).
+        "commit": os.environ.get("ISTHMUS_COMMIT") or _command("git", "rev-parse", "HEAD"),
         "commit_dirty": bool(dirty) if dirty is not None else None,
         "gpu": None,
     }

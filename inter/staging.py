@@ -132,12 +132,15 @@ class CopyStaging:
         if total == 0:
             return [torch.empty(0, dtype=torch.uint8, device=self.device) for _ in parts]
         host = self._host_buffer(total)
+        view = memoryview(host.numpy())
         for at, part in zip(offsets, parts, strict=True):
-            # torch's copy_ splits a large copy over the CPU's threads; a memoryview
-            # slice assignment is one memcpy on one core, and on the H200 machine
-            # that one core (~10 GB/s) made decode 4x slower than its kernels.
-            if len(part):
-                host[at : at + len(part)].copy_(read_only(part))
+            # One memcpy on the calling thread. torch's threaded copy_ made a lone
+            # 2^28-value decode 2.5x faster on the H200 machine (130.7 -> 53.1 ms), but
+            # with it a loopback round of the engine, 1 GB per site, went from 5.7 to
+            # 9.7 s (docs/benchmarks.md, GPU sites). The engine decodes many chunks
+            # at once on its own threads, which supply the parallelism; each copy_
+            # opening an OpenMP team beside them is the likely cause (not isolated).
+            view[at : at + len(part)] = part
         if self._up is None:
             device = host.to(self.device, copy=True)
         else:
