@@ -14,8 +14,10 @@ launcher's start::
 
 ``--python``: the interpreter whose Isthmus to run (another checkout's ``.venv``),
 so two versions can be compared on the same machine in one sitting; with
-``--python`` given twice, runs alternate between them. Phases (seconds since the
-launcher started, median over the runs):
+``--python`` given twice, runs alternate between them. ``--env NAME=VALUE``
+adds, for each interpreter, runs with that variable set, alternating too
+(``--env ISTHMUS_WARM_START=0``: every rank a fresh interpreter). Phases
+(seconds since the launcher started, median over the runs):
 
 * ``ranks started``: every rank process exists (``pids.json``);
 * ``joined``: the last site's rank 0 called ``isthmus.join()``;
@@ -23,7 +25,8 @@ launcher started, median over the runs):
 * ``results``: the last site wrote ``result.json`` (training and the final sync done);
 * ``ranks exited``: no rank process is left;
 * ``summary``: ``summary.json`` written; ``report``: ``report.md``;
-* ``total``: the launcher exited.
+* ``total``: the launcher exited;
+* ``cpu``: CPU-seconds of the launcher and every process under it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -68,15 +72,28 @@ def _last_site_reaching(out: Path, kind: str) -> float | None:
     return max(times) if times else None
 
 
-def one_run(python: str, job: Path, steps: int | None, folder: Path) -> dict[str, float]:
+def _children_cpu() -> float:
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
+def one_run(
+    python: str, job: Path, steps: int | None, folder: Path, env: dict[str, str] | None = None
+) -> dict[str, float]:
     """One ``isthmus run``, watched every 20 ms; the phases' times since its start."""
     out = folder / "run"
     command = [python, "-m", "isthmus", "run", str(job), "--out", str(out)]
     if steps is not None:
         command += ["--steps", str(steps)]
+    cpu_before = _children_cpu()  # every level waits for its children, so all count
     start = time.time()
     launcher = subprocess.Popen(
-        command, cwd=folder, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        command,
+        cwd=folder,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
     )
     seen: dict[str, float] = {}
     pids: list[int] = []
@@ -103,6 +120,7 @@ def one_run(python: str, job: Path, steps: int | None, folder: Path) -> dict[str
                 seen[phase] = now
         time.sleep(0.02)
     seen["total"] = time.time() - start
+    seen["cpu"] = _children_cpu() - cpu_before
     if launcher.returncode != 0:
         raise SystemExit(f"run_overhead: the run failed:\n{launcher.stderr.read()}")
     for phase, kind in (("joined", "joined"), ("training", "start")):
@@ -129,27 +147,47 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="interpreter to run Isthmus with (repeat to alternate; default: this one)",
     )
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="also run each interpreter with this variable set (repeatable; runs alternate)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats: must be >= 1")
     if not args.job.is_file():
         parser.error(f"--job: no such file: {args.job}")
-    pythons = args.python or [sys.executable]
+    for item in args.env:
+        if "=" not in item or not item.partition("=")[0]:
+            parser.error(f"--env: expected NAME=VALUE, got {item!r}")
+    variants: dict[str, tuple[str, dict[str, str]]] = {}
+    for python in args.python or [sys.executable]:
+        variants[python] = (python, {})
+        for item in args.env:
+            name, _, value = item.partition("=")
+            variants[f"{python} {item}"] = (python, {name: value})
+    pythons = list(variants)
     runs: dict[str, list[dict[str, float]]] = {p: [] for p in pythons}
     for i in range(args.repeats):
-        for python in pythons:
+        for label, (python, env) in variants.items():
             folder = Path(tempfile.mkdtemp(prefix="run-overhead-"))
             try:
-                phases = one_run(python, args.job.resolve(), args.steps, folder)
+                phases = one_run(python, args.job.resolve(), args.steps, folder, env)
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
-            runs[python].append(phases)
-            print(f"[{i + 1}/{args.repeats}] {python}: {phases['total']:.2f} s", flush=True)
+            runs[label].append(phases)
+            print(
+                f"[{i + 1}/{args.repeats}] {label}: {phases['total']:.2f} s, "
+                f"{phases['cpu']:.1f} CPU-s",
+                flush=True,
+            )
     report: dict[str, Any] = {"job": str(args.job), "repeats": args.repeats, "interpreters": {}}
     header = f"{'phase (s since start, median)':32}" + "".join(f"{p[-30:]:>32}" for p in pythons)
     print(header)
-    for phase in [*PHASES, "total"]:
+    for phase in [*PHASES, "total", "cpu"]:
         row = f"{phase:32}"
         for python in pythons:
             values = [r[phase] for r in runs[python] if phase in r]

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from isthmus.job.ports import free_port
 
@@ -34,16 +35,19 @@ def launch_ranks(
     ranks: int,
     *,
     env: Mapping[str, str] | None = None,
+    spawn: Callable[..., Any] = subprocess.Popen,
     **popen: object,
-) -> list[subprocess.Popen]:
-    """Start ``command`` once per rank; the caller waits for them."""
+) -> list[Any]:
+    """Start ``command`` once per rank; the caller waits for them. ``spawn``: what
+    starts a process, ``subprocess.Popen`` or one with its interface (such as
+    ``isthmus.deploy.run.warm_popen.popen``, which forks from a warm template)."""
     master_port = free_port()
     base = {**os.environ, **(env or {})}
     return [
-        subprocess.Popen(
+        spawn(
             list(command),
             env={**base, **rank_environment(rank, ranks, master_port)},
-            **popen,  # type: ignore[arg-type]
+            **popen,
         )
         for rank in range(ranks)
     ]

@@ -293,8 +293,10 @@ def test_a_two_rank_gloo_site_runs_every_call_site_under_emulation(tmp_path):
         f"  - {{name: b, ranks: 1, address: 127.0.0.1:{bases[1]}}}\n"
     )
     command = [sys.executable, __file__, str(job), str(tmp_path)]
-    procs = launch_ranks([*command, "a"], 2, stderr=subprocess.PIPE)
-    procs.append(subprocess.Popen([*command, "b"], stderr=subprocess.PIPE))
+    from isthmus.deploy.run.warm_popen import popen
+
+    procs = launch_ranks([*command, "a"], 2, spawn=popen, stderr=subprocess.PIPE)
+    procs.append(popen([*command, "b"], stderr=subprocess.PIPE))
     failures = []
     for p in procs:
         _, err = p.communicate(timeout=300)

@@ -16,6 +16,7 @@ import torch
 
 from isthmus.deploy.jobfile import free_port_blocks, load_job
 from isthmus.deploy.run.site_worker import Recipe, load_site_parameters, reference_training
+from isthmus.deploy.run.warm_popen import popen
 from isthmus.inter.lanes import MAX_LANES, lane_count, lane_owner, owned_lanes
 from isthmus.intra.launch import launch_ranks
 
@@ -61,9 +62,9 @@ def _run_sites(
     for name, ranks in sites.items():
         command = [sys.executable, "-m", "isthmus.deploy.run.site_worker", "--site", name, *args]
         if ranks == 1:
-            procs.append(subprocess.Popen(command, stderr=subprocess.PIPE))
+            procs.append(popen(command, stderr=subprocess.PIPE))
         else:
-            procs += launch_ranks(command, ranks, stderr=subprocess.PIPE)
+            procs += launch_ranks(command, ranks, spawn=popen, stderr=subprocess.PIPE)
     failures = []
     for p in procs:
         _, err = p.communicate(timeout=240)

@@ -263,8 +263,10 @@ def _scripted_rounds(tmp_path, flags: dict[str, list[str]]) -> dict[str, dict]:
 
     worker = Path(__file__).parent / "workers" / "diloco_rounds.py"
     job = loopback_job(tmp_path / "job.yaml", "rounds", list(flags))
+    from isthmus.deploy.run.warm_popen import popen
+
     procs = {
-        site: subprocess.Popen(
+        site: popen(
             [sys.executable, str(worker), str(job), site, str(tmp_path / f"{site}.json"), *extra],
             stderr=subprocess.PIPE,
             text=True,

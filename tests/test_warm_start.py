@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from isthmus.deploy.run import warm_popen
 from isthmus.deploy.run.warm_start import RankTemplate
 
 WORKERS = Path(__file__).parent / "workers"
@@ -81,6 +82,7 @@ def test_the_template_and_its_ranks_end_when_the_launcher_is_killed(tmp_path):
 import os, sys, time, pathlib
 sys.path.insert(0, {str(WORKERS)!r})
 os.environ["PYTHONPATH"] = {str(WORKERS)!r}
+from isthmus.deploy.run import warm_popen
 from isthmus.deploy.run.warm_start import RankTemplate
 t = RankTemplate(pathlib.Path({str(tmp_path)!r}), pathlib.Path({str(tmp_path / "t.log")!r}))
 r = t.spawn([{str(tmp_path / "w.json")!r}, "--wait"], dict(os.environ),
@@ -106,3 +108,44 @@ def _alive(pid: int) -> bool:
         return False
     status = Path(f"/proc/{pid}/stat").read_text().split()[2]
     return status != "Z"
+
+
+def test_popen_forks_python_commands_and_gives_their_output_as_popen_would(tmp_path):
+    probe = WORKERS / "warm_probe.py"
+    out = tmp_path / "p.json"
+    proc = warm_popen.popen(
+        [sys.executable, str(probe), str(out), "--exit", "4"],
+        env={**os.environ, "PROBE": "warm"},
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert isinstance(proc, warm_popen.WarmProcess)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 4
+    assert stdout == "probe says hello\n" and stderr == "probe's error line\n"
+    report = json.loads(out.read_text())
+    # As `python SCRIPT`: the script's folder first on sys.path, __main__, its cwd.
+    assert report["path0"] == str(WORKERS) and report["name"] == "__main__"
+    assert report["cwd"] == str(tmp_path) and report["probe_env"] == "warm"
+    # Both streams to one file, bytes; and nothing captured at all.
+    joined = warm_popen.popen(
+        [sys.executable, str(probe), str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    both, nothing = joined.communicate(timeout=60)
+    assert both == b"probe says hello\nprobe's error line\n" and nothing is None
+    quiet = warm_popen.popen(
+        [sys.executable, str(probe), str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    assert quiet.communicate(timeout=60) == (None, None) and quiet.returncode == 0
+
+
+def test_popen_starts_other_commands_as_plain_processes(tmp_path, monkeypatch):
+    plain = warm_popen.popen(["true"])
+    assert isinstance(plain, subprocess.Popen) and plain.wait(30) == 0
+    monkeypatch.setenv("ISTHMUS_WARM_START", "0")
+    fresh = warm_popen.popen([sys.executable, str(WORKERS / "warm_probe.py"), str(tmp_path / "p")])
+    assert isinstance(fresh, subprocess.Popen) and fresh.wait(60) == 0

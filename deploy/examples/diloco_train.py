@@ -88,8 +88,11 @@ def run_sites(
     """Run this example once per site, each a separate process, and return every
     site's report (written to ``out/SITE.json``). Raises with the end of each
     failing site's stderr: a site that crashes makes its peers fail later."""
+    from isthmus.deploy.run.warm_popen import popen
+
+    # Forked from a warm template (one torch import, not one per site and call).
     procs = {
-        site: subprocess.Popen(
+        site: popen(
             [
                 *(sys.executable, "-m", "isthmus.deploy.examples.diloco_train", str(job), site),
                 *(*args, "--out", str(out / f"{site}.json")),

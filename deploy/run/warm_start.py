@@ -132,17 +132,35 @@ class RankTemplate:
     def spawn(
         self, args: list[str], env: dict[str, str], log_path: Path, module: str = WORKER_MODULE
     ) -> ForkedRank:
-        """Fork one rank running ``python -m MODULE args...`` (the built-in loop's)."""
+        """Fork one rank running ``python -m MODULE args...`` (the built-in loop's),
+        its output and errors to ``log_path``."""
+        return self.fork([module, *args], env, stdout=str(log_path), stderr=str(log_path))
+
+    def fork(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        *,
+        stdout: str | None,
+        stderr: str | None,
+        cwd: str | None = None,
+        script: bool = False,
+    ) -> ForkedRank:
+        """Fork a process that is ``python -m ARGV[0] ARGV[1:]`` (``script``: ``python
+        ARGV[0] ...``), writing to the files ``stdout`` and ``stderr`` (appending;
+        None: /dev/null), in ``cwd`` (default: this process's)."""
         self.wait_ready()
         with self._lock:
             request_id = self._next_id
             self._next_id += 1
         request = {
             "id": request_id,
-            "argv": [module, *args],
+            "argv": argv,
+            "script": script,
             "env": env,
-            "log": str(log_path),
-            "cwd": os.getcwd(),
+            "stdout": stdout,
+            "stderr": stderr,
+            "cwd": cwd or os.getcwd(),
         }
         assert self.proc.stdin is not None
         try:
@@ -159,7 +177,7 @@ class RankTemplate:
             reply = self._replies.pop(request_id)
             if "error" in reply:
                 raise TemplateError(reply["error"])
-            rank = ForkedRank(reply["pid"], ["python", "-m", module, *args])
+            rank = ForkedRank(reply["pid"], ["python", *([] if script else ["-m"]), *argv])
             self._ranks[rank.pid] = rank
             if rank.pid in self._early_ends:  # it ended before the reply was read
                 rank._end(self._early_ends.pop(rank.pid))
@@ -329,20 +347,20 @@ def _run_rank(request: dict[str, Any], private: list[int]) -> None:
         for fd in private:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        logged = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         nothing = os.open(os.devnull, os.O_RDONLY)
         os.dup2(nothing, 0)
-        os.dup2(logged, 1)
-        os.dup2(logged, 2)
-        os.close(logged)
         os.close(nothing)
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            target = os.open(path or os.devnull, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            os.dup2(target, fd)
+            os.close(target)
         env = dict(request["env"])
         if PARENT_ENV in env:  # this process's parent is the template, not the launcher
             env[PARENT_ENV] = str(os.getppid())
         os.environ.clear()
         os.environ.update(env)
         os.chdir(request["cwd"])
-        code = _run_worker(request["argv"], env)
+        code = _run_worker(request["argv"], env, script=request["script"])
     except BaseException:  # a rank's end must reach the launcher as a status
         import traceback
 
@@ -361,7 +379,7 @@ def _cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _run_worker(argv: list[str], env: dict[str, str]) -> int:
+def _run_worker(argv: list[str], env: dict[str, str], *, script: bool) -> int:
     import atexit
     import random
     import runpy
@@ -374,12 +392,18 @@ def _run_worker(argv: list[str], env: dict[str, str]) -> int:
     threads = env.get("OMP_NUM_THREADS", "")
     torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else _cpus())
     sys.argv = list(argv)
+    # sys.path[0] as a fresh start would set it: the script's folder, or for -m the
+    # working directory.
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0])) if script else os.getcwd()
     # Imported by the template as a module; run afresh as __main__, as `python -m`
     # would (runpy warns when the module is already in sys.modules).
     sys.modules.pop(argv[0], None)
     code: int = 0
     try:
-        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+        if script:
+            runpy.run_path(argv[0], run_name="__main__")
+        else:
+            runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
     except SystemExit as exc:
         if exc.code is None:
             code = 0

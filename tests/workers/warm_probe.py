@@ -33,6 +33,7 @@ def main() -> int:
         "argv": sys.argv,
         "cwd": os.getcwd(),
         "name": __name__,
+        "path0": sys.path[0],
     }
     out.write_text(json.dumps(report))
     print("probe says hello")
