@@ -169,6 +169,8 @@ def test_loss_stalls_the_stream_but_loses_no_byte(hasher, two_sites):
     assert counters["lost_segments"] > 0 and counters["stalls"] > 0
 
 
+# Seconds of bulk transfer, clean and lossy: the whole suite's, not the fast tier's.
+@pytest.mark.slow
 def test_loss_lowers_bulk_throughput(probe, two_sites):
     with two_sites(probe.address, LinkParams.symmetric(rtt_ms=10, bandwidth_mbit=200)) as wan:
         clean = measure_throughput(wan.dial_address("a", "b"), seconds=1.0)
@@ -424,6 +426,8 @@ def test_eof_before_the_upstream_is_connected_still_reaches_it(hasher, two_sites
     assert answer == hashlib.sha256(b"").digest()
 
 
+# Four seconds of measured transfer at 6 Mbit/s, and its set-up: the whole suite's.
+@pytest.mark.slow
 def test_bulk_throughput_under_loss_follows_tcp(probe, two_sites):
     # CUBIC at short round trips saws between 0.7 W and W at +0.53 segment per
     # RTT, with a round trip to detect each loss and one of recovery: at 1% loss
