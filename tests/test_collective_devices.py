@@ -295,8 +295,9 @@ def test_a_two_rank_gloo_site_runs_every_call_site_under_emulation(tmp_path):
     command = [sys.executable, __file__, str(job), str(tmp_path)]
     from isthmus.deploy.run.warm_popen import popen
 
-    procs = launch_ranks([*command, "a"], 2, spawn=popen, stderr=subprocess.PIPE)
-    procs.append(popen([*command, "b"], stderr=subprocess.PIPE))
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE}
+    procs = launch_ranks([*command, "a"], 2, spawn=popen, **quiet)
+    procs.append(popen([*command, "b"], **quiet))
     failures = []
     for p in procs:
         _, err = p.communicate(timeout=300)

@@ -62,9 +62,11 @@ def _run_sites(
     for name, ranks in sites.items():
         command = [sys.executable, "-m", "isthmus.deploy.run.site_worker", "--site", name, *args]
         if ranks == 1:
-            procs.append(popen(command, stderr=subprocess.PIPE))
+            procs.append(popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
         else:
-            procs += launch_ranks(command, ranks, spawn=popen, stderr=subprocess.PIPE)
+            procs += launch_ranks(
+                command, ranks, spawn=popen, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            )
     failures = []
     for p in procs:
         _, err = p.communicate(timeout=240)

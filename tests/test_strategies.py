@@ -268,6 +268,7 @@ def _scripted_rounds(tmp_path, flags: dict[str, list[str]]) -> dict[str, dict]:
     procs = {
         site: popen(
             [sys.executable, str(worker), str(job), site, str(tmp_path / f"{site}.json"), *extra],
+            stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
         )

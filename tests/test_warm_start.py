@@ -146,6 +146,36 @@ def test_popen_forks_python_commands_and_gives_their_output_as_popen_would(tmp_p
 def test_popen_starts_other_commands_as_plain_processes(tmp_path, monkeypatch):
     plain = warm_popen.popen(["true"])
     assert isinstance(plain, subprocess.Popen) and plain.wait(30) == 0
+    # A stream to inherit cannot be handed to a forked process as Popen hands it.
+    inherit = warm_popen.popen(
+        [sys.executable, str(WORKERS / "warm_probe.py"), str(tmp_path / "i")]
+    )
+    assert isinstance(inherit, subprocess.Popen) and inherit.wait(60) == 0
     monkeypatch.setenv("ISTHMUS_WARM_START", "0")
     fresh = warm_popen.popen([sys.executable, str(WORKERS / "warm_probe.py"), str(tmp_path / "p")])
     assert isinstance(fresh, subprocess.Popen) and fresh.wait(60) == 0
+
+
+def test_a_package_run_with_dash_m_and_a_signal_death_are_as_fresh(tmp_path):
+    # python -m PACKAGE runs its __main__ once, its __init__ once.
+    pkg = tmp_path / "probe_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("import os\nprint('init', os.getpid())\n")
+    (pkg / "__main__.py").write_text("import probe_pkg, sys\nprint('main'); sys.exit(3)\n")
+    proc = warm_popen.popen(
+        [sys.executable, "-m", "probe_pkg"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 3 and out.count("init") == 1 and "main" in out
+    # An uncaught KeyboardInterrupt ends it by SIGINT, as it would a fresh interpreter.
+    script = tmp_path / "interrupt.py"
+    script.write_text("raise KeyboardInterrupt\n")
+    stopped = warm_popen.popen(
+        [sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    assert isinstance(stopped, warm_popen.WarmProcess)
+    assert stopped.wait(60) == -signal.SIGINT

@@ -200,6 +200,7 @@ class Launcher:
         self._link_bytes: dict[str, tuple[float, float]] = {}
         self.tensorboard: Any = None
         self.template: RankTemplate | None = None
+        self._template_failed = False
         """Forks the built-in loop's ranks (:mod:`isthmus.deploy.run.warm_start`)."""
         self.tuner: Any = None
         self._pids: dict[str, list[int]] = {}
@@ -282,13 +283,14 @@ class Launcher:
     ) -> list[subprocess.Popen | ForkedRank]:
         """The ranks of one site: forked from the warm template when they run the
         built-in loop and it is up, else fresh processes."""
-        if self.template is not None:
+        if self.template is not None and not self._template_failed:
             try:
                 return launch(command, ranks, env, logs, self.template)
             except TemplateError as exc:
+                # It may still run other sites' ranks: it is closed at the end (stop),
+                # only no new rank comes from it.
                 log.warning("%s; starting ranks as fresh processes from now on", exc)
-                self.template.close()
-                self.template = None
+                self._template_failed = True
         return launch(command, ranks, env, logs)
 
     def _start_broker(self) -> None:

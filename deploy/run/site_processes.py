@@ -93,8 +93,13 @@ def terminate(procs: Sequence[subprocess.Popen | ForkedRank]) -> None:
 
 
 def _signal_group(proc: subprocess.Popen | ForkedRank, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
+    try:
         os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        # A rank forked a moment ago may not lead its own group yet (it blocks the
+        # stop signals until it does): the process itself, then.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, sig)
 
 
 def exit_reason(rank: int, code: int, log: Path) -> str:

@@ -12,8 +12,12 @@ gets a plain ``subprocess.Popen``. The object returned answers ``pid``,
 
 The forked process writes to files rather than to pipes (the template, not
 this process, is its parent): ``PIPE`` is a file in a private folder, read by
-``communicate``; ``None`` (inherit) reopens this process's own descriptor
-through ``/proc``; ``DEVNULL`` is /dev/null, ``STDOUT`` joins stderr to stdout.
+``communicate``; ``DEVNULL`` is /dev/null, ``STDOUT`` joins stderr to stdout.
+A stream to inherit or a file of the caller's cannot be handed over as
+``Popen`` hands it (the same open file), so such a command starts afresh.
+A forked process runs in a session of its own: a terminal's Ctrl-C reaches the
+caller only, and what is still running when the caller exits is stopped then
+(the template goes with it).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ _template: RankTemplate | None = None
 _folder: Path | None = None
 _broken = False
 _counter = 0
+_owner = 0
 
 
 class WarmProcess:
@@ -103,7 +108,10 @@ def popen(
 ) -> subprocess.Popen | WarmProcess:
     """``subprocess.Popen(command, ...)``, forked from the warm template when
     ``command`` runs this interpreter on a module or a script."""
-    template = _shared_template() if _warmable(command) else None
+    streams_ok = all(
+        stream in (subprocess.PIPE, subprocess.DEVNULL) for stream in (stdout, stderr)
+    ) or (stdout in (subprocess.PIPE, subprocess.DEVNULL) and stderr == subprocess.STDOUT)
+    template = _shared_template() if _warmable(command) and streams_ok else None
     if template is not None:
         try:
             return _fork(template, command, env, cwd, stdout, stderr, text)
@@ -135,8 +143,8 @@ def _fork(
     script = command[1] != "-m"
     argv = command[1:] if script else command[2:]
     captured: dict[str, Path | None] = {}
-    out_path = _target(stdout, 1, "stdout", captured)
-    err_path = out_path if stderr == subprocess.STDOUT else _target(stderr, 2, "stderr", captured)
+    out_path = _target(stdout, "stdout", captured)
+    err_path = out_path if stderr == subprocess.STDOUT else _target(stderr, "stderr", captured)
     forked = template.fork(
         argv,
         dict(os.environ if env is None else env),
@@ -149,27 +157,25 @@ def _fork(
 
 
 def _target(
-    stream: int | IO[Any] | None, own_fd: int, name: str, captured: dict[str, Path | None]
+    stream: int | IO[Any] | None, name: str, captured: dict[str, Path | None]
 ) -> str | None:
-    """Where the forked process's ``name`` goes, as a path it can open."""
+    """Where the forked process's ``name`` goes: a capture file (PIPE), else None
+    (/dev/null)."""
     global _counter
-    if stream == subprocess.DEVNULL:
+    if stream != subprocess.PIPE:
         return None
-    if stream == subprocess.PIPE:
-        assert _folder is not None
-        with _lock:
-            _counter += 1
-            path = _folder / f"{os.getpid()}-{_counter}.{name}"
-        path.touch()
-        captured[name] = path
-        return str(path)
-    fd = own_fd if stream is None else stream if isinstance(stream, int) else stream.fileno()
-    return f"/proc/{os.getpid()}/fd/{fd}"
+    assert _folder is not None
+    with _lock:
+        _counter += 1
+        path = _folder / f"{os.getpid()}-{_counter}.{name}"
+    path.touch()
+    captured[name] = path
+    return str(path)
 
 
 def _shared_template() -> RankTemplate | None:
     """This process's template, started on first use (None: disabled or broken)."""
-    global _template, _folder, _broken
+    global _template, _folder, _broken, _owner
     if not warm_start.enabled() or _broken:
         return None
     with _lock:
@@ -181,12 +187,15 @@ def _shared_template() -> RankTemplate | None:
             except (OSError, TemplateError):
                 _broken = True
                 return None
+            _owner = os.getpid()
             atexit.register(_close)
         return _template
 
 
 def _close() -> None:
     global _template
+    if os.getpid() != _owner:  # a fork of the caller: the template is not its own
+        return
     if _template is not None:
         _template.close()
         _template = None

@@ -119,11 +119,12 @@ class RankTemplate:
         self._early_ends: dict[int, int] = {}
         self._next_id = 0
         self._ready = threading.Event()
+        self._gone = False
         self._reader = threading.Thread(target=self._read, name="isthmus-template", daemon=True)
         self._reader.start()
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
-        if not self._ready.wait(timeout) or self.proc.poll() is not None:
+        if not self._ready.wait(timeout) or self._gone:
             raise TemplateError(
                 f"the rank template did not start in {timeout:.0f} s "
                 f"(exit status {self.proc.poll()}; log: {self._log.name})"
@@ -171,7 +172,7 @@ class RankTemplate:
         with self._lock:
             deadline = time.monotonic() + 30.0
             while request_id not in self._replies:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
+                if self._gone or time.monotonic() > deadline:
                     raise TemplateError(f"the rank template did not fork (log: {self._log.name})")
                 self._replied.wait(0.5)
             reply = self._replies.pop(request_id)
@@ -185,29 +186,40 @@ class RankTemplate:
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            message = json.loads(line)
+        try:
+            for line in self.proc.stdout:
+                try:
+                    message = json.loads(line)
+                except ValueError:
+                    continue  # something a preloaded module printed, not the protocol
+                self._take(message)
+        finally:
+            # The template is gone: whatever it had forked can no longer be told
+            # about, and a wait for it to be ready ends now.
+            self.proc.wait()
             with self._lock:
-                if "ready" in message:
-                    self._ready.set()
-                elif "ended" in message:
-                    pid, code = message["ended"], message["code"]
-                    rank = self._ranks.pop(pid, None)
-                    if rank is None:
-                        self._early_ends[pid] = code
-                    else:
-                        rank._end(code)
-                else:
-                    self._replies[message["id"]] = message
-                    self._replied.notify_all()
-        # The template is gone: whatever it had forked can no longer be told about.
-        self.proc.wait()
+                self._gone = True
+                for rank in self._ranks.values():
+                    if rank.returncode is None:
+                        rank._end(_live_or_lost(rank.pid))
+                self._ranks.clear()
+                self._replied.notify_all()
+            self._ready.set()
+
+    def _take(self, message: dict[str, Any]) -> None:
         with self._lock:
-            for rank in self._ranks.values():
-                if rank.returncode is None:
-                    rank._end(_live_or_lost(rank.pid))
-            self._ranks.clear()
-            self._replied.notify_all()
+            if "ready" in message:
+                self._ready.set()
+            elif "ended" in message:
+                pid, code = message["ended"], message["code"]
+                rank = self._ranks.pop(pid, None)
+                if rank is None:
+                    self._early_ends[pid] = code
+                else:
+                    rank._end(code)
+            elif "id" in message:
+                self._replies[message["id"]] = message
+                self._replied.notify_all()
 
     def close(self) -> None:
         """The template exits once the ranks it forked have (the launcher has
@@ -258,7 +270,7 @@ def serve() -> int:
     # The pipes to the launcher on descriptors of their own; 0 and 1 become
     # /dev/null and the template's log, so that a forked rank's 0, 1 and 2 are free
     # to be its own.
-    requests = os.fdopen(os.dup(0), "rb")
+    requests = os.dup(0)
     out = os.fdopen(os.dup(1), "wb")
     nothing = os.open(os.devnull, os.O_RDONLY)
     os.dup2(nothing, 0)
@@ -268,43 +280,35 @@ def serve() -> int:
     selector.register(requests, selectors.EVENT_READ)
     selector.register(wake_r, selectors.EVENT_READ)
     children: set[int] = set()
-    private = [requests.fileno(), out.fileno(), wake_r, wake_w]
+    private = [requests, out.fileno(), wake_r, wake_w, selector.fileno()]
 
     def say(message: dict[str, Any]) -> None:
-        out.write((json.dumps(message) + "\n").encode())
-        out.flush()
+        with contextlib.suppress(BrokenPipeError, ValueError):  # the launcher is gone
+            out.write((json.dumps(message) + "\n").encode())
+            out.flush()
 
     say({"ready": os.getpid()})
-    open_requests = True
+    pending = b""  # read straight from the pipe: a buffered reader could hold a
+    open_requests = True  # whole request that select would then never report
     orphaned: float | None = None
     while open_requests or children:
         for key, _ in selector.select(timeout=1.0):
-            if key.fileobj is requests:
-                line = requests.readline()
-                if not line:
+            if key.fileobj == requests:
+                data = os.read(requests, 65536)
+                if not data:
                     open_requests = False
                     selector.unregister(requests)
                     continue
-                request = json.loads(line)
-                if _threads() > 1:
-                    say({"id": request["id"], "error": "the rank template runs threads"})
-                    continue
-                # Signals wait until the child has its own handlers: one sent right
-                # after the fork (a Ctrl-C, a stop) must not hit the template's.
-                signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
-                pid = os.fork()
-                if pid == 0:
-                    _run_rank(request, private)  # never returns
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD)
-                children.add(pid)
-                say({"id": request["id"], "pid": pid})
+                *lines, pending = (pending + data).split(b"\n")
+                for line in lines:
+                    if orphaned is None:  # nobody would be told of it any more
+                        _serve_one(line, children, private, say)
             else:
                 with contextlib.suppress(BlockingIOError):
                     os.read(wake_r, 512)
         for pid, code in _reap():
             children.discard(pid)
-            with contextlib.suppress(BrokenPipeError, ValueError):
-                say({"ended": pid, "code": code})
+            say({"ended": pid, "code": code})
         if launcher and orphaned is None and os.getppid() != launcher:
             # The launcher was killed: its ranks would train on, orphaned. They watch
             # this process, so it stops them first and goes once they have gone.
@@ -313,6 +317,35 @@ def serve() -> int:
         if orphaned is not None and time.monotonic() > orphaned + ORPHAN_GRACE_S:
             _signal_all(children, signal.SIGKILL)
     return 0
+
+
+def _serve_one(line: bytes, children: set[int], private: list[int], say: Any) -> None:
+    """Fork for one request; a request that cannot be served (bad JSON, threads,
+    a fork refused by the kernel) is answered with its error, and the template and
+    the ranks it runs go on."""
+    try:
+        request = json.loads(line)
+        request_id = request["id"]
+    except (ValueError, KeyError, TypeError) as exc:
+        print(f"isthmus warm start: ignoring a bad request: {exc}", file=sys.stderr)
+        return
+    if _threads() > 1:
+        say({"id": request_id, "error": "the rank template runs threads"})
+        return
+    # Signals wait until the child has its own handlers: one sent right after the
+    # fork (a Ctrl-C, a stop) must not hit the template's.
+    signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            _run_rank(request, private)  # never returns
+    except OSError as exc:  # EAGAIN, ENOMEM: this one fails, not the run
+        say({"id": request_id, "error": f"fork failed: {exc}"})
+        return
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD)
+    children.add(pid)
+    say({"id": request_id, "pid": pid})
 
 
 def _signal_all(children: set[int], sig: int) -> None:
@@ -369,6 +402,9 @@ def _run_rank(request: dict[str, Any], private: list[int]) -> None:
         with contextlib.suppress(BaseException):
             sys.stdout.flush()
             sys.stderr.flush()
+        if code < 0:  # ended by a signal, as a fresh interpreter would be
+            signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
         os._exit(code)
 
 
@@ -387,6 +423,8 @@ def _run_worker(argv: list[str], env: dict[str, str], *, script: bool) -> int:
     import torch
 
     random.seed()  # the template's state is every fork's: each rank draws its own
+    if "numpy.random" in sys.modules:  # imported by torch._dynamo: the same, for numpy's
+        sys.modules["numpy.random"].seed()
     # The template imported torch with one OpenMP thread; a fresh interpreter would
     # take OMP_NUM_THREADS, else one thread per CPU.
     threads = env.get("OMP_NUM_THREADS", "")
@@ -397,7 +435,8 @@ def _run_worker(argv: list[str], env: dict[str, str], *, script: bool) -> int:
     sys.path[0] = os.path.dirname(os.path.abspath(argv[0])) if script else os.getcwd()
     # Imported by the template as a module; run afresh as __main__, as `python -m`
     # would (runpy warns when the module is already in sys.modules).
-    sys.modules.pop(argv[0], None)
+    if not script and not hasattr(sys.modules.get(argv[0]), "__path__"):
+        sys.modules.pop(argv[0], None)  # a package's __init__ must not run twice
     code: int = 0
     try:
         if script:
@@ -416,7 +455,7 @@ def _run_worker(argv: list[str], env: dict[str, str], *, script: bool) -> int:
         import traceback
 
         traceback.print_exc()
-        code = 128 + signal.SIGINT
+        code = -signal.SIGINT  # as a fresh interpreter: it ends by the signal
     except BaseException:  # as the interpreter would: traceback, status 1
         import traceback
 
