@@ -41,17 +41,20 @@ them in place (4 + 4). int4 and int2 add their packing and unpacking passes. An
 assumption from the code, not a measurement; the blockwise codecs now take the H200's
 measured times (:data:`H200_CODEC_S_PER_VALUE`), the float ones still this."""
 
+H200_HOST_LINK_BYTES_PER_S = 54.7e9
+"""Pinned device-to-host copy of 1.016 GB in 18.6 ms on the H200 (host-to-device the
+same): measured 2026-11-28."""
 H200_CODEC_S_PER_VALUE = {
     "int8": (47.19e-3 - 2 * 5.10e-3) / 2**28,
-    "int4": (33.66e-3 - 2 * 138_412_032 / 54.7e9) / 2**28,
-    "int2": (20.73e-3 - 2 * 71_303_168 / 54.7e9) / 2**28,
+    "int4": (33.66e-3 - 2 * 138_412_032 / H200_HOST_LINK_BYTES_PER_S) / 2**28,
+    "int2": (20.73e-3 - 2 * 71_303_168 / H200_HOST_LINK_BYTES_PER_S) / 2**28,
 }
 """Encode plus decode on the H200, 2^28 values, less the two pinned copies of the
 payload (measured for int8, 5.1 ms each way; for int4 and int2 their payload at
 54.7 GB/s): ``benchmarks/gpu.py`` codecs part, 2026-11-28, commit ``bb8c66f``
 (docs/benchmarks.md, "Second run"). 0.138 ns per value for int8, 13x the kernels'
-memory traffic at the copy bandwidth: most of it was host work (decode's
-one-core copy into pinned memory, since made threaded, not yet re-measured), so
+memory traffic at the copy bandwidth: most of it is host work (decode's one-core
+copy into pinned memory; a threaded one slowed the engine and was reverted), so
 other GPUs take the H200's figure rather than one scaled by memory bandwidth."""
 
 CPU_CODEC_BYTES_PER_S = 1.45e9
@@ -64,9 +67,6 @@ back), timed 2026-11-24."""
 
 H200_COPY_BYTES_PER_S = 4.033e12
 """A device-to-device copy on the H200, bytes read plus written: measured 2026-11-28."""
-H200_HOST_LINK_BYTES_PER_S = 54.7e9
-"""Pinned device-to-host copy of 1.016 GB in 18.6 ms on the H200 (host-to-device the
-same): measured 2026-11-28."""
 H200_OUTER_STEP_S_PER_VALUE = 16.5e-3 / 1e9
 """The outer step over 1e9 float32 values on the H200 (pseudo-gradient, Nesterov SGD,
 model reset): 16.5 ms, measured 2026-11-28 (``benchmarks/gpu.py`` exchange part)."""

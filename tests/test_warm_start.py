@@ -106,7 +106,10 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    status = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    try:
+        status = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except FileNotFoundError:  # gone between the two looks
+        return False
     return status != "Z"
 
 

@@ -9,17 +9,22 @@ from typing import Any
 from isthmus.deploy.run.records import read_records, write_json_atomic
 
 
-def held_out_curve(records: list[dict[str, Any]], started: float) -> list[tuple[float, float]]:
-    """(seconds since the run started, held-out loss) of the model the sites share,
-    in order: the first site's evaluations. Where a strategy's sites differ between
-    rounds, the built-in loop evaluates after each round (its default), when they
-    hold the shared model."""
+def first_site_evals(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The held-out evaluations of the run's first site, in the order written. Where
+    a strategy's sites differ between rounds, the built-in loop evaluates after each
+    round (its default), when they hold the shared model."""
     first_site = next((r["site"] for r in records if r.get("site")), None)
-    return sorted(
-        (r["t"] - started, r["eval_loss"])
+    return [
+        r
         for r in records
         if r["kind"] == "eval" and r["site"] == first_site and r.get("eval_loss") is not None
-    )
+    ]
+
+
+def held_out_curve(records: list[dict[str, Any]], started: float) -> list[tuple[float, float]]:
+    """(seconds since the run started, held-out loss) of the model the sites share,
+    in time order (:func:`first_site_evals`)."""
+    return sorted((r["t"] - started, r["eval_loss"]) for r in first_site_evals(records))
 
 
 def seconds_to_loss(curve: list[tuple[float, float]], target: float) -> float | None:
@@ -63,23 +68,25 @@ def comparison_rows(
     return rows
 
 
-def _curves(out: Path, summaries: dict[str, dict[str, Any]]) -> dict[str, list]:
+def _curves(
+    evals: dict[str, list[dict[str, Any]]], summaries: dict[str, dict[str, Any]]
+) -> dict[str, list[tuple[float, float]]]:
     curves = {}
     for strategy, summary in summaries.items():
         started = summary.get("started")
         if started is not None:  # a summary written before runs recorded their start
-            curves[strategy] = held_out_curve(
-                read_records(out / strategy / "metrics.jsonl"), started
-            )
+            curves[strategy] = held_out_curve(evals[strategy], started)
     return curves
 
 
 def write_comparison(out: Path, summaries: dict[str, dict[str, Any]]) -> Path:
     """``compare.json``, ``compare.md`` and ``compare.png`` in ``out``; returns the report."""
-    curves = _curves(out, summaries)
+    # Each run's records read once, for the rows and the plot.
+    evals = {s: first_site_evals(read_records(out / s / "metrics.jsonl")) for s in summaries}
+    curves = _curves(evals, summaries)
     rows = comparison_rows(summaries, curves)
     write_json_atomic(out / "compare.json", rows)
-    image = _plot(out, summaries, curves)
+    image = _plot(out, summaries, evals, curves)
     first = next(iter(summaries.values()))
     timed = any("seconds_to_sync_loss" in row for row in rows)
     header = "| strategy | held-out loss | WAN bytes | compute utilisation | wall s |"
@@ -130,7 +137,10 @@ def write_comparison(out: Path, summaries: dict[str, dict[str, Any]]) -> Path:
 
 
 def _plot(
-    out: Path, summaries: dict[str, dict[str, Any]], curves: dict[str, list[tuple[float, float]]]
+    out: Path,
+    summaries: dict[str, dict[str, Any]],
+    evals: dict[str, list[dict[str, Any]]],
+    curves: dict[str, list[tuple[float, float]]],
 ) -> str:
     import matplotlib
 
@@ -139,15 +149,9 @@ def _plot(
 
     fig, (by_tokens, by_time, bars) = plt.subplots(1, 3, figsize=(16, 4.2))
     for strategy in summaries:
-        records = read_records(out / strategy / "metrics.jsonl")
-        first_site = next((r["site"] for r in records if r.get("site")), None)
-        evals = [
-            r
-            for r in records
-            if r["kind"] == "eval" and r["site"] == first_site and r["eval_loss"] is not None
-        ]
+        points = evals[strategy]
         by_tokens.plot(
-            [r["tokens"] for r in evals], [r["eval_loss"] for r in evals], "o-", label=strategy
+            [r["tokens"] for r in points], [r["eval_loss"] for r in points], "o-", label=strategy
         )
         if curves.get(strategy):
             seconds, losses = zip(*curves[strategy], strict=True)

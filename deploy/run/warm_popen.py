@@ -108,9 +108,12 @@ def popen(
 ) -> subprocess.Popen | WarmProcess:
     """``subprocess.Popen(command, ...)``, forked from the warm template when
     ``command`` runs this interpreter on a module or a script."""
-    streams_ok = all(
-        stream in (subprocess.PIPE, subprocess.DEVNULL) for stream in (stdout, stderr)
-    ) or (stdout in (subprocess.PIPE, subprocess.DEVNULL) and stderr == subprocess.STDOUT)
+    # Only streams a forked process can get as Popen would give them (see above).
+    streams_ok = stdout in (subprocess.PIPE, subprocess.DEVNULL) and stderr in (
+        subprocess.PIPE,
+        subprocess.DEVNULL,
+        subprocess.STDOUT,
+    )
     template = _shared_template() if _warmable(command) and streams_ok else None
     if template is not None:
         try:
