@@ -3,12 +3,14 @@
 # Extra arguments go to pytest, e.g. the fast tests alone:
 #   bash scripts/test.sh -m "not slow"
 #
-# Two passes. The tests that can share the machine (single-process ones, small
+# Three passes. The tests that can share the machine (single-process ones, small
 # two-rank sites) run on $ISTHMUS_TEST_WORKERS workers (default 2, pytest-xdist);
-# then, one at a time, the slow multi-process runs (`slow`: whole jobs of
-# several sites over the emulator, which use every core) and the tests that
-# measure the emulator's own timing (`serial`). A `-m EXPR` given here selects
-# within both passes.
+# then the slow multi-process runs (`slow`: whole jobs of several sites over the
+# emulator) on as many workers, each worker taking the next test as it frees
+# (worksteal: the slow tests differ tenfold in length); last, one at a time, the
+# tests that must have the machine to themselves (`serial`: they measure the
+# emulator's own timing or rate, or start a Slurm cluster, of which two at once
+# never finish their jobs). A `-m EXPR` given here selects within every pass.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -33,9 +35,15 @@ echo "test: pytest, parallel pass (${ISTHMUS_TEST_WORKERS:-2} workers)"
 .venv/bin/python -m pytest -n "${ISTHMUS_TEST_WORKERS:-2}" -m "$(within 'not slow and not serial')" \
   ${rest[@]+"${rest[@]}"} || status=$?
 [ "$status" = 5 ] && status=0  # nothing selected in this pass
-echo "test: pytest, one at a time (slow and serial)"
+echo "test: pytest, slow multi-process runs (${ISTHMUS_TEST_WORKERS:-2} workers)"
 second=0
-.venv/bin/python -m pytest -m "$(within 'slow or serial')" ${rest[@]+"${rest[@]}"} || second=$?
+.venv/bin/python -m pytest -n "${ISTHMUS_TEST_WORKERS:-2}" --dist worksteal \
+  -m "$(within 'slow and not serial')" ${rest[@]+"${rest[@]}"} || second=$?
 [ "$second" = 5 ] && second=0
+echo "test: pytest, one at a time (serial)"
+third=0
+.venv/bin/python -m pytest -m "$(within 'serial')" ${rest[@]+"${rest[@]}"} || third=$?
+[ "$third" = 5 ] && third=0
 if [ "$status" != 0 ]; then exit "$status"; fi
-exit "$second"
+if [ "$second" != 0 ]; then exit "$second"; fi
+exit "$third"

@@ -23,7 +23,13 @@ from test_control import Mosquitto
 from isthmus.deploy.cli import main
 from isthmus.deploy.jobfile import free_port_blocks
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(missing() is not None, reason=str(missing()))]
+# serial: one Slurm cluster at a time. Two at once (two xdist workers) never ran their
+# jobs to the end: both tests timed out.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.serial,
+    pytest.mark.skipif(missing() is not None, reason=str(missing())),
+]
 
 
 @pytest.fixture
