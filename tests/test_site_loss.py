@@ -212,7 +212,7 @@ wan:
     - {at_round: 4, link: [a, c], action: partition, for_rounds: 4, rounds_of: b, mode: blackhole}
 train:
   strategy: async
-  steps: 300
+  steps: 240
   sync_every: 5
   warmup_steps: 2
   round_deadline_s: 8
@@ -232,10 +232,10 @@ def test_an_async_site_that_misses_its_round_has_its_pseudo_gradient_applied_lat
     next contribution, at half weight. Every site ends with the same model.
 
     The timing comes from training, not the clock, so it holds on a fast machine
-    or a slow one: the link is cut once a site has completed round 4 (of 60), and
+    or a slow one: the link is cut once a site has completed round 4 (of 48), and
     heals once b has completed 4 more. b cannot complete those without c's share
     until c is left out (the round's deadline), so the cut outlasts the deadline,
-    and it heals with about 50 of a and b's rounds to go. (It was cut at 20 s and
+    and it heals with about 40 of a and b's rounds to go. (It was cut at 20 s and
     healed at 38 s: on a loaded machine the cut could fall before training, and
     on a fast one a and b could finish before the heal.)
 
