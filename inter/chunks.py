@@ -74,7 +74,13 @@ def values_per_chunk(codec: Codec, max_chunk_bytes: int) -> int:
     """How many values fit in a chunk of ``max_chunk_bytes`` before the lossless stage,
     a multiple of the codec's block size so no block straddles two chunks."""
     block = codec.block_size
-    values = int(max_chunk_bytes / (VALUE_BYTES[codec.name] + 4.0 / block))
+    # topk: sized for its densest result (every value of a chunk sent), so an owner's
+    # result, which carries the union of the sites' positions, fits too.
+    if codec.sparse is not None:
+        per_value = codec.for_sum_of(block).bytes_per_value()
+    else:
+        per_value = VALUE_BYTES[codec.name] + 4.0 / block
+    values = int(max_chunk_bytes / per_value)
     return max(block, values // block * block)
 
 

@@ -12,6 +12,14 @@ what is needed to decode them) and back. The lossy part is one of
 * ``int2``  blockwise absmax, ternary levels -1..1, four per byte; |error| <= absmax / 2
   (a value is sent as 0 or as its block's absmax with its sign: coarse, so meant
   for pseudo-gradients with error feedback, which sends what it lost next time),
+* ``topk``  sparse: of every chunk of ``chunk`` values, the ``density`` share of
+  largest magnitude, as their positions (log2(chunk) bits each) and values of
+  ``bits`` = 2 or 4 bits (2**bits levels, mid-rise: none is zero) times one float32
+  step per chunk. A sent value is off by at most step / 2 = absmax / (2**bits - 1)
+  (absmax: the chunk's largest magnitude); a value not sent is off by itself, at
+  most the chunk's k-th largest magnitude. Meant for pseudo-gradients with error
+  feedback, which sends the rest in later rounds (SparseLoCo's recipe). Its
+  settings ride in the codec string (:mod:`isthmus.job.compressor`),
 
 optionally followed by a lossless stage (``+zstd``): byte-shuffle (the values'
 bytes regrouped into planes, so exponent bytes sit together) then zstd at
@@ -33,18 +41,22 @@ nearest, that CPU and CUDA kernels compute alike (see :func:`_quantize`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import zstandard
 
+from isthmus.inter import topk
 from isthmus.inter.staging import Buffer, Staging, staging_for
-from isthmus.job.basics import CODECS
+from isthmus.job.basics import CODECS, FieldError
+from isthmus.job.compressor import SPARSE, SparseSettings, is_sparse, parse_sparse
 
-LOSSY = CODECS
-"""The lossy stages, most precise first (the job model's one list of codec names)."""
+LOSSY = (*CODECS, SPARSE)
+"""The lossy stages: the dense ones most precise first (the job model's one list of
+codec names), then the sparse one."""
 VALUE_BYTES = {"none": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5, "int2": 0.25}
-"""Bytes of one encoded value before the lossless stage (blockwise codecs: scales apart)."""
+"""Bytes of one encoded value before the lossless stage (blockwise codecs: scales
+apart; ``topk``: :meth:`Codec.bytes_per_value`)."""
 BLOCKWISE_LEVELS = {"int8": 127, "int4": 7, "int2": 1}
 """The blockwise codecs: values are rounded to -levels..levels times a per-block scale."""
 FP16_MAX = 65504.0
@@ -80,10 +92,19 @@ class Codec:
     zstd: bool = False
     zstd_level: int = DEFAULT_ZSTD_LEVEL
     block_size: int = DEFAULT_BLOCK_SIZE
+    """Values per scale: a blockwise codec's block; ``topk``'s chunk (its settings')."""
+    sparse: SparseSettings | None = None
+    """``topk``'s settings (None for every other codec)."""
 
     def __post_init__(self) -> None:
         if self.name not in LOSSY:
             raise CodecError(f"unknown codec {self.name!r}; use one of {', '.join(LOSSY)}")
+        if self.name == SPARSE:
+            settings = self.sparse or SparseSettings()
+            object.__setattr__(self, "sparse", settings)
+            object.__setattr__(self, "block_size", settings.chunk)
+        elif self.sparse is not None:
+            raise CodecError(f"sparse settings are the {SPARSE} codec's, not {self.name!r}'s")
         size = self.block_size
         if not (isinstance(size, int) and size >= 2 and size % 2 == 0):
             raise CodecError(
@@ -99,7 +120,28 @@ class Codec:
 
     @property
     def spec(self) -> str:
-        return f"{self.name}+zstd" if self.zstd else self.name
+        name = self.sparse.spec() if self.sparse is not None else self.name
+        return f"{name}+zstd" if self.zstd else name
+
+    def bytes_per_value(self) -> float:
+        """Encoded bytes per float32 value before the lossless stage, scales included."""
+        if self.sparse is not None:
+            return self.sparse.bytes_per_value()
+        if self.name in BLOCKWISE_LEVELS:
+            return VALUE_BYTES[self.name] + 4.0 / self.block_size
+        return VALUE_BYTES[self.name]
+
+    def for_sum_of(self, contributions: int) -> Codec:
+        """The codec of an owner's result, the sum of ``contributions`` encoded
+        contributions. The same codec, except ``topk``: its density times the
+        contributions (at most 1), so the result can carry the union of the
+        positions the sites sent; re-selecting only ``density`` of the sum would drop
+        values that every site's error feedback counts as sent."""
+        if self.sparse is None or contributions <= 1:
+            return self
+        # Exactly contributions * k values a chunk (density * chunk rounds up).
+        density = min(1.0, contributions * self.sparse.per_chunk / self.sparse.chunk)
+        return replace(self, sparse=replace(self.sparse, density=density))
 
     def max_error(self, values: torch.Tensor) -> torch.Tensor:
         """The bound on |decode(encode(values)) - values|, per element, for one encode."""
@@ -110,6 +152,8 @@ class Codec:
             return x.abs() * 2.0**-11 + 2.0**-25  # relative, or half the smallest subnormal
         if self.name == "bf16":
             return x.abs() * 2.0**-8 + 2.0**-134
+        if self.sparse is not None:
+            return topk.max_error(values, self.sparse)
         levels = BLOCKWISE_LEVELS[self.name]
         absmax = _blocks(values, self.block_size).abs().amax(dim=1).double()
         per_block = absmax / (2 * levels)
@@ -126,6 +170,9 @@ class Codec:
             raw = self._encode_float(values, staging)
             sections = {"values": raw.numel(), "element": _ELEMENT[self.name]}
             scales_len = 0
+        elif self.sparse is not None:
+            raw, scales_len = topk.encode(values, self.sparse, staging)
+            sections = {"scales": scales_len, "values": raw.numel() - scales_len, "element": 1}
         else:
             raw, scales_len = self._encode_blocks(values, staging)
             sections = {"scales": scales_len, "values": raw.numel() - scales_len, "element": 1}
@@ -139,7 +186,7 @@ class Codec:
             codec=self.spec,
             count=values.numel(),
             payload=payload,
-            block_size=self.block_size if self.name in BLOCKWISE_LEVELS else 0,
+            block_size=self.block_size if self.name in _SCALED else 0,
             meta=sections,
         )
 
@@ -230,6 +277,11 @@ class Codec:
             return result.copy_(raw.view(_FLOAT_DTYPE[self.name])[:n])
         scales, raw = staging.to_device([view[:scales_len], body])
         scale = scales.view(torch.float32)
+        if self.sparse is not None:
+            try:
+                return topk.decode(raw, scale, self.sparse, result)
+            except ValueError as exc:
+                raise CodecError(str(exc)) from None
         q = raw.view(torch.int8)
         if self.name == "int4":
             packed = q.view(torch.uint8)
@@ -267,10 +319,21 @@ _ELEMENT = {"none": 4, "fp16": 2, "bf16": 2}
 _FLOAT_DTYPE = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _PER_BYTE = {"int8": 1, "int4": 2, "int2": 4}
 """Blockwise codecs: values packed into one byte."""
+_SCALED = (*BLOCKWISE_LEVELS, SPARSE)
+"""Codecs with a float32 scale per ``block_size`` values."""
 
 
 def parse_codec(spec: str, **options: int) -> Codec:
-    """``int8``, ``bf16+zstd`` ... -> :class:`Codec` (options: zstd_level, block_size)."""
+    """``int8``, ``bf16+zstd``, ``topk:bits=2,chunk=4096,density=0.02`` ... ->
+    :class:`Codec` (options: zstd_level, block_size; ``topk`` takes its chunk from
+    its own settings)."""
+    if is_sparse(spec):
+        try:
+            settings, zstd = parse_sparse(spec)
+        except FieldError as exc:
+            raise CodecError(exc.reason) from None
+        options.pop("block_size", None)
+        return Codec(name=SPARSE, zstd=zstd, sparse=settings, **options)
     name, plus, stage = spec.partition("+")
     if plus and stage != "zstd":
         raise CodecError(f"unknown lossless stage {stage!r} in {spec!r}; the only one is +zstd")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from isthmus.job.basics import CODECS, FieldError, is_number
+from isthmus.job.compressor import SPARSE, SparseSettings, is_sparse, parse_sparse
 
 STRATEGIES = ("sync", "diloco", "streaming", "async")
 SCHEDULES = ("cosine", "constant", "wsd")
@@ -62,8 +63,17 @@ class TrainSettings:
     codec: str = "none"
     """How values cross the WAN: ``none`` (exact float32), ``fp16``, ``bf16``, ``int8``,
     ``int4`` or ``int2`` (ternary: with ``error_feedback``, for pseudo-gradients),
-    optionally followed by ``+zstd`` (byte-shuffle then zstd: ``int2+zstd`` is about
-    1.6x smaller than ``int2``, most ternary values being zero)."""
+    or ``topk`` (sparse: each chunk's largest values, 2 or 4 bits each, settings in
+    ``compressor``; with ``error_feedback``), optionally followed by ``+zstd``
+    (byte-shuffle then zstd: ``int2+zstd`` is about 1.6x smaller than ``int2``, most
+    ternary values being zero)."""
+
+    compressor: dict | None = None
+    """``codec: topk``'s settings: ``density`` (share of each chunk's values sent, in
+    (0, 1]; default 0.02), ``bits`` (2 or 4 per sent value; default 2) and ``chunk``
+    (values among which the largest are chosen, a power of two from 256 to 65536;
+    default 4096). Once checked, ``codec`` holds them in its string
+    (``topk:bits=2,chunk=4096,density=0.02``), which is what crosses the WAN."""
 
     error_feedback: bool = False
     """With a lossy codec, carry what it lost of each site's values into the next
@@ -175,6 +185,41 @@ class TrainSettings:
     train on while at least this many sites remain, and pause (saying so) below
     it until enough are back. 0: half the job's sites, rounded up."""
 
+    def _check_compressor(self) -> None:
+        """``codec: topk`` with ``compressor``: check the settings and write them into
+        the codec string; ``compressor`` for another codec is refused."""
+        if not is_sparse(self.codec):
+            if self.compressor is not None:
+                raise SettingError(
+                    "compressor",
+                    f"holds the topk codec's settings, but codec is {self.codec!r}: "
+                    "set codec: topk, or remove compressor",
+                )
+            return
+        name, plus, stage = self.codec.partition("+")
+        if plus and stage != "zstd":
+            raise SettingError(
+                "codec",
+                f"unknown codec {self.codec!r}: the only lossless stage is +zstd (e.g. topk+zstd)",
+            )
+        if ":" in name and self.compressor is not None:
+            raise SettingError(
+                "compressor",
+                f"codec {self.codec!r} already carries its settings; give them in one place",
+            )
+        try:
+            settings = (
+                parse_sparse(self.codec)[0]
+                if ":" in name
+                else SparseSettings.from_mapping(self.compressor)
+            )
+        except SettingError:
+            raise
+        except FieldError as exc:
+            raise SettingError(exc.field, exc.reason) from None
+        object.__setattr__(self, "codec", settings.spec() + ("+zstd" if plus else ""))
+        object.__setattr__(self, "compressor", None)
+
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise SettingError(
@@ -187,13 +232,14 @@ class TrainSettings:
             raise SettingError("outer_lr", f"must be a number > 0, got {self.outer_lr!r}")
         if not (is_number(self.outer_momentum) and 0 <= self.outer_momentum < 1):
             raise SettingError("outer_momentum", f"must be in [0, 1), got {self.outer_momentum!r}")
+        self._check_compressor()
         name, plus, stage = (
             self.codec.partition("+") if isinstance(self.codec, str) else ("", "", "")
         )
-        if name not in CODECS or (plus and stage != "zstd"):
+        if (name not in CODECS and not is_sparse(name)) or (plus and stage != "zstd"):
             raise SettingError(
                 "codec",
-                f"unknown codec {self.codec!r}; use one of {', '.join(CODECS)}, "
+                f"unknown codec {self.codec!r}; use one of {', '.join(CODECS)}, {SPARSE}, "
                 "optionally followed by +zstd (e.g. int2+zstd)",
             )
         if self.round_seconds is not None:
@@ -212,6 +258,12 @@ class TrainSettings:
         if not isinstance(self.error_feedback, bool):
             raise SettingError(
                 "error_feedback", f"must be true or false, got {self.error_feedback!r}"
+            )
+        if is_sparse(self.codec) and not self.error_feedback:
+            raise SettingError(
+                "error_feedback",
+                "codec topk sends only the largest values of each chunk, and without error "
+                "feedback the rest would never be sent: set error_feedback: true",
             )
         check_late_contributions(self.late_contributions, self.staleness_weight)
         if self.late_contributions != "drop" and self.strategy != "async":

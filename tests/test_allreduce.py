@@ -631,3 +631,56 @@ def test_a_send_that_fails_after_its_round_is_logged_and_one_that_hangs_is_given
     assert "peer is unreachable" in caplog.text
     assert left == 0 and cancelled
     assert "given up: round 3 to site 'c'" in caplog.text
+
+
+def test_topk_ends_identical_carries_the_union_and_sends_a_fraction_of_the_bytes():
+    """The sparse codec through the direct algorithm: each owner encodes the average of
+    the sites' sparse contributions at the density of their union, so every site
+    ends with the same values, non-zero at no more positions than the sites sent."""
+    spec, n_sites, n = "topk:chunk=256,density=0.05", 3, 30_000
+    names, _, _, outs, stats = _run(n_sites, n, codec=spec)
+    for name in names:
+        assert torch.equal(outs[name], outs[names[0]]), "sites disagree"
+    codec = parse_codec(spec)
+    nonzero = int((outs[names[0]] != 0).sum())
+    assert (
+        codec.sparse.per_chunk * n / 256
+        < nonzero
+        <= n_sites * codec.sparse.per_chunk * (n / 256 + 2 * n_sites)
+    )
+    # Up: (S-1)/S of the values at the codec's density; down: the same share at the
+    # union's (S times as dense). Far below float32's 2 (S-1)/S * 4 bytes a value.
+    share = (n_sites - 1) / n_sites * n
+    union = codec.for_sum_of(n_sites)
+    expected = share * (codec.bytes_per_value() + union.bytes_per_value())
+    for name in names:
+        assert stats[name].bytes_sent == pytest.approx(expected, rel=0.05)
+        assert stats[name].bytes_sent < 0.08 * 2 * share * 4
+
+
+def test_topk_with_error_feedback_sends_the_rest_in_later_rounds():
+    # 20 rounds of the same inputs: without feedback 95% of each contribution is
+    # never sent; with it, the rounds' mean approaches the exact average.
+    spec = "topk:chunk=256,density=0.05"
+    without = _repeated_rounds(spec, None)
+    with_feedback = _repeated_rounds(spec, "model")
+    assert with_feedback < 0.5 * without, (with_feedback, without)
+
+
+def test_topk_refuses_the_ring_and_takes_direct_for_auto():
+    async def main():
+        names, members = await _group(2, "topk")
+        try:
+            with pytest.raises(ValueError, match="the topk codec needs the direct algorithm"):
+                await members["site0"].allreduce(
+                    torch.ones(10),
+                    round=0,
+                    participants=names,
+                    weights={s: 1.0 for s in names},
+                    algorithm="ring",
+                )
+            assert members["site0"]._pick_algorithm("auto", torch.ones(10), names) == "direct"
+        finally:
+            await _close(members)
+
+    asyncio.run(main())

@@ -12,6 +12,7 @@ from typing import Any
 
 from isthmus.deploy.cli.registry import UsageError, add_command
 from isthmus.deploy.jobfile import Job, load_job
+from isthmus.job.compressor import is_sparse
 from isthmus.sim.cost import LinkCost
 from isthmus.sim.hardware import SiteHardware, site_hardware
 from isthmus.sim.perf_model import (
@@ -285,6 +286,14 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
     strategy = args.strategy or (train.strategy if train else "diloco")
     hardware = _hardware(job, args)
     codec = args.codec or (train.codec.partition("+")[0] if train else "none")
+    if is_sparse(codec):
+        # Its result carries the union of the sites' positions: more bytes down than
+        # up, which the model's symmetric exchange does not describe.
+        raise ScenarioError(
+            "codec",
+            "the performance model does not cost the topk codec; pass --codec with a dense "
+            f"one ({', '.join(CODEC_BYTES_PER_VALUE)}) to predict the job as if it used it",
+        )
     return Scenario(
         params=params,
         step_s=step_s,

@@ -4,7 +4,11 @@ In the reduce-scatter phase each site sends slice j of its tensor to the owner
 of j; the owner reduces the contributions in a fixed order (sorted site names)
 and encodes the result *once*; in the all-gather phase it sends those same
 bytes to every site and decodes them itself too. Every site therefore ends
-with bitwise-identical output, whatever the codec. A value is encoded twice
+with bitwise-identical output, whatever the codec. The sparse codec (``topk``)
+encodes the result at the density of the union of the sites' positions (its
+density times the sites counted: :meth:`Codec.for_sum_of`), so every site
+downloads up to that many times the bytes it uploads, as an all-gather of the
+sparse contributions would. A value is encoded twice
 on its way (once as a contribution, once as the owner's result), so the
 end-to-end error is at most two of the codec's bounds (see
 ``Codec.max_error``): the contributions' weighted bounds E, plus the bound of
@@ -193,6 +197,8 @@ class DirectRound:
         # values are used as they are (the bytes sent are the same either way).
         exact = r.codec.name == "none"
         own_values = mine_flat if exact else torch.empty_like(mine_flat)
+        # topk: the result carries the union of the positions the sites sent.
+        result_codec = r.codec.for_sum_of(len(self.counted))
         for index, (lo, hi) in enumerate(ranges):
             if not exact:
                 await self.pass_own_through_codec(mine_flat, own_values, lo, hi, index, len(ranges))
@@ -200,12 +206,12 @@ class DirectRound:
                 await wait_chunk(r, s, self.contributions[s], index)
             reduced = self.reduce(own_values, lo, hi)
             result = await self.outgoing.encode(
-                r.codec, reduced, round=r.number, shard=self.n + self.mine, offset=lo,
+                result_codec, reduced, round=r.number, shard=self.n + self.mine, offset=lo,
                 index=index, count=len(ranges), staging=r.staging,
             )  # fmt: skip
             self.share(result)
             if not exact:
-                own_chunk(result, r.codec).decode_into(self.out[self.a : self.b], r.staging)
+                own_chunk(result, result_codec).decode_into(self.out[self.a : self.b], r.staging)
         for queue in self.queues.values():
             queue.put_nowait(None)
         self.phases["contributions"] = loop.time() - r.started

@@ -319,6 +319,15 @@ class CrossSiteAllReduce:
     ) -> str:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; use direct, ring or auto")
+        if self.codec.sparse is not None:
+            # The ring re-encodes partial sums at every hop: top-k of a partial sum
+            # drops what earlier sites sent, and no site's feedback can send it again.
+            if algorithm == "ring":
+                raise ValueError(
+                    "the topk codec needs the direct algorithm (the ring would re-select "
+                    "the largest values of every partial sum): use algorithm direct or auto"
+                )
+            return "direct"
         if algorithm != "auto":
             return algorithm
         if self.link_costs is None:

@@ -54,7 +54,10 @@ class ErrorFeedback:
             return flat, None
         residual = self._residuals.get(key)
         if residual is not None and residual.numel() == flat.numel():
-            flat = flat + residual.to(flat.device)
+            # topk's feedback_decay (below 1: the residual stands in for momentum).
+            decay = codec.sparse.feedback_decay if codec.sparse is not None else 1.0
+            residual = residual.to(flat.device)
+            flat = flat + (residual if decay == 1 else residual * decay)
         return flat, torch.zeros_like(flat)
 
     def keep(self, key: str, lost: torch.Tensor) -> None:
