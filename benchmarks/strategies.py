@@ -44,6 +44,7 @@ INT4_EF = ["--codec", "int4", "--error-feedback"]
 GROWING_H = "5:100,10:200,25:400,50"
 SHRINKING_H = "4:300,3"
 INT2_ZSTD_EF = ["--codec", "int2+zstd", "--error-feedback"]
+TOPK_EF = ["--codec", "topk", "--error-feedback"]
 CONFIGS: dict[str, list[str]] = {
     "sync": ["--strategy", "sync"],
     "diloco-h50": ["--strategy", "diloco", "--sync-every", "50"],
@@ -72,6 +73,20 @@ CONFIGS: dict[str, list[str]] = {
     "diloco-avg-h34-int2zstd-ef": [
         *("--strategy", "diloco", "--sync-every", "34", *FEDAVG, *INT2_ZSTD_EF),
     ],
+    # Sparse pseudo-gradients (codec topk): the largest 2% (or 1%) of every 4,096
+    # values, 2-bit, with error feedback; an owner sends the union of the sites'
+    # positions back. "-decay": SparseLoCo's form, the residual decaying by 0.95 a
+    # round in place of outer momentum (there is none: plain averaging).
+    "diloco-avg-h4-topk-ef": ["--strategy", "diloco", "--sync-every", "4", *FEDAVG, *TOPK_EF],
+    "diloco-avg-h4-topk1-ef": [
+        *("--strategy", "diloco", "--sync-every", "4", *FEDAVG),
+        *("--codec", "topk:density=0.01", "--error-feedback"),
+    ],
+    "diloco-avg-h4-topk-decay": [
+        *("--strategy", "diloco", "--sync-every", "4", *FEDAVG),
+        *("--codec", "topk:density=0.02,feedback_decay=0.95", "--error-feedback"),
+    ],
+    "diloco-avg-h10-topk-ef": ["--strategy", "diloco", "--sync-every", "10", *FEDAVG, *TOPK_EF],
 }
 WARMUP_STEPS = 30
 """Every strategy trains with the same inner schedule: linear warm-up over these
