@@ -18,8 +18,9 @@ what is needed to decode them) and back. The lossy part is one of
   step per chunk. A sent value is off by at most step / 2 = absmax / (2**bits - 1)
   (absmax: the chunk's largest magnitude); a value not sent is off by itself, at
   most the chunk's k-th largest magnitude. Meant for pseudo-gradients with error
-  feedback, which sends the rest in later rounds (SparseLoCo's recipe). Its
-  settings ride in the codec string (:mod:`isthmus.job.compressor`),
+  feedback, which sends the rest in later rounds (SparseLoCo's recipe); of equal
+  magnitudes the earlier go first. Its settings ride in the codec string
+  (:mod:`isthmus.job.compressor`), and its bytes are :mod:`isthmus.inter.topk`'s,
 
 optionally followed by a lossless stage (``+zstd``): byte-shuffle (the values'
 bytes regrouped into planes, so exponent bytes sit together) then zstd at

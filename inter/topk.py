@@ -38,10 +38,17 @@ def encode(
     chunk, k = settings.chunk, settings.per_chunk
     blocks = _chunks(values, chunk)
     chunks = blocks.shape[0]
-    # The k largest magnitudes of each chunk, positions ascending (torch.topk's
-    # order between equal magnitudes is its own: the bytes are decoded, never
-    # recomputed, so every site still ends with the same values).
-    positions = blocks.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+    # The k largest magnitudes of each chunk, positions ascending. Among values
+    # equal to the k-th largest the earliest go (topk's own choice between equals
+    # differs between devices), so a GPU writes the CPU's bytes: every value above
+    # the k-th largest, then as many of those equal to it as are still wanted.
+    magnitude = blocks.abs()
+    kth = magnitude.topk(k, dim=1).values[:, -1:]
+    above = magnitude > kth
+    equal = magnitude == kth
+    wanted = k - above.sum(dim=1, keepdim=True)
+    chosen_mask = above | (equal & (equal.cumsum(dim=1) <= wanted))
+    positions = chosen_mask.nonzero()[:, 1].view(chunks, k)
     chosen = blocks.gather(1, positions)
     levels = _half_levels(settings.bits)
     absmax = chosen.abs().amax(dim=1)
