@@ -68,7 +68,7 @@ groups=" ${GPU_GROUPS:-exchange inner sites tests} "
 [[ $groups == *" sites "* ]] && part "${GPU_LIMIT_SITES:-140}" sites --only shared,two-ranks
 if [[ $groups == *" tests "* ]]; then
     stamp "CUDA tests"
-    timeout 50 python3 -m pytest -q -p no:cacheprovider -o addopts= \
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts= \
         tests/test_codecs_device.py tests/test_devices.py tests/test_step_path.py 2>&1 | tail -25 >"$OUT/pytest.log"
     cat "$OUT/pytest.log"
 fi
