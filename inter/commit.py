@@ -95,6 +95,10 @@ def seal_round(
         weights={s: 1.0 for s in sites},
         in_site_reduce=dp_size > 1,
         abort=abort,
+        # Float32 whatever the job's codec: a lossy one would round the digits and
+        # flags (int8 turned small digits into zeros; topk, whose levels are never
+        # zero, turned zero flags into refusals).
+        exact=True,
     )
     slots = (vote * len(sites)).round().long().view(-1, _SLOTS).tolist()
     totals = {

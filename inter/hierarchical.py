@@ -122,6 +122,7 @@ class HierarchicalStep:
         in_site_reduce: bool = True,
         algorithm: str = "direct",
         abort: Callable[[], bool] | None = None,
+        exact: bool = False,
     ) -> StepReport:
         """Replace ``tensors`` (in place) by their weighted average over ``participants``.
 
@@ -139,6 +140,7 @@ class HierarchicalStep:
             rank_weight=rank_weight,
             in_site_reduce=in_site_reduce,
             algorithm=algorithm,
+            exact=exact,
         ).wait(abort=abort)
 
     def start(
@@ -152,12 +154,14 @@ class HierarchicalStep:
         in_site_reduce: bool = True,
         algorithm: str = "direct",
         feedback: str | None = None,
+        exact: bool = False,
     ) -> PendingAverage:
         """:meth:`average` in two halves, for exchanges that overlap training: the
         in-site reduce-scatter runs now and the WAN part in the background; the
         returned :meth:`PendingAverage.wait` finishes it (every rank of the group
         calls it at the same point). ``tensors`` must not change until then.
-        ``feedback``: the engine's error-feedback key for this vector (None: off)."""
+        ``feedback``: the engine's error-feedback key for this vector (None: off).
+        ``exact``: float32 across the WAN whatever the codec (a seal's vote)."""
         device = self.device
         local = [_dp_replicated(t) if isinstance(t, DTensor) else t for t in tensors]
         numel = sum(t.numel() for t in local)
@@ -203,6 +207,7 @@ class HierarchicalStep:
                 weights=weights,
                 algorithm=algorithm,
                 feedback=feedback,
+                exact=exact,
             )
         )
         return PendingAverage(

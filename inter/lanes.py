@@ -156,6 +156,7 @@ class RankEndpoint:
         weights: Mapping[str, float],
         algorithm: str = "direct",
         feedback: str | None = None,
+        exact: bool = False,
     ) -> tuple[dict[int, torch.Tensor], RoundStats]:
         """:meth:`allreduce` and this round's WAN traffic, all lanes together (right
         even when several rounds are in flight at once)."""
@@ -176,6 +177,7 @@ class RankEndpoint:
                 weights=weights,
                 algorithm=algorithm,
                 feedback=feedback,
+                exact=exact,
             )
             # Read at once: no other task runs between the engine setting it
             # and this line, so it is this round's.

@@ -684,3 +684,38 @@ def test_topk_refuses_the_ring_and_takes_direct_for_auto():
             await _close(members)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("codec", ["int2", "topk"])
+def test_an_exact_round_crosses_as_float32_whatever_the_codec(codec):
+    """A round's seal carries counts and flags that must come through unchanged: with
+    ``exact`` the round ignores the engine's codec (int2 would round small digits to
+    zero, topk's never-zero levels would turn zero flags into refusals)."""
+
+    async def main():
+        names, members = await _group(3, codec)
+        votes = {s: torch.zeros(18) for s in names}
+        for i, s in enumerate(names):
+            votes[s][6 * i : 6 * i + 4] = torch.tensor([2048.0, 2.0, 1.0, 0.0])
+        try:
+            outs = await asyncio.gather(
+                *[
+                    members[s].allreduce(
+                        votes[s],
+                        round=0,
+                        participants=names,
+                        weights={n: 1.0 for n in names},
+                        exact=True,
+                    )
+                    for s in names
+                ]
+            )
+        finally:
+            await _close(members)
+        return outs
+
+    outs = asyncio.run(main())
+    expected = torch.tensor([2048.0, 2.0, 1.0, 0.0, 0.0, 0.0] * 3) / 3
+    for out in outs:
+        assert torch.equal((out * 3).round(), (expected * 3).round())
+        assert torch.allclose(out, expected, rtol=0, atol=1e-6)

@@ -51,6 +51,8 @@ FLUSH_ON_CLOSE_S = 20.0
 """How long :meth:`CrossSiteAllReduce.close` waits for the acknowledgements of chunks
 sent by rounds that are over here (a peer may still need them to finish its round)."""
 ALGORITHMS = ("direct", "ring", "auto")
+EXACT = Codec()
+"""The codec of an ``exact`` round: float32 as it is."""
 
 
 class CrossSiteAllReduce:
@@ -222,8 +224,12 @@ class CrossSiteAllReduce:
         weights: Mapping[str, float],
         algorithm: str = "direct",
         feedback: str | None = None,
+        exact: bool = False,
     ) -> torch.Tensor:
         """The weighted average of ``tensor`` over ``participants`` (this site among them).
+
+        ``exact``: this round crosses as float32 whatever the engine's codec (a
+        round's seal, whose counts and flags must come through unchanged).
 
         ``feedback``: error feedback for a lossy codec, keyed by this name (one per
         vector the caller sends again and again, e.g. ``"model"`` or a fragment's
@@ -248,6 +254,7 @@ class CrossSiteAllReduce:
                 weights=weights,
                 algorithm=algorithm,
                 feedback=feedback,
+                exact=exact,
             )
         finally:
             self.inbox.leave(round)
@@ -261,9 +268,11 @@ class CrossSiteAllReduce:
         weights: Mapping[str, float],
         algorithm: str,
         feedback: str | None,
+        exact: bool = False,
     ) -> torch.Tensor:
         """One round of :meth:`allreduce`: check, plan, run the algorithm, keep its stats."""
-        algorithm = self._pick_algorithm(algorithm, tensor, participants)
+        codec = EXACT if exact else self.codec
+        algorithm = self._pick_algorithm(algorithm, tensor, participants, codec)
         self.last_algorithm = algorithm
         sites = sorted(participants)
         self._check_participants(round, sites, weights)
@@ -277,7 +286,7 @@ class CrossSiteAllReduce:
             me=self.identity.site,
             weights=weights,
             bounds=slice_bounds(flat.numel(), len(sites)),
-            codec=self.codec,
+            codec=codec,
             max_chunk_bytes=self.settings.max_chunk_bytes,
             started=started,
             deadline=started + self.deadline_s,
@@ -315,11 +324,15 @@ class CrossSiteAllReduce:
         return self.staging
 
     def _pick_algorithm(
-        self, algorithm: str, tensor: torch.Tensor, participants: Sequence[str]
+        self,
+        algorithm: str,
+        tensor: torch.Tensor,
+        participants: Sequence[str],
+        codec: Codec | None = None,
     ) -> str:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; use direct, ring or auto")
-        if self.codec.sparse is not None:
+        if (codec or self.codec).sparse is not None:
             # The ring re-encodes partial sums at every hop: top-k of a partial sum
             # drops what earlier sites sent, and no site's feedback can send it again.
             if algorithm == "ring":
