@@ -26,7 +26,7 @@ name: resumable
 sites:
   - {{name: a, ranks: 1, address: 127.0.0.1:{a}}}
   - {{name: b, ranks: 2, nodes: 2, address: 127.0.0.1:{b}}}
-train: {{strategy: diloco, steps: 48, sync_every: 4, warmup_steps: 2, checkpoint_every: 1}}
+train: {{strategy: diloco, steps: 32, sync_every: 4, warmup_steps: 2, checkpoint_every: 1}}
 control: {{broker: mqtt://127.0.0.1:{broker}}}
 """
 
@@ -98,7 +98,7 @@ def test_a_job_stopped_whole_resumes_to_the_same_parameters_bit_for_bit(tmp_path
         runs = {s: tmp_path / "stopped" / s for s in ("a", "b")}
         procs = _start_job(job, runs, rdzv, "--out")
         deadline = time.monotonic() + 240
-        while min(_rounds_done(runs[s], s) for s in runs) < 5:
+        while min(_rounds_done(runs[s], s) for s in runs) < 3:  # of 8
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs.values())
             time.sleep(0.2)
         for proc in procs.values():

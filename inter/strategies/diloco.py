@@ -140,6 +140,11 @@ class DiLoCo(LocalSteps):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self._tokens = int(state["tokens"])
+        # What a catching-up site pulls from this one: the step count at the last
+        # round. Left at 0, a site resumed from a checkpoint and asked to give the
+        # state before completing a round here sent step 0, and its puller went on
+        # that many steps behind the others (and ended on another model).
+        self._steps_at_round = self.inner_steps - self.round_steps
         self._round_clock = time.perf_counter()
 
     def sync(self, *, last: bool = False) -> None:
