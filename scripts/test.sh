@@ -6,10 +6,11 @@
 # Three passes. The tests that can share the machine (single-process ones, small
 # two-rank sites) run on $ISTHMUS_TEST_WORKERS workers (default 2, pytest-xdist);
 # then the slow multi-process runs (`slow`: whole jobs of several sites over the
-# emulator) on as many workers, each taking the next test as it frees, those of one
-# xdist_group on one worker (the Slurm tests: two Slurm clusters at once never
-# finish their jobs); last, one at a time, the tests that measure the emulator's
-# own timing or rate (`serial`). A `-m EXPR` given here selects within every pass.
+# emulator) on as many workers, each worker taking the next test as it frees
+# (worksteal: the slow tests differ tenfold in length); last, one at a time, the
+# tests that must have the machine to themselves (`serial`: they measure the
+# emulator's own timing or rate, or start a Slurm cluster, of which two at once
+# never finish their jobs). A `-m EXPR` given here selects within every pass.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -36,7 +37,7 @@ echo "test: pytest, parallel pass (${ISTHMUS_TEST_WORKERS:-2} workers)"
 [ "$status" = 5 ] && status=0  # nothing selected in this pass
 echo "test: pytest, slow multi-process runs (${ISTHMUS_TEST_WORKERS:-2} workers)"
 second=0
-.venv/bin/python -m pytest -n "${ISTHMUS_TEST_WORKERS:-2}" --dist loadgroup \
+.venv/bin/python -m pytest -n "${ISTHMUS_TEST_WORKERS:-2}" --dist worksteal \
   -m "$(within 'slow and not serial')" ${rest[@]+"${rest[@]}"} || second=$?
 [ "$second" = 5 ] && second=0
 echo "test: pytest, one at a time (serial)"

@@ -23,12 +23,11 @@ from test_control import Mosquitto
 from isthmus.deploy.cli import main
 from isthmus.deploy.jobfile import free_port_blocks
 
-# One Slurm cluster at a time: two at once (two xdist workers) never ran their jobs to
-# the end, and both tests timed out. The group keeps them on one worker of the slow
-# pass (scripts/test.sh runs it with --dist loadgroup).
+# serial: one Slurm cluster at a time. Two at once (two xdist workers) never ran their
+# jobs to the end: both tests timed out.
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.xdist_group("slurm"),
+    pytest.mark.serial,
     pytest.mark.skipif(missing() is not None, reason=str(missing())),
 ]
 
