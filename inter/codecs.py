@@ -154,7 +154,7 @@ class Codec:
         if self.name == "bf16":
             return x.abs() * 2.0**-8 + 2.0**-134
         if self.sparse is not None:
-            return topk.max_error(values, self.sparse)
+            return topk.max_error(values, _blocks(values, self.block_size), self.sparse)
         levels = BLOCKWISE_LEVELS[self.name]
         absmax = _blocks(values, self.block_size).abs().amax(dim=1).double()
         per_block = absmax / (2 * levels)
@@ -172,7 +172,7 @@ class Codec:
             sections = {"values": raw.numel(), "element": _ELEMENT[self.name]}
             scales_len = 0
         elif self.sparse is not None:
-            raw, scales_len = topk.encode(values, self.sparse, staging)
+            raw, scales_len = topk.encode(_blocks(values, self.block_size), self.sparse, staging)
             sections = {"scales": scales_len, "values": raw.numel() - scales_len, "element": 1}
         else:
             raw, scales_len = self._encode_blocks(values, staging)

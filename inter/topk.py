@@ -12,8 +12,6 @@ the lossless stage.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from isthmus.inter.staging import Staging
@@ -32,11 +30,11 @@ def _section_bytes(chunks: int, settings: SparseSettings) -> tuple[int, int]:
 
 
 def encode(
-    values: torch.Tensor, settings: SparseSettings, staging: Staging
+    blocks: torch.Tensor, settings: SparseSettings, staging: Staging
 ) -> tuple[torch.Tensor, int]:
-    """The payload of ``values`` into a buffer of ``staging``, and its scales' length."""
-    chunk, k = settings.chunk, settings.per_chunk
-    blocks = _chunks(values, chunk)
+    """The payload of ``blocks`` (the values as (chunks, chunk), the last chunk
+    zero-padded) into a buffer of ``staging``, and its scales' length."""
+    k = settings.per_chunk
     chunks = blocks.shape[0]
     # The k largest magnitudes of each chunk, positions ascending. Among values
     # equal to the k-th largest the earliest go (topk's own choice between equals
@@ -90,11 +88,11 @@ def decode(
     return out.copy_(dense.view(-1)[: out.numel()])
 
 
-def max_error(values: torch.Tensor, settings: SparseSettings) -> torch.Tensor:
-    """A sent value: step / 2; one not sent: itself. Which of the values tied with the
-    chunk's k-th largest magnitude are sent is the selection's choice, so at or
-    below it the bound is the larger of the two."""
-    blocks = _chunks(values, settings.chunk).abs().double()
+def max_error(values: torch.Tensor, blocks: torch.Tensor, settings: SparseSettings) -> torch.Tensor:
+    """A sent value: step / 2; one not sent: itself (``blocks``: ``values`` as for
+    :func:`encode`). At or below the chunk's k-th largest magnitude the bound is
+    the larger of the two, so it holds whichever of the tied values are sent."""
+    blocks = blocks.abs().double()
     kth = blocks.topk(settings.per_chunk, dim=1).values[:, -1:]
     half_step = blocks.amax(dim=1, keepdim=True) / (2 * _half_levels(settings.bits) - 1)
     bound = torch.where(blocks > kth, half_step, torch.maximum(blocks, half_step))
@@ -120,12 +118,3 @@ def _unpack_bits(data: torch.Tensor, width: int, count: int) -> torch.Tensor:
     bits = ((data.view(torch.uint8)[:, None] >> shifts) & 1).view(-1)[: count * width]
     weights = torch.tensor([1 << i for i in range(width)], dtype=torch.int64, device=data.device)
     return (bits.view(count, width).to(torch.int64) * weights).sum(dim=1)
-
-
-def _chunks(values: torch.Tensor, chunk: int) -> torch.Tensor:
-    """The values as (chunks, chunk), the last zero-padded."""
-    flat = values.reshape(-1)
-    count = max(1, math.ceil(flat.numel() / chunk))
-    padded = torch.zeros(count * chunk, dtype=torch.float32, device=flat.device)
-    padded[: flat.numel()] = flat
-    return padded.view(count, chunk)
