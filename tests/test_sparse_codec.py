@@ -93,7 +93,7 @@ def test_an_owner_s_result_carries_the_union_of_the_sites_positions():
     union = set(torch.nonzero(total).view(-1).tolist())
     assert len(union) > k  # the sites chose different positions
     result = codec.for_sum_of(4)
-    assert result.sparse.per_chunk == 4 * k
+    assert result.sparse.per_chunk == 4 * k and result.sparse.bits == 4
     decoded = result.decode(result.encode(total))
     assert set(torch.nonzero(decoded).view(-1).tolist()) >= union
     assert torch.all((decoded.double() - total.double()).abs() <= result.max_error(total))
