@@ -213,9 +213,7 @@ class TrainSettings:
                 if ":" in name
                 else SparseSettings.from_mapping(self.compressor)
             )
-        except SettingError:
-            raise
-        except FieldError as exc:
+        except FieldError as exc:  # the compressor's own checks: a train setting here
             raise SettingError(exc.field, exc.reason) from None
         object.__setattr__(self, "codec", settings.spec() + ("+zstd" if plus else ""))
         object.__setattr__(self, "compressor", None)

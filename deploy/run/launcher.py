@@ -200,8 +200,9 @@ class Launcher:
         self._link_bytes: dict[str, tuple[float, float]] = {}
         self.tensorboard: Any = None
         self.template: RankTemplate | None = None
-        self._template_failed = False
         """Forks the built-in loop's ranks (:mod:`isthmus.deploy.run.warm_start`)."""
+        self._template_failed = False
+        """The template refused a fork: new ranks start fresh (it still runs its own)."""
         self.tuner: Any = None
         self._pids: dict[str, list[int]] = {}
         # Faults that start or end at a round wait on the rounds the launcher reports.
