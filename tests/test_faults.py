@@ -24,7 +24,7 @@ wan:
   default: {rtt_ms: 20, bandwidth_mbit: 200}
   faults:
     - {at_round: 3, link: [a, b], action: partition, for_s: 8, mode: MODE}
-train: {strategy: diloco, steps: STEPS, sync_every: 5, warmup_steps: 2}
+train: {strategy: diloco, steps: STEPS, sync_every: 5, warmup_steps: 2, eval_every: 0}
 """
 
 

@@ -25,7 +25,7 @@ sites:
   - {name: b, ranks: 2}
 wan:
   default: {rtt_ms: 10, bandwidth_mbit: 200}
-train: {strategy: diloco, steps: 120, sync_every: 4, warmup_steps: 2}
+train: {strategy: diloco, steps: 120, sync_every: 4, warmup_steps: 2, eval_every: 0}
 metrics: {prometheus_port: 9400}
 """
 

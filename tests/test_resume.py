@@ -82,7 +82,7 @@ sites:
   - {name: b, ranks: 2}
 wan:
   default: {rtt_ms: 10, bandwidth_mbit: 500}
-train: {strategy: STRATEGY, steps: STEPS, sync_every: 4, warmup_steps: 2, codec: int8,
+train: {strategy: STRATEGY, steps: STEPS, sync_every: 4, warmup_steps: 2, codec: int8, eval_every: 0,
         error_feedback: true, checkpoint_every: EVERY,
         # Both sites needed: a lost site stops the run instead of leaving it out.
         min_sites: 2, round_deadline_s: 8, collective_timeout_s: 4, rejoin_timeout_s: 10}

@@ -327,7 +327,7 @@ def test_a_site_added_to_the_job_file_joins_the_running_sites(tmp_path):
         sites:
           - {{name: a, ranks: 1, address: 127.0.0.1:{base}}}
           - {{name: b, ranks: 1, address: 127.0.0.1:{base + 1}}}
-        train: {{strategy: diloco, steps: 200, sync_every: 5, warmup_steps: 2}}
+        train: {{strategy: diloco, steps: 200, sync_every: 5, warmup_steps: 2, eval_every: 0}}
         tls: {{ca: certs/ca.crt, cert: "certs/{{site}}.crt", key: "certs/{{site}}.key"}}
         control: {{broker: mqtt://127.0.0.1:{broker.port}}}
         """

@@ -25,7 +25,8 @@ SITE_C
 wan:
   default: {rtt_ms: 20, bandwidth_mbit: 200}
 FAULTS
-train: {strategy: STRATEGY, steps: STEPS, sync_every: 5, warmup_steps: 2, min_sites: QUORUM}
+train: {strategy: STRATEGY, steps: STEPS, sync_every: 5, warmup_steps: 2, min_sites: QUORUM,
+        eval_every: 0}
 """
 
 HOLD_UNTIL_C_IS_BACK = """\
@@ -177,7 +178,8 @@ sites:
   - {name: b, ranks: 2}
 wan:
   default: {rtt_ms: 20, bandwidth_mbit: 200}
-train: {strategy: diloco, steps: STEPS, sync_every: 5, warmup_steps: 2, min_sites: 2}
+train: {strategy: diloco, steps: STEPS, sync_every: 5, warmup_steps: 2, min_sites: 2,
+        eval_every: 0}
 """
 
 
@@ -219,6 +221,7 @@ train:
   collective_timeout_s: 5
   late_contributions: stale
   staleness_weight: 0.5
+  eval_every: 0
 """
 
 

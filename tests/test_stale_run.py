@@ -21,7 +21,7 @@ name: again
 sites:
   - {{name: a, address: 127.0.0.1:{a}}}
   - {{name: b, address: 127.0.0.1:{b}}}
-train: {{strategy: diloco, steps: 24, sync_every: 4, warmup_steps: 2}}
+train: {{strategy: diloco, steps: 24, sync_every: 4, warmup_steps: 2, eval_every: 0}}
 control: {{broker: mqtt://127.0.0.1:{broker}}}
 """
 
