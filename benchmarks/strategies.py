@@ -87,6 +87,21 @@ CONFIGS: dict[str, list[str]] = {
         *("--codec", "topk:density=0.02,feedback_decay=0.95", "--error-feedback"),
     ],
     "diloco-avg-h10-topk-ef": ["--strategy", "diloco", "--sync-every", "10", *FEDAVG, *TOPK_EF],
+    # Overlapped DiLoCo: streaming with one fragment, its exchange on the wire for a
+    # whole round (the sites never wait for it), applied eagerly (the new global
+    # parameters plus what the site trained meanwhile) or mixed (the paper's 0.5).
+    "overlapped-avg-h4-eager-int2zstd-ef": [
+        *("--strategy", "streaming", "--fragments", "1", "--sync-every", "4"),
+        *("--overlap-steps", "4", "--merge", "eager", *FEDAVG, *INT2_ZSTD_EF),
+    ],
+    "overlapped-avg-h4-mix-int2zstd-ef": [
+        *("--strategy", "streaming", "--fragments", "1", "--sync-every", "4"),
+        *("--overlap-steps", "4", "--merge", "mix", *FEDAVG, *INT2_ZSTD_EF),
+    ],
+    "overlapped-h50-eager": [
+        *("--strategy", "streaming", "--fragments", "1", "--sync-every", "50"),
+        *("--overlap-steps", "50", "--merge", "eager"),
+    ],
 }
 WARMUP_STEPS = 30
 """Every strategy trains with the same inner schedule: linear warm-up over these

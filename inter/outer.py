@@ -74,10 +74,14 @@ class OuterOptimizer:
         *,
         mix: float = 0.0,
         reset: bool = True,
+        keep_since: Sequence[torch.Tensor] | None = None,
     ) -> None:
         """Apply the averaged pseudo-gradient of the parameters at ``indices`` (all by
         default) to the global parameters. With ``reset``, those model parameters
-        become ``mix * local + (1 - mix) * global`` (``mix`` 0: DiLoCo's reset)."""
+        become ``mix * local + (1 - mix) * global`` (``mix`` 0: DiLoCo's reset); with
+        ``keep_since`` (the parameters as they were when the pseudo-gradient was
+        taken, one per index), ``global + (local - keep_since)``: the global
+        parameters plus the local progress made since."""
         indices = range(len(self.global_params)) if indices is None else indices
         for i, delta in zip(indices, averaged, strict=True):
             self.global_params[i].grad = delta
@@ -85,7 +89,12 @@ class OuterOptimizer:
         self.optimizer.step()
         for i in indices:
             self.global_params[i].grad = None
-        if reset:
+        if keep_since is not None:
+            for i, since in zip(indices, keep_since, strict=True):
+                p, g = self.params[i], self.global_params[i].to(self.params[i].device)
+                # This order leaves a site that made no progress exactly at global.
+                p.sub_(since).add_(g.to(p.dtype))
+        elif reset:
             for i in indices:
                 p, g = self.params[i], self.global_params[i].to(self.params[i].device)
                 if mix:

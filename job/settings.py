@@ -18,6 +18,7 @@ from isthmus.job.compressor import SPARSE, SparseSettings, is_sparse, parse_spar
 
 STRATEGIES = ("sync", "diloco", "streaming", "async")
 SCHEDULES = ("cosine", "constant", "wsd")
+MERGES = ("mix", "eager")
 DEVICES = ("auto", "cuda", "cpu")
 PRECISIONS = ("fp32", "bf16")
 OUTER_STATES = ("device", "host")
@@ -97,7 +98,14 @@ class TrainSettings:
     """``streaming``: inner steps each fragment's exchange overlaps."""
 
     alpha: float = 0.5
-    """``streaming``: mixing factor, ``local = alpha * local + (1 - alpha) * global``."""
+    """``streaming`` with ``merge: mix``: ``local = alpha * local + (1 - alpha) * global``."""
+
+    merge: str = "mix"
+    """``streaming``: how an exchange that overlapped inner steps is applied. ``mix``
+    (the Streaming DiLoCo paper's): the local parameters mixed with the new global
+    ones by ``alpha``. ``eager``: the new global parameters plus the progress this
+    site made while the exchange was on the wire; the site trained those steps on
+    from its own result, the stand-in for the average until it arrives."""
 
     inner_lr: float = 3e-3
     """``isthmus run``: peak learning rate of the inner optimizer (AdamW)."""
@@ -278,6 +286,10 @@ class TrainSettings:
             )
         if not (is_number(self.alpha) and 0 <= self.alpha <= 1):
             raise SettingError("alpha", f"must be in [0, 1], got {self.alpha!r}")
+        if self.merge not in MERGES:
+            raise SettingError(
+                "merge", f"unknown merge {self.merge!r}; use one of {', '.join(MERGES)}"
+            )
         if not (is_number(self.inner_lr) and self.inner_lr > 0):
             raise SettingError("inner_lr", f"must be a number > 0, got {self.inner_lr!r}")
         if not (is_number(self.grad_clip) and self.grad_clip >= 0):

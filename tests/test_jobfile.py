@@ -240,6 +240,10 @@ def test_egress_overrides_one_direction():
             "train.eval_every: must be an integer >= 0 (inner steps; 0: only at the end",
         ),
         (
+            "name: x\nsites: [{name: a}]\ntrain: {strategy: streaming, merge: lazy}\n",
+            "train.merge: unknown merge 'lazy'; use one of mix, eager",
+        ),
+        (
             "name: x\nsites: [{name: a}]\ntrain: {sync_evry: 3}\n",
             "train.sync_evry: unknown key; did you mean 'sync_every'?",
         ),

@@ -169,6 +169,77 @@ def test_streaming_with_one_fragment_no_overlap_no_mixing_is_diloco(tmp_path):
     assert a["a"]["param_sha256"] == b["a"]["param_sha256"] == b["b"]["param_sha256"]
 
 
+def reference_eager(workers: int, overlap: int) -> dict[str, torch.Tensor]:
+    """DiLoCo with its exchange overlapping ``overlap`` inner steps and the eager
+    merge, one process, written without Isthmus's strategy code: at a round's end
+    each worker keeps training from its own result; ``overlap`` steps later the
+    average arrives, the outer step (SGD, Nesterov) moves the global parameters,
+    and each worker becomes the new global parameters plus what it trained since
+    the round's end."""
+    torch.manual_seed(SEED)
+    template = GPT(config_for("tiny"))
+    global_params = {k: v.detach().clone() for k, v in template.named_parameters()}
+    momentum = {k: torch.zeros_like(v) for k, v in global_params.items()}
+    data = Dataset(stdlib_corpus(CORPUS), template.config.seq_len)
+    models, optimizers, streams = [], [], []
+    for w in range(workers):
+        torch.manual_seed(SEED)
+        model = GPT(config_for("tiny"))
+        models.append(model)
+        optimizers.append(torch.optim.SGD(model.parameters(), lr=INNER_LR))
+        streams.append(data.batches(ShardSpec(w, (1,) * workers, 0), BATCH))
+    in_flight: tuple[int, list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]] | None
+    in_flight = None  # (due step, each worker's pseudo-gradient, each worker's parameters)
+
+    def arrive(deltas: list[dict[str, torch.Tensor]], sent: list[dict[str, torch.Tensor]]):
+        for name, g in global_params.items():
+            delta = sum(d[name] for d in deltas) / workers
+            momentum[name] = OUTER_MOMENTUM * momentum[name] + delta
+            g -= OUTER_LR * (delta + OUTER_MOMENTUM * momentum[name])
+        with torch.no_grad():
+            for model, anchor in zip(models, sent, strict=True):
+                for name, p in model.named_parameters():
+                    p.sub_(anchor[name]).add_(global_params[name])
+
+    for step in range(1, STEPS + 1):
+        for model, optimizer, stream in zip(models, optimizers, streams, strict=True):
+            x, y = next(stream)
+            lm_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        if in_flight is not None and in_flight[0] == step:
+            arrive(*in_flight[1:])
+            in_flight = None
+        if step % H == 0:
+            params = [{k: v.detach().clone() for k, v in m.named_parameters()} for m in models]
+            deltas = [{k: global_params[k] - v for k, v in p.items()} for p in params]
+            in_flight = (step + overlap, deltas, params)
+            if overlap == 0:
+                arrive(deltas, params)
+                in_flight = None
+    if in_flight is not None:  # the last round's, completed at the end
+        arrive(*in_flight[1:])
+    return global_params
+
+
+@pytest.mark.parametrize(
+    "overlap", [1, pytest.param(H, marks=pytest.mark.slow)], ids=["one-step", "whole-round"]
+)
+def test_overlapped_diloco_with_the_eager_merge_equals_its_reference(tmp_path, overlap):
+    """Streaming with one fragment is DiLoCo with its exchange overlapped; with the
+    eager merge each site keeps what it trained while the average was on the
+    wire. Up to a whole round of overlap (the next exchange starts as the last
+    one is applied)."""
+    flags = ("--strategy", "streaming", "--fragments", "1", "--overlap-steps", str(overlap))
+    reports = _run(tmp_path, ["a", "b"], (*flags, "--merge", "eager"))
+    assert len({r["param_sha256"] for r in reports.values()}) == 1
+    assert all(r["outer_steps"] == STEPS // H for r in reports.values())
+    reference = reference_eager(2, overlap)
+    got = torch.load(tmp_path / "a.pt", weights_only=True)
+    for name, value in reference.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize(
     "flags",
     [
@@ -214,8 +285,10 @@ def test_fragments_are_strided_over_blocks_and_staggered():
     ("kwargs", "field"),
     [
         ({"fragments": 3}, "fragments"),  # the tiny model has 2 layers
-        ({"fragments": 2, "overlap_steps": 5, "sync_every": 10}, "overlap_steps"),
+        ({"fragments": 2, "overlap_steps": 6, "sync_every": 10}, "overlap_steps"),
         ({"alpha": 1.5}, "alpha"),
+        ({"merge": "lazy"}, "merge"),
+        ({"fragments": 1, "overlap_steps": 11, "sync_every": 10}, "overlap_steps"),
     ],
 )
 def test_bad_streaming_settings_are_refused(kwargs, field):

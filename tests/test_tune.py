@@ -263,7 +263,7 @@ SLOW_LINK_JOB = """\
 name: tune-LABEL
 sites: [{name: a}, {name: b}]
 wan: {default: {rtt_ms: RTT, bandwidth_mbit: MBIT}}
-train: {strategy: diloco, steps: 200, sync_every: 5, warmup_steps: 2}   # to be tuned
+train: {strategy: diloco, steps: 200, sync_every: 5, warmup_steps: 2, eval_every: 0}   # to be tuned
 tune: {target_utilization: 0.8, codecs: [none, int8], min_sync_every: 5, max_sync_every: 100}
 """
 

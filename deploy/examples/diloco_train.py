@@ -2,6 +2,7 @@
 
     python -m isthmus.deploy.examples.diloco_train JOB.yaml SITE [--steps 60] [--sync-every 20]
         [--strategy diloco|streaming|async|sync] [--fragments 2 --overlap-steps 1 --alpha 0.5]
+        [--merge mix|eager]
 
 Every site trains the same initial model on its own shard of the built-in
 data; every ``--sync-every`` steps the sites average their pseudo-gradients
@@ -173,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fragments", type=int, default=2, help="streaming")
     parser.add_argument("--overlap-steps", type=int, default=0, help="streaming")
     parser.add_argument("--alpha", type=float, default=0.5, help="streaming")
+    parser.add_argument(
+        "--merge", choices=["mix", "eager"], default="mix", help="streaming: see train.merge"
+    )
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="sync")
     parser.add_argument("--no-overlap", action="store_true", help="sync: average after backward")
     parser.add_argument("--outer-lr", type=float, default=0.7)
@@ -227,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.strategy == "streaming":
         streaming = {"fragments": args.fragments, "overlap_steps": args.overlap_steps}
         strategy = isthmus.StreamingDiLoCo(
-            site, model, inner, **outer, **streaming, alpha=args.alpha, **common
+            site, model, inner, **outer, **streaming, alpha=args.alpha, merge=args.merge, **common
         )
     elif args.strategy == "async":
         strategy = isthmus.AsyncDiLoCo(site, model, inner, **outer, **common)

@@ -88,4 +88,5 @@ def strategy_from_settings(
         fragments=settings.fragments,
         overlap_steps=settings.overlap_steps,
         alpha=settings.alpha,
+        merge=settings.merge,
     )

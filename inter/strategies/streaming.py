@@ -4,7 +4,13 @@ The model is cut into ``fragments`` parts (strided over its numbered blocks,
 :mod:`isthmus.inter.fragments`); each part's exchange starts at its own offset
 in the round and overlaps ``overlap_steps`` inner steps, so the link carries a
 fraction of the model at a time and the training seldom waits on it. The
-averaged fragment is merged into the local parameters with a mixing factor.
+averaged fragment is merged into the local parameters: mixed with them by a
+factor (``merge: mix``, the paper's), or, ``merge: eager``, taken as the new
+global parameters plus the progress the site made while it was on the wire.
+
+With one fragment this is DiLoCo with its exchange overlapped: up to a whole
+round (``overlap_steps == sync_every``) the sites train on while the average
+travels, and never wait for a wire that is faster than a round.
 """
 
 from __future__ import annotations
@@ -29,8 +35,15 @@ from isthmus.job.settings import SettingError
 class StreamingDiLoCo(LocalSteps):
     """Streaming DiLoCo (Douillard et al., 2025): DiLoCo in ``fragments`` parts that
     sync at staggered steps, each exchange overlapping ``overlap_steps`` inner steps,
-    the result merged into the local parameters with mixing factor ``alpha``
-    (``local = alpha * local + (1 - alpha) * global``).
+    the result merged into the local parameters as ``merge`` says:
+
+    - ``mix``: ``local = alpha * local + (1 - alpha) * global`` (the paper's);
+    - ``eager``: ``local = global + (local - sent)``, where ``sent`` is the
+      fragment as it stood when its exchange started. The steps the site took
+      meanwhile went on from its own result (its pseudo-gradient standing in for
+      the average, an eager update); when the average arrives it replaces that
+      stand-in and the progress since is kept, to be sent in the next round.
+      It costs one copy of the fragment while its exchange is in flight.
 
     Lower-precision codecs (e.g. ``int4``) suit it: values are decoded and
     accumulated in float32. All sites take the same number of inner steps between
@@ -54,6 +67,7 @@ class StreamingDiLoCo(LocalSteps):
         fragments: int = 2,
         overlap_steps: int = 0,
         alpha: float = 0.5,
+        merge: str = "mix",
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         codec: str | Codec = "none",
@@ -75,6 +89,7 @@ class StreamingDiLoCo(LocalSteps):
             fragments=fragments,
             overlap_steps=overlap_steps,
             alpha=alpha,
+            merge=merge,
         )
         self.fragments = fragments
         names = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -89,12 +104,16 @@ class StreamingDiLoCo(LocalSteps):
             raise SettingError(
                 "fragments", f"{fragments} fragments cannot sync within sync_every={sync_every}"
             )
-        if not (isinstance(overlap_steps, int) and 0 <= overlap_steps < sync_every / fragments):
+        # An exchange due at the step the next one starts is completed first (see
+        # _after_step), so the spacing of the offsets itself is allowed.
+        offsets = sync_offsets(sync_every, fragments)
+        spacing = min(b - a for a, b in zip([0, *offsets], offsets, strict=False))
+        if not (isinstance(overlap_steps, int) and 0 <= overlap_steps <= spacing):
             raise SettingError(
                 "overlap_steps",
-                f"must be an integer in [0, sync_every / fragments) = [0, "
-                f"{sync_every / fragments:g}) so one fragment's exchange ends before the next "
-                f"starts, got {overlap_steps!r}",
+                f"must be an integer in [0, {spacing}] (the steps between two fragments' "
+                f"exchanges, sync_every / fragments) so one fragment's exchange ends before "
+                f"the next starts, got {overlap_steps!r}",
             )
         super().__init__(
             site,
@@ -110,6 +129,7 @@ class StreamingDiLoCo(LocalSteps):
         )
         self.overlap_steps = overlap_steps
         self.alpha = float(alpha)
+        self.merge = merge
         assignment = assign_fragments(names, fragments)
         self.members = [[i for i, f in enumerate(assignment) if f == p] for p in range(fragments)]
         self.offsets = sync_offsets(sync_every, fragments)
@@ -134,6 +154,7 @@ class StreamingDiLoCo(LocalSteps):
                 "fragment": flight.fragment,
                 "due": flight.due,
                 "sent": flight.sent,
+                "anchor": flight.anchor,
             }
         if self._resume is not None:
             # Loaded and not started again yet (that is at the next step): the site's
@@ -182,10 +203,17 @@ class StreamingDiLoCo(LocalSteps):
                 self._started_at[fragment] = self.inner_steps
                 deltas = self.outer.pseudo_gradients(self.members[fragment])
                 due = self.inner_steps + self.overlap_steps
+                anchor = self._anchor(fragment)
             else:
                 # From a checkpoint in host memory: back onto the outer state's device.
                 deltas = [d.to(self.outer.device) for d in resumed["sent"]]
                 due = int(resumed["due"])
+                saved = resumed.get("anchor")
+                anchor = None
+                if saved is not None:
+                    members = self.members[fragment]
+                    devices = [self.params[i].device for i in members]
+                    anchor = [a.to(d) for a, d in zip(saved, devices, strict=True)]
             pending = self._exchange_in_view(
                 deltas, self.weights, vector=f"fragment{fragment}", view=view
             )
@@ -195,6 +223,7 @@ class StreamingDiLoCo(LocalSteps):
             deltas,
             EarlyExchange(pending, view.epoch if view is not None else 0),
             site_state,
+            anchor,
         )
         if self.overlap_steps == 0:
             return self._complete(flight)
@@ -208,8 +237,15 @@ class StreamingDiLoCo(LocalSteps):
 
         def apply(report: StepReport, caught_up: bool) -> None:
             self._account(report)
+            members = self.members[flight.fragment]
             with self.member.lock:
-                self.outer.step(flight.sent, self.members[flight.fragment], mix=self.alpha)
+                if flight.anchor is not None and not caught_up:
+                    self.outer.step(flight.sent, members, keep_since=flight.anchor)
+                elif flight.anchor is not None:
+                    # The model is the pulled global one, with nothing of its own since.
+                    self.outer.step(flight.sent, members)
+                else:
+                    self.outer.step(flight.sent, members, mix=self.alpha)
                 self.outer_steps += 1
                 self.member.rounds += 1
 
@@ -225,6 +261,13 @@ class StreamingDiLoCo(LocalSteps):
             )
 
         return self.member.complete(flight.early, restart, apply)
+
+    def _anchor(self, fragment: int) -> list[torch.Tensor] | None:
+        """With ``merge: eager``, the fragment's parameters as its exchange starts (the
+        local progress made after it is kept when the average is applied)."""
+        if self.merge != "eager":
+            return None
+        return [self.params[i].detach().clone() for i in self.members[fragment]]
 
     def _global_state(self) -> dict[str, Any]:
         return {"outer_steps": self.outer_steps, "outer": self.outer.state_dict()}
@@ -250,14 +293,14 @@ class StreamingDiLoCo(LocalSteps):
         mixing), so every site ends with the same, global, parameters."""
         for flight in list(self._in_flight):
             self._complete(flight)
-        # A fragment exchanged at the last step with no mixing already holds the
-        # global parameters exactly: leave it (an outer step on its zero
-        # pseudo-gradient would still move it, by momentum). Every other one is
-        # exchanged once more and reset to the global parameters.
+        # A fragment exchanged at the last step with no mixing (or eager: no progress
+        # since to keep) already holds the global parameters exactly: leave it (an
+        # outer step on its zero pseudo-gradient would still move it, by momentum).
+        # Every other one is exchanged once more and reset to the global parameters.
         done = {
             f
             for f, step in enumerate(self._started_at)
-            if step == self.inner_steps and self.alpha == 0
+            if step == self.inner_steps and (self.alpha == 0 or self.merge == "eager")
         }
         everything = [i for f, members in enumerate(self.members) if f not in done for i in members]
         if not everything:
@@ -283,3 +326,5 @@ class _FragmentExchange:
     site_state: dict[str, Any]
     """The site's round counter and error feedback before it started: a checkpoint
     that catches it in flight goes back to them."""
+    anchor: list[torch.Tensor] | None = None
+    """``merge: eager``: the fragment's parameters when it started."""
