@@ -87,13 +87,15 @@ class HierarchicalStep:
         dp_wait_group: dist.ProcessGroup | None = None,
         device: torch.device | str = "cpu",
         wan_device: torch.device | str = "cpu",
+        algorithm: str = "direct",
     ) -> None:
         """``dp_group``: this rank's data-parallel peers in the site (None with one).
         ``wait_group``, ``dp_wait_group``: the site's ranks and this rank's
         data-parallel peers, for the collectives after the WAN part, where a rank
         waits while the others finish theirs (None: the site group, ``dp_group``).
         ``device``: where this rank computes (its in-site collectives run there);
-        ``wan_device``: where the cross-site engine takes its values."""
+        ``wan_device``: where the cross-site engine takes its values. ``algorithm``:
+        the cross-site all-reduce of every round that names none (the job's)."""
         if dp_size > 1 and dp_group is None:
             raise ValueError("a site with several data-parallel ranks needs their process group")
         if lanes % dp_size:
@@ -110,6 +112,7 @@ class HierarchicalStep:
         self.my_lanes = owned_lanes(dp_rank, dp_size, lanes)
         self.device = torch.device(device)
         self.wan_device = torch.device(wan_device)
+        self.algorithm = algorithm
 
     def average(
         self,
@@ -120,7 +123,7 @@ class HierarchicalStep:
         weights: Mapping[str, float],
         rank_weight: float = 1.0,
         in_site_reduce: bool = True,
-        algorithm: str = "direct",
+        algorithm: str | None = None,
         abort: Callable[[], bool] | None = None,
         exact: bool = False,
     ) -> StepReport:
@@ -152,7 +155,7 @@ class HierarchicalStep:
         weights: Mapping[str, float],
         rank_weight: float = 1.0,
         in_site_reduce: bool = True,
-        algorithm: str = "direct",
+        algorithm: str | None = None,
         feedback: str | None = None,
         exact: bool = False,
     ) -> PendingAverage:
@@ -205,7 +208,7 @@ class HierarchicalStep:
                 round=round,
                 participants=participants,
                 weights=weights,
-                algorithm=algorithm,
+                algorithm=algorithm or self.algorithm,
                 feedback=feedback,
                 exact=exact,
             )

@@ -31,6 +31,7 @@ from isthmus.intra.process_group import SiteError, dp_group, init_site_group, wa
 from isthmus.job.addressing import SiteAddresses, resolve
 from isthmus.job.layout import Layout
 from isthmus.job.model import Job, SiteSpec
+from isthmus.sim.cost import job_costs
 
 
 def layout_fingerprint(
@@ -223,11 +224,7 @@ def start_site(
     loop = BackgroundLoop(name=f"isthmus-wan-{site}-{rank}")
     endpoint = None
     try:
-        endpoint = loop.run(
-            _endpoint(
-                identity, lane_peers, [s.name for s in job.sites], codec, deadline_s, settings
-            )
-        )
+        endpoint = loop.run(_endpoint(identity, lane_peers, job, codec, deadline_s, settings))
         host, port = addresses.listen[rank]
         loop.run(endpoint.start(host, port))
         loop.run(endpoint.connect(lenient=rejoining))
@@ -253,6 +250,7 @@ def start_site(
         device=device,
         # The engine encodes on the device: only encoded bytes cross to the host.
         wan_device=device,
+        algorithm=job.algorithm,
     )
     return SiteRuntime(
         job=job,
@@ -274,12 +272,23 @@ def start_site(
 async def _endpoint(
     identity: Identity,
     lane_peers: dict[int, dict[str, str]],
-    sites: list[str],
+    job: Job,
     codec: Codec | None,
     deadline_s: float,
     settings: TransportSettings,
 ) -> RankEndpoint:
+    # What the cost model knows of the links: the job's emulated ones (a job on a
+    # real WAN states none, and its algorithm is never auto).
+    link_costs, regions = job_costs(job)
     # Built on the loop that will run it: grpc.aio binds to the running loop.
     return RankEndpoint(
-        identity, lane_peers, sites, codec=codec, deadline_s=deadline_s, settings=settings
+        identity,
+        lane_peers,
+        [s.name for s in job.sites],
+        codec=codec,
+        deadline_s=deadline_s,
+        settings=settings,
+        link_costs=link_costs,
+        regions=job.region_of(),
+        region_egress_bytes_per_s=None if regions is None else regions.egress_bytes_per_s,
     )

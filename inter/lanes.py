@@ -72,9 +72,13 @@ class RankEndpoint:
         settings: TransportSettings | None = None,
         deadline_s: float = 60.0,
         link_costs: LinkLookup | None = None,
+        regions: Mapping[str, str] | None = None,
+        region_egress_bytes_per_s: Mapping[str, float] | None = None,
     ) -> None:
         """``lane_peers``: for every lane this rank owns, site -> address of the
-        lane's owner there. ``sites``: every site of the job."""
+        lane's owner there. ``sites``: every site of the job. ``link_costs``,
+        ``regions`` and ``region_egress_bytes_per_s``: for ``auto`` and
+        ``two_level`` (see :class:`CrossSiteAllReduce`)."""
         if not lane_peers:
             raise ValueError("a rank endpoint needs at least one lane")
         self.identity = identity
@@ -88,6 +92,8 @@ class RankEndpoint:
                 settings=self.settings,
                 deadline_s=deadline_s,
                 link_costs=link_costs,
+                regions=regions,
+                region_egress_bytes_per_s=region_egress_bytes_per_s,
                 lane=lane,
                 server=self.server,
             )

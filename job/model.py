@@ -69,6 +69,17 @@ class SiteSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RegionSpec:
+    """Sites that share long-haul capacity: the job file's ``regions:`` entries."""
+
+    name: str
+    sites: tuple[str, ...]
+    egress_mbit: float | None = None
+    """Emulation: one capacity shared by all traffic leaving the region for other
+    regions, and separately by all traffic entering it from them."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class WanSpec:
     """Emulated links: a default for every pair, overrides, and a fault schedule."""
 
@@ -77,6 +88,20 @@ class WanSpec:
         default_factory=dict
     )
     faults: tuple[Fault, ...] = ()
+    between_regions: LinkParams | None = None
+    """The default for a pair of sites in different regions (``default`` otherwise)."""
+
+    def link_between(self, a: str, b: str, region_of: dict[str, str]) -> LinkParams:
+        """The link of ``a`` and ``b`` as configured, its directions (a->b, b->a): an
+        override, else the default across regions where they differ, else the default."""
+        override = self.overrides.get(frozenset((a, b)))
+        if override is not None:
+            (first, _), params = override
+            return params if first == a else LinkParams(params.b_to_a, params.a_to_b)
+        different = a in region_of and b in region_of and region_of[a] != region_of[b]
+        if different and self.between_regions is not None:
+            return self.between_regions
+        return self.default
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,6 +198,8 @@ class Job:
     :mod:`isthmus.job.exposure`)."""
     metrics: MetricsSpec | None = None
     """Prometheus endpoints (``metrics:``); None: none served."""
+    regions: tuple[RegionSpec, ...] = ()
+    """Groups of sites that share long-haul capacity; none: every site on its own."""
     source: str = "<job>"
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -181,6 +208,18 @@ class Job:
             if site.name == name:
                 return site
         raise KeyError(f"no site {name!r} in job {self.name!r}; sites: {self.site_names()}")
+
+    @property
+    def algorithm(self) -> str:
+        """The cross-site all-reduce the job's rounds use (``train.algorithm``, or
+        its default: ``two_level`` with regions, else ``direct``)."""
+        if self.train.algorithm is not None:
+            return self.train.algorithm
+        return "two_level" if self.regions else "direct"
+
+    def region_of(self) -> dict[str, str]:
+        """Each site's region, by name (empty without ``regions:``)."""
+        return {site: region.name for region in self.regions for site in region.sites}
 
     def site_names(self) -> str:
         return ", ".join(s.name for s in self.sites)

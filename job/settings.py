@@ -19,6 +19,7 @@ from isthmus.job.compressor import SPARSE, SparseSettings, is_sparse, parse_spar
 STRATEGIES = ("sync", "diloco", "streaming", "async")
 SCHEDULES = ("cosine", "constant", "wsd")
 MERGES = ("mix", "eager")
+ALGORITHMS = ("direct", "ring", "two_level", "auto")
 DEVICES = ("auto", "cuda", "cpu")
 PRECISIONS = ("fp32", "bf16")
 OUTER_STATES = ("device", "host")
@@ -99,6 +100,14 @@ class TrainSettings:
 
     alpha: float = 0.5
     """``streaming`` with ``merge: mix``: ``local = alpha * local + (1 - alpha) * global``."""
+
+    algorithm: str | None = None
+    """How the sites average across the WAN: ``direct`` (every site owns a slice and
+    talks to every other), ``ring`` (each site to its successor), ``two_level``
+    (inside each region, across regions between counterparts, inside again; needs
+    ``regions:``) or ``auto`` (what the cost model predicts fastest on the job's
+    emulated links). Default: ``two_level`` where the job has regions, else
+    ``direct``."""
 
     merge: str = "mix"
     """``streaming``: how an exchange that overlapped inner steps is applied. ``mix``
@@ -286,6 +295,11 @@ class TrainSettings:
             )
         if not (is_number(self.alpha) and 0 <= self.alpha <= 1):
             raise SettingError("alpha", f"must be in [0, 1], got {self.alpha!r}")
+        if self.algorithm is not None and self.algorithm not in ALGORITHMS:
+            raise SettingError(
+                "algorithm",
+                f"unknown algorithm {self.algorithm!r}; use one of {', '.join(ALGORITHMS)}",
+            )
         if self.merge not in MERGES:
             raise SettingError(
                 "merge", f"unknown merge {self.merge!r}; use one of {', '.join(MERGES)}"

@@ -10,6 +10,16 @@ sites (``DESIGN.md``, "Performance model"):
   bandwidth, or a site's latency plus (S-1)N/S through its uplink;
 * ``ring`` (sorted order, chunk-pipelined): 2(S-1) steps of N/S on each ring
   link, each as long as the slowest hop (its latency plus N/S at its rate).
+* ``two_level`` (with regions): direct inside each region, direct across
+  regions between counterparts on the region's average, then each member's
+  slices to the rest of its region (float32); see
+  :mod:`isthmus.inter.allreduce.two_level`.
+
+With regions whose long-haul capacity is shared (``region_egress``, bytes per
+second each way), everything a region's sites send to other regions in a phase
+passes it: direct pushes ``m (S - m) N / S`` through a region of m sites,
+two-level ``(K - 1) N / K`` (K regions), the ring N/S per hop that leaves the
+region.
 
 Latency and transfer add per link, then the slowest link sets the pace: on
 uneven links the longest latency and the lowest bandwidth are often different
@@ -25,6 +35,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from isthmus.job.model import Job
+
+UNCAPPED_BYTES_PER_S = 100e9 / 8
+"""What the cost model takes for a link with no rate cap."""
 
 
 @dataclass(frozen=True)
@@ -42,11 +59,44 @@ class LinkCost:
 LinkLookup = Callable[[str, str], LinkCost]
 
 
+@dataclass(frozen=True)
+class Regions:
+    """Which region each site is in, and each capped region's shared long-haul
+    capacity (bytes per second, each way)."""
+
+    of: Mapping[str, str]
+    egress_bytes_per_s: Mapping[str, float]
+
+    def groups(self, sites: Sequence[str]) -> dict[str, list[str]]:
+        """The sites of each region, sorted (a site in no region is its own)."""
+        out: dict[str, list[str]] = {}
+        for site in sorted(sites):
+            out.setdefault(self.of.get(site, f"site:{site}"), []).append(site)
+        return out
+
+    def egress_seconds(
+        self, sites: Sequence[str], leaving: Callable[[list[str]], float], link: LinkLookup
+    ) -> float:
+        """The slowest capped region: ``leaving(members)`` bytes through its long-haul,
+        plus the longest latency of a link out of it."""
+        worst = 0.0
+        groups = self.groups(sites)
+        for region, members in groups.items():
+            rate = self.egress_bytes_per_s.get(region)
+            outside = [s for s in sites if s not in members]
+            if rate is None or not outside:
+                continue
+            latency = max(link(a, b).one_way_s for a in members for b in outside)
+            worst = max(worst, leaving(members) / rate + latency)
+        return worst
+
+
 def direct_seconds(
     nbytes: float,
     sites: Sequence[str],
     link: LinkLookup,
     uplink_bytes_per_s: Mapping[str, float] | None = None,
+    regions: Regions | None = None,
 ) -> float:
     s = len(sites)
     if s < 2:
@@ -63,7 +113,10 @@ def direct_seconds(
         ),
         default=0.0,
     )
-    return 2 * max(slowest, capped)
+    shared = 0.0
+    if regions is not None:
+        shared = regions.egress_seconds(sites, lambda m: len(m) * (s - len(m)) * share, link)
+    return 2 * max(slowest, capped, shared)
 
 
 def ring_seconds(
@@ -71,6 +124,7 @@ def ring_seconds(
     sites: Sequence[str],
     link: LinkLookup,
     uplink_bytes_per_s: Mapping[str, float] | None = None,
+    regions: Regions | None = None,
 ) -> float:
     s = len(sites)
     if s < 2:
@@ -83,10 +137,51 @@ def ring_seconds(
     for a, b in hops:
         rate = min(link(a, b).bandwidth_bytes_per_s, uplinks.get(a, float("inf")))
         step = max(step, link(a, b).one_way_s + share / rate)
+    if regions is not None:
+        hops_out = lambda m: sum(1 for a, b in hops if a in m and b not in m) * share  # noqa: E731
+        step = max(step, regions.egress_seconds(sites, hops_out, link))
     return 2 * (s - 1) * step
 
 
+def two_level_seconds(
+    nbytes: float,
+    sites: Sequence[str],
+    link: LinkLookup,
+    uplink_bytes_per_s: Mapping[str, float] | None = None,
+    regions: Regions | None = None,
+) -> float:
+    """Direct inside every region (at once), direct across regions between
+    counterparts (a member of a region of m taking ceil(Q / m) of the Q slices),
+    then each member's slices to the rest of its region."""
+    if regions is None or len(sites) < 2:
+        return direct_seconds(nbytes, sites, link, uplink_bytes_per_s, regions)
+    groups = regions.groups(sites)
+    inside = max(direct_seconds(nbytes, m, link, uplink_bytes_per_s) for m in groups.values())
+    k, q = len(groups), max(len(m) for m in groups.values())
+    across = 0.0
+    if k > 1:
+        # The busiest member runs its slices' exchanges at once on the same links.
+        busiest = max(-(-q // len(m)) for m in groups.values()) * nbytes / q
+        for j in range(q):
+            group = [m[j % len(m)] for m in groups.values()]
+            across = max(across, direct_seconds(busiest, group, link, uplink_bytes_per_s))
+        shared = regions.egress_seconds(sites, lambda m: (k - 1) * nbytes / k, link)
+        across = max(across, 2 * shared)
+    back = 0.0
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        part = -(-q // len(members)) * nbytes / q
+        back = max(
+            back,
+            max(link(a, b).one_way_s + part / link(a, b).bandwidth_bytes_per_s
+                for a in members for b in members if a != b),
+        )  # fmt: skip
+    return inside + across + back
+
+
 ALGORITHMS = {"direct": direct_seconds, "ring": ring_seconds}
+"""Those every job can use; ``two_level`` joins them where the sites have regions."""
 
 
 def predict(
@@ -94,10 +189,17 @@ def predict(
     sites: Sequence[str],
     link: LinkLookup,
     uplink_bytes_per_s: Mapping[str, float] | None = None,
+    *,
+    regions: Regions | None = None,
 ) -> dict[str, float]:
-    """Predicted seconds of every algorithm."""
+    """Predicted seconds of every algorithm (``two_level`` too, given ``regions``
+    that group some sites together)."""
+    algorithms: dict[str, Callable[..., float]] = dict(ALGORITHMS)
+    if regions is not None and any(len(m) > 1 for m in regions.groups(sites).values()):
+        algorithms["two_level"] = two_level_seconds
     return {
-        name: cost(nbytes, sites, link, uplink_bytes_per_s) for name, cost in ALGORITHMS.items()
+        name: cost(nbytes, sites, link, uplink_bytes_per_s, regions)
+        for name, cost in algorithms.items()
     }
 
 
@@ -106,7 +208,32 @@ def choose(
     sites: Sequence[str],
     link: LinkLookup,
     uplink_bytes_per_s: Mapping[str, float] | None = None,
+    *,
+    regions: Mapping[str, str] | None = None,
+    region_egress_bytes_per_s: Mapping[str, float] | None = None,
 ) -> str:
     """The algorithm with the smallest predicted time (direct on ties)."""
-    predicted = predict(nbytes, sites, link, uplink_bytes_per_s)
+    grouped = None if not regions else Regions(regions, dict(region_egress_bytes_per_s or {}))
+    predicted = predict(nbytes, sites, link, uplink_bytes_per_s, regions=grouped)
     return min(predicted, key=lambda name: (predicted[name], name != "direct"))
+
+
+def job_costs(job: Job) -> tuple[LinkLookup | None, Regions | None]:
+    """What the cost model knows of a job: its emulated links (each a -> b: its rate,
+    100 Gbit/s where it has none, and one-way delay; None for a job on a real WAN,
+    which states none) and its regions with their shared long-haul capacity."""
+    region_of = job.region_of()
+    regions = None
+    if region_of:
+        egress = {r.name: r.egress_mbit * 1e6 / 8 for r in job.regions if r.egress_mbit}
+        regions = Regions(region_of, egress)
+    wan = job.wan
+    if wan is None:
+        return None, regions
+
+    def cost(a: str, b: str) -> LinkCost:
+        direction = wan.link_between(a, b, region_of).a_to_b
+        rate = direction.rate_bytes_per_s or UNCAPPED_BYTES_PER_S
+        return LinkCost(rate, direction.delay_ms / 1e3)
+
+    return cost, regions

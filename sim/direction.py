@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
 from isthmus.job.link import DirectionParams, LinkParams, link_changes_to_direction
 from isthmus.sim.jitter import JitterSampler
 from isthmus.sim.loss import SegmentLoss
 from isthmus.sim.token_bucket import TokenBucket
-from isthmus.sim.topology import direction_rng
+from isthmus.sim.topology import SharedLimits, direction_rng
 
 log = logging.getLogger(__name__)
 
@@ -32,16 +32,16 @@ class DirectionModel:
         dst: str,
         params: DirectionParams,
         seed: int,
-        egress: TokenBucket | None = None,
-        ingress: TokenBucket | None = None,
+        shared: Sequence[TokenBucket] = (),
     ) -> None:
-        """``egress``/``ingress``: the uplink limiters of src and dst, when capped."""
+        """``shared``: the limiters this direction shares with other links (uplinks
+        of src and dst, region egress; see :class:`~isthmus.sim.topology.SharedLimits`)."""
         self.src = src
         self.dst = dst
         self.blackholed = False
         self.rng = direction_rng(seed, src, dst)
         self._bucket = TokenBucket(params.rate_bytes_per_s)
-        self.buckets = [b for b in (self._bucket, egress, ingress) if b is not None]
+        self.buckets = [self._bucket, *shared]
         self.apply(params)
 
     def apply(self, params: DirectionParams) -> None:
@@ -103,17 +103,15 @@ class LinkModel(Generic[D]):
         params: LinkParams,
         *,
         seed: int,
-        site_buckets: Mapping[str, tuple[TokenBucket, TokenBucket]],
+        limits: SharedLimits,
     ) -> None:
         self.a, self.b = a, b
         self.name = f"{a}<->{b}"
-        eg_a, in_a = site_buckets.get(a, (None, None))
-        eg_b, in_b = site_buckets.get(b, (None, None))
         self.a_to_b: D = self.direction_class(
-            src=a, dst=b, params=params.a_to_b, seed=seed, egress=eg_a, ingress=in_b
+            src=a, dst=b, params=params.a_to_b, seed=seed, shared=limits.on_the_way(a, b)
         )
         self.b_to_a: D = self.direction_class(
-            src=b, dst=a, params=params.b_to_a, seed=seed, egress=eg_b, ingress=in_a
+            src=b, dst=a, params=params.b_to_a, seed=seed, shared=limits.on_the_way(b, a)
         )
         self.events: list[tuple[float, str]] = []
         """(time.monotonic(), what happened) for every change, cut and heal."""

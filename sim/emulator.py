@@ -40,7 +40,7 @@ class Emulator:
         self.topology = topology
         self.host = host
         self._fixed_listen = listen or {}
-        site_buckets = topology.uplink_buckets()
+        limits = topology.shared_limits()
         # Construct the emulator on the loop that will run it: its timers live there.
         self._timers = PreciseTimers(asyncio.get_running_loop())
         self.links: dict[frozenset[str], LinkRuntime] = {}
@@ -50,7 +50,7 @@ class Emulator:
                 b,
                 topology.link_params(a, b),
                 seed=topology.seed,
-                site_buckets=site_buckets,
+                limits=limits,
                 timers=self._timers,
             )
         self._listeners: dict[tuple[str, str, int], tuple[Listener, tuple[str, int]]] = {}

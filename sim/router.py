@@ -189,7 +189,7 @@ class Router:
         self.topology = topology
         self.hosts = hosts
         self.lock = threading.Lock()
-        site_buckets = topology.uplink_buckets()
+        limits = topology.shared_limits()
         self.links: dict[frozenset[str], PacketLink] = {
             frozenset((a, b)): PacketLink(
                 a,
@@ -197,7 +197,7 @@ class Router:
                 topology.link_params(a, b),
                 seed=topology.seed,
                 lock=self.lock,
-                site_buckets=site_buckets,
+                limits=limits,
             )
             for a, b in topology.pairs()
         }

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from isthmus.job.faults import Fault, validate_fault
 from isthmus.job.link import LinkParams
@@ -43,6 +43,11 @@ class Topology:
     links: dict[frozenset[str], tuple[tuple[str, str], LinkParams]]
     faults: tuple[Fault, ...] = ()
     seed: int = 0
+    region_of: dict[str, str] = field(default_factory=dict)
+    """Each site's region (the job file's ``regions:``); empty: no regions."""
+    region_egress_mbit: dict[str, float] = field(default_factory=dict)
+    """Regions whose long-haul capacity is capped: Mbit/s shared by all traffic
+    leaving the region for others, and separately by all traffic entering it."""
 
     def site(self, name: str) -> Site:
         for site in self.sites:
@@ -60,15 +65,12 @@ class Topology:
             return params
         return LinkParams(params.b_to_a, params.a_to_b)
 
-    def uplink_buckets(self) -> dict[str, tuple[TokenBucket, TokenBucket]]:
-        """For each site with an uplink cap: (egress, ingress) rate limiters, shared by
-        every link of the site."""
-        out = {}
-        for site in self.sites:
-            if site.uplink_mbit is not None:
-                rate = site.uplink_mbit * 1e6 / 8
-                out[site.name] = (TokenBucket(rate), TokenBucket(rate))
-        return out
+    def shared_limits(self) -> SharedLimits:
+        """The rate limiters that several links share (site uplinks, region egress),
+        made once for an emulator: each direction takes the ones it passes through."""
+        sites = {s.name: _pair(s.uplink_mbit) for s in self.sites if s.uplink_mbit is not None}
+        regions = {name: _pair(mbit) for name, mbit in self.region_egress_mbit.items()}
+        return SharedLimits(sites, regions, dict(self.region_of))
 
     def pairs(self) -> list[tuple[str, str]]:
         """Every link as (a, b) in a stable order."""
@@ -83,6 +85,8 @@ class Topology:
         overrides: dict[frozenset[str], tuple[tuple[str, str], LinkParams]] | None = None,
         faults: list[Fault] | tuple[Fault, ...] = (),
         seed: int = 0,
+        region_of: dict[str, str] | None = None,
+        region_egress_mbit: dict[str, float] | None = None,
     ) -> Topology:
         """Every pair of ``sites`` gets ``default`` unless ``overrides`` names it."""
         names = [s.name for s in sites]
@@ -96,7 +100,14 @@ class Topology:
                 links[key] = overrides.get(key, ((a, b), default))
         for fault in faults:
             validate_fault(fault, names)
-        return cls(tuple(sites), links, tuple(faults), seed)
+        return cls(
+            tuple(sites),
+            links,
+            tuple(faults),
+            seed,
+            dict(region_of or {}),
+            dict(region_egress_mbit or {}),
+        )
 
     @classmethod
     def for_job(cls, job: Job, listen: dict[str, list[tuple[str, int]]]) -> Topology:
@@ -107,9 +118,54 @@ class Topology:
             Site(name=s.name, listen=tuple(listen[s.name]), uplink_mbit=s.uplink_mbit)
             for s in job.sites
         ]
+        region_of = job.region_of()
+        names = [s.name for s in sites]
+        links = {
+            frozenset((a, b)): ((a, b), wan.link_between(a, b, region_of))
+            for i, a in enumerate(names)
+            for b in names[i + 1 :]
+        }
+        egress = {r.name: r.egress_mbit for r in job.regions if r.egress_mbit is not None}
         return cls.full_mesh(
-            sites, default=wan.default, overrides=wan.overrides, faults=wan.faults, seed=job.seed
+            sites,
+            default=wan.default,
+            overrides=links,
+            faults=wan.faults,
+            seed=job.seed,
+            region_of=region_of,
+            region_egress_mbit=egress,
         )
+
+
+@dataclass(frozen=True)
+class SharedLimits:
+    """Rate limiters shared by several links: (egress, ingress) of each capped site's
+    uplink and of each capped region's long-haul capacity."""
+
+    sites: dict[str, tuple[TokenBucket, TokenBucket]]
+    regions: dict[str, tuple[TokenBucket, TokenBucket]]
+    region_of: dict[str, str]
+
+    def on_the_way(self, src: str, dst: str) -> list[TokenBucket]:
+        """Those that bytes from ``src`` to ``dst`` pass: src's uplink out, dst's in,
+        and, between regions, src's region out and dst's region in."""
+        out = []
+        if src in self.sites:
+            out.append(self.sites[src][0])
+        if dst in self.sites:
+            out.append(self.sites[dst][1])
+        a, b = self.region_of.get(src), self.region_of.get(dst)
+        if a != b:
+            if a in self.regions:
+                out.append(self.regions[a][0])
+            if b in self.regions:
+                out.append(self.regions[b][1])
+        return out
+
+
+def _pair(mbit: float) -> tuple[TokenBucket, TokenBucket]:
+    rate = mbit * 1e6 / 8
+    return TokenBucket(rate), TokenBucket(rate)
 
 
 def direction_rng(seed: int, src: str, dst: str) -> random.Random:

@@ -141,6 +141,35 @@ def test_site_uplink_cap_is_shared_by_all_its_links(probe):
     assert all(r.mbit_per_s > 15 for r in results)
 
 
+def test_a_regions_egress_is_shared_by_its_sites_links_to_other_regions(probe):
+    """us = {a, b} with 60 Mbit/s of egress, eu = {c, d}: a->c and b->d share the 60,
+    while a->b, inside the region, is held only by its own link."""
+    sites = [Site(name=n, listen=(probe.address,)) for n in "abcd"]
+    topology = Topology.full_mesh(
+        sites,
+        default=LinkParams.symmetric(bandwidth_mbit=1000),
+        region_of={"a": "us", "b": "us", "c": "eu", "d": "eu"},
+        region_egress_mbit={"us": 60},
+    )
+    results = {}
+    with BackgroundEmulator(topology) as wan:
+        targets = {pair: wan.dial_address(*pair) for pair in [("a", "c"), ("b", "d"), ("a", "b")]}
+
+        def measure(pair):
+            results[pair] = measure_throughput(targets[pair], seconds=1.5)
+
+        threads = [threading.Thread(target=measure, args=(pair,)) for pair in targets]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    across = [results[("a", "c")], results[("b", "d")]]
+    total = sum(r.bytes for r in across) * 8 / max(r.seconds for r in across) / 1e6
+    assert 45 <= total <= 70, [r.mbit_per_s for r in across]
+    assert all(r.mbit_per_s > 15 for r in across)
+    assert results[("a", "b")].mbit_per_s > 150, results[("a", "b")].mbit_per_s
+
+
 def test_jitter_varies_delay_without_reordering(hasher, probe, two_sites):
     params = LinkParams.symmetric(rtt_ms=40, jitter_ms=4)
     with two_sites(probe.address, params) as wan:

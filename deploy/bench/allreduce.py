@@ -24,15 +24,34 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from isthmus.deploy.bench.gloo_baseline import time_on_hosts
 from isthmus.deploy.bench.wan import wan_up
 from isthmus.job.link import DirectionParams
+from isthmus.job.model import Job
 from isthmus.job.ports import free_ports
 from isthmus.sim.control import ControlClient
-from isthmus.sim.cost import LinkCost, predict
+from isthmus.sim.cost import LinkCost, job_costs, predict
 from isthmus.sim.hosts import TCP_BUFFER_MAX
 
 ISTHMUS = [sys.executable, "-m", "isthmus"]
+
+
+def job_bounds(job: Job, nbytes: float) -> dict[str, float]:
+    """The alpha-beta time of each algorithm on a job's links and regions."""
+    links, regions = job_costs(job)
+    assert links is not None, "a bench job is emulated: it has links"
+    uplinks = {s.name: s.uplink_mbit * 1e6 / 8 for s in job.sites if s.uplink_mbit is not None}
+    return predict(nbytes, [s.name for s in job.sites], links, uplinks, regions=regions)
+
+
+def two_level_volume(job: Job, nbytes: float) -> float:
+    """Bytes all sites send in a two-level round, codec none: 2 (m - 1) N inside each
+    region of m, 2 (K - 1) N across the K regions, and (m - 1) N back inside."""
+    sizes = [len(r.sites) for r in job.regions]
+    inside = sum(2 * (m - 1) + (m - 1) for m in sizes) * nbytes
+    return inside + 2 * (len(sizes) - 1) * nbytes
 
 
 def bounds(*, sites: int, nbytes: float, rtt_ms: float, bandwidth_mbit: float) -> dict[str, float]:
@@ -66,7 +85,8 @@ def run_sites(
     sites: int,
     worker_flags: list[str],
     *,
-    link: str,
+    link: str = "{}",
+    job: Job | None = None,
     hosts: bool = False,
     vs_gloo: bool = False,
     size_mib: float = 0.0,
@@ -76,30 +96,34 @@ def run_sites(
 ) -> SiteRun:
     """Start ``isthmus wan up`` for ``sites`` sites joined by ``link`` (the job file's
     link mapping, e.g. ``{rtt_ms: 50, corrupt: 1e-6}``), one all-reduce worker per
-    site with ``worker_flags``, and wait for them. With ``hosts`` every site runs in
-    its own emulated host (packet backend, real TCP); ``vs_gloo`` then also times
-    Gloo's all-reduce of ``size_mib`` across the same hosts."""
+    site with ``worker_flags``, and wait for them. ``job``: its sites (one process
+    each), regions and links instead (``sites`` and ``link`` unused). With ``hosts``
+    every site runs in its own emulated host (packet backend, real TCP);
+    ``vs_gloo`` then also times Gloo's all-reduce of ``size_mib`` across the same
+    hosts."""
     gloo: dict[str, Any] | None = None
     with tempfile.TemporaryDirectory(prefix="isthmus-allreduce-") as tmp:
         tmpdir = Path(tmp)
-        names = [f"site{i}" for i in range(sites)]
-        job = tmpdir / "job.yaml"
-        lines = ["name: bench-allreduce", "sites:"]
+        names = [s.name for s in job.sites] if job else [f"site{i}" for i in range(sites)]
+        job_file = tmpdir / "job.yaml"
         if hosts:  # each host has its own address; every site listens on port 7100
-            lines += [f"  - {{name: {n}}}" for n in names]
+            entries: list[dict[str, Any]] = [{"name": n} for n in names]
         else:
-            ports = free_ports("127.0.0.1", sites)
-            lines += [
-                f"  - {{name: {n}, address: '127.0.0.1:{p}'}}"
-                for n, p in zip(names, ports, strict=True)
+            ports = free_ports("127.0.0.1", len(names))
+            entries = [
+                {"name": n, "address": f"127.0.0.1:{p}"} for n, p in zip(names, ports, strict=True)
             ]
-        lines += ["wan:", f"  default: {link}"]
-        job.write_text("\n".join(lines) + "\n")
+        data: dict[str, Any] = {"name": "bench-allreduce", "sites": entries}
+        if job is not None:
+            data |= {k: job.raw[k] for k in ("regions", "wan") if k in job.raw}
+        else:
+            data["wan"] = {"default": yaml.safe_load(link)}
+        job_file.write_text(yaml.safe_dump(data, sort_keys=False))
         state = tmpdir / "state.json"
         backend = ["--hosts"] if hosts else ["--stats-every", "0"]
         if tcp_rmem_max is not None:
             backend += ["--tcp-rmem-max", str(tcp_rmem_max)]
-        with wan_up(job, state, *backend):
+        with wan_up(job_file, state, *backend):
             control = json.loads(state.read_text())["control"]
             host, port = control.rsplit(":", 1)
             if announce:
@@ -107,11 +131,11 @@ def run_sites(
             started = time.monotonic()
 
             def inside(site: str) -> list[str]:
-                return [*ISTHMUS, "wan", "exec", str(job), site, "--"] if hosts else []
+                return [*ISTHMUS, "wan", "exec", str(job_file), site, "--"] if hosts else []
 
             # Each site gets its share of the cores, as `isthmus run` gives its ranks:
             # more torch threads than that only spin against each other.
-            threads = max(1, (os.cpu_count() or 1) // sites)
+            threads = max(1, (os.cpu_count() or 1) // len(names))
             env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
             workers = [
                 subprocess.Popen(
@@ -125,6 +149,7 @@ def run_sites(
                         "--site",
                         name,
                         *worker_flags,
+                        *(["--job", str(job_file)] if job is not None else []),
                         "--out",
                         str(tmpdir / f"{name}.json"),
                     ],
@@ -145,7 +170,11 @@ def run_sites(
             if vs_gloo:
                 print("bench allreduce: Gloo on the same hosts", file=sys.stderr, flush=True)
                 data = time_on_hosts(
-                    job, json.loads(state.read_text()), names, size_mib=size_mib, repeats=repeats
+                    job_file,
+                    json.loads(state.read_text()),
+                    names,
+                    size_mib=size_mib,
+                    repeats=repeats,
                 )
                 gloo = {"median_s": statistics.median(data["seconds"]), "correct": data["ok"]}
         results = [json.loads((tmpdir / f"{n}.json").read_text()) for n in names]
@@ -164,8 +193,8 @@ def run_allreduce_bench(
     *,
     sites: int,
     size_mib: float,
-    rtt_ms: float,
-    bandwidth_mbit: float,
+    rtt_ms: float | None,
+    bandwidth_mbit: float | None,
     codec: str,
     repeats: int,
     algorithm: str = "direct",
@@ -175,14 +204,23 @@ def run_allreduce_bench(
     queue_ms: float | None = None,
     tcp_rmem_max: int | None = None,
     verbose: bool = True,
+    job: Job | None = None,
 ) -> dict[str, Any]:
     """With ``hosts`` every site runs in its own emulated host (packet backend, real
     TCP); ``vs_gloo`` then also times Gloo's all-reduce across the same hosts.
     ``idle_s``: every site pauses this long between rounds (as compute would), so
     the rounds meet links that went quiet. ``queue_ms``: each link's bottleneck
     queue (``None``: the link model's default). ``tcp_rmem_max``: the hosts' largest
-    TCP receive buffer (``None``: the hosts' default, 32 MiB)."""
+    TCP receive buffer (``None``: the hosts' default, 32 MiB). ``job``: its sites,
+    regions and links instead of ``sites``, ``rtt_ms`` and ``bandwidth_mbit``."""
     queue = "" if queue_ms is None else f", queue_ms: {queue_ms}"
+    if job is not None:
+        sites = len(job.sites)
+    links = (
+        f"the links of {job.source}"
+        if job is not None
+        else f"{rtt_ms:g} ms, {bandwidth_mbit:g} Mbit/s"
+    )
     run = run_sites(
         sites,
         [
@@ -192,16 +230,18 @@ def run_allreduce_bench(
             codec,
             "--algorithm",
             algorithm,
-            "--rtt-ms",
-            str(rtt_ms),
-            "--bandwidth-mbit",
-            str(bandwidth_mbit),
+            *(
+                ["--rtt-ms", str(rtt_ms), "--bandwidth-mbit", str(bandwidth_mbit)]
+                if job is None
+                else []
+            ),
             "--repeats",
             str(repeats),
             "--idle-s",
             str(idle_s),
         ],
         link=f"{{rtt_ms: {rtt_ms}, bandwidth_mbit: {bandwidth_mbit}{queue}}}",
+        job=job,
         hosts=hosts,
         vs_gloo=vs_gloo,
         size_mib=size_mib,
@@ -209,7 +249,7 @@ def run_allreduce_bench(
         tcp_rmem_max=tcp_rmem_max,
         announce=(
             f"bench allreduce: {sites} sites, {size_mib:g} MiB, codec {codec}, "
-            f"{rtt_ms:g} ms, {bandwidth_mbit:g} Mbit/s; {repeats} rounds after a warm-up"
+            f"{links}; {repeats} rounds after a warm-up"
             + (f", {idle_s:g} s apart" if idle_s else "")
         )
         if verbose
@@ -219,10 +259,19 @@ def run_allreduce_bench(
     nbytes = size_mib * 2**20
     per_round = [max(r["seconds"][i] for r in results) for i in range(repeats)]
     median = statistics.median(per_round)
-    b = bounds(sites=sites, nbytes=nbytes, rtt_ms=rtt_ms, bandwidth_mbit=bandwidth_mbit)
+    if job is not None:
+        b = job_bounds(job, nbytes)
+    else:
+        assert rtt_ms is not None and bandwidth_mbit is not None
+        b = bounds(sites=sites, nbytes=nbytes, rtt_ms=rtt_ms, bandwidth_mbit=bandwidth_mbit)
     best = min(b.values())
     sent_per_round = sum(statistics.median(r["bytes_sent"]) for r in results)
-    theoretical = sites * 2 * (sites - 1) / sites * nbytes  # direct, codec none
+    ran = results[0]["algorithm"]
+    theoretical = (
+        two_level_volume(job, nbytes)
+        if ran == "two_level" and job is not None
+        else sites * 2 * (sites - 1) / sites * nbytes  # direct (and the ring), codec none
+    )
     directions = [d for link in wire["links"] for k, d in link.items() if "->" in k]
     wire_bytes = sum(d["bytes"] for d in directions)
     extra: dict[str, Any] = {"backend": "hosts" if hosts else "proxy"}
@@ -247,6 +296,8 @@ def run_allreduce_bench(
         extra["gloo_efficiency"] = round(best / gloo["median_s"], 3)
         extra["speedup_over_gloo"] = round(gloo["median_s"] / median, 3)
         extra["gloo_correct"] = gloo["correct"]
+    if job is not None:
+        extra["job"] = job.source
     return {
         "sites": sites,
         "size_mib": size_mib,
@@ -278,12 +329,18 @@ def format_allreduce_report(r: dict[str, Any]) -> str:
     return "\n".join(
         [
             f"all-reduce of {r['size_mib']:g} MiB across {r['sites']} sites ({r['algorithm']}, "
-            f"codec {r['codec']}), links {r['bandwidth_mbit']:g} Mbit/s and {r['rtt_ms']:g} ms RTT"
+            f"codec {r['codec']}), "
+            + (
+                f"the links of {r['job']}"
+                if "job" in r
+                else f"links {r['bandwidth_mbit']:g} Mbit/s and {r['rtt_ms']:g} ms RTT"
+            )
             + (f", {r['queue_ms']:g} ms queues" if "queue_ms" in r else ""),
             f"  median {r['median_seconds']:.3f} s over {r['rounds']} rounds {r['seconds']}"
             + (f", {r['idle_s']:g} s idle between rounds" if r.get("idle_s") else ""),
-            f"  bound {r['bound_seconds']:.3f} s (direct {r['bounds']['direct']:.3f}, "
-            f"ring {r['bounds']['ring']:.3f}); efficiency {r['efficiency']:.2f} "
+            f"  bound {r['bound_seconds']:.3f} s ("
+            + ", ".join(f"{name} {s:.3f}" for name, s in r["bounds"].items())
+            + f"); efficiency {r['efficiency']:.2f} "
             f"({r['algorithm_efficiency']:.2f} of the bound of the algorithm it ran)",
             f"  data-plane bytes per round {r['data_plane_bytes_per_round']:,} "
             f"({r['data_plane_over_theoretical']:.4f} of the algorithm's volume); "

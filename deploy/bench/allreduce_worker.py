@@ -23,13 +23,14 @@ from pathlib import Path
 
 import torch
 
+from isthmus.deploy.jobfile import load_job
 from isthmus.inter.allocator import keep_freed_memory
 from isthmus.inter.allreduce import CorruptPayloads, CrossSiteAllReduce, RoundError
 from isthmus.inter.codecs import parse_codec
 from isthmus.inter.peer import Identity
 from isthmus.inter.transport import TransportSettings
 from isthmus.job.addressing import load_state
-from isthmus.sim.cost import LinkCost
+from isthmus.sim.cost import LinkCost, job_costs
 
 
 def site_tensor(index: int, count: int) -> torch.Tensor:
@@ -50,6 +51,13 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     identity = Identity(job=state["job"], site=me, rank=0)
     # Every link as configured: the same on every site, so "auto" agrees everywhere.
     cost = LinkCost.of(bandwidth_mbit=args.bandwidth_mbit, rtt_ms=args.rtt_ms)
+    links, regions, egress = (lambda a, b: cost), None, None
+    if args.job is not None:  # a job file's own links and regions
+        job = load_job(args.job)
+        costs, grouped = job_costs(job)
+        assert costs is not None, "a bench job is emulated: it has links"
+        links, regions = costs, job.region_of()
+        egress = None if grouped is None else dict(grouped.egress_bytes_per_s)
     settings = TransportSettings(max_chunk_bytes=int(args.chunk_kib * 1024), stall_s=args.stall_s)
     # A fault for the fault benchmark, seeded by site, rank and lane.
     corrupter = (
@@ -61,7 +69,9 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         codec=parse_codec(args.codec),
         settings=settings,
         deadline_s=args.deadline_s,
-        link_costs=lambda a, b: cost,
+        link_costs=links,
+        regions=regions,
+        region_egress_bytes_per_s=egress,
         chunk_filter=corrupter,
     )
     await engine.start(host, int(port))
@@ -127,7 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--site", required=True)
     parser.add_argument("--size-mib", type=float, required=True)
     parser.add_argument("--codec", default="none")
-    parser.add_argument("--algorithm", choices=("direct", "ring", "auto"), default="direct")
+    parser.add_argument(
+        "--algorithm", choices=("direct", "ring", "two_level", "auto"), default="direct"
+    )
+    parser.add_argument("--job", help="the links and regions for auto and two_level")
     parser.add_argument("--rtt-ms", type=float, default=0.0, help="the links, for auto")
     parser.add_argument("--bandwidth-mbit", type=float, default=1000.0, help="the links, for auto")
     parser.add_argument("--repeats", type=int, default=3)

@@ -30,17 +30,25 @@ def register(commands: Any) -> None:
         description="Runs SITES site processes linked through 'isthmus wan up' and reports "
         "the round time against the alpha-beta bound, bytes moved and error.",
     )
-    allreduce.add_argument("--sites", type=int, default=3)
+    allreduce.add_argument(
+        "--job",
+        metavar="JOB.yaml",
+        help="run over this job file's sites (one process each), regions and links "
+        "instead of --sites identical ones",
+    )
+    allreduce.add_argument("--sites", type=int, help="2-8 (default 3), without --job")
     allreduce.add_argument("--size-mib", type=float, default=64.0)
-    allreduce.add_argument("--rtt-ms", type=float, default=50.0)
-    allreduce.add_argument("--bandwidth-mbit", type=float, default=200.0)
+    allreduce.add_argument("--rtt-ms", type=float, help="every link's RTT (default 50)")
+    allreduce.add_argument("--bandwidth-mbit", type=float, help="every link's rate (default 200)")
     allreduce.add_argument("--codec", default="none", help="e.g. none, bf16, int8, int4+zstd")
     allreduce.add_argument(
         "--algorithm",
-        choices=("direct", "ring", "auto"),
+        choices=("direct", "ring", "two_level", "auto"),
         default="direct",
-        help="direct (full mesh, every site owns a slice), ring (successor only), or auto "
-        "(whichever the alpha-beta model predicts fastest on these links)",
+        help="direct (full mesh, every site owns a slice), ring (successor only), "
+        "two_level (inside regions, across them, inside again; needs --job with "
+        "regions), or auto (whichever the alpha-beta model predicts fastest on these "
+        "links and regions)",
     )
     allreduce.add_argument(
         "--queue-ms",
@@ -97,6 +105,39 @@ def register(commands: Any) -> None:
     )
 
 
+def _bench_job(args: argparse.Namespace) -> Any:
+    """The job file of ``--job``, refused with the flags it replaces or a problem."""
+    from isthmus.deploy.jobfile import JobFileError, load_job
+
+    flags = {
+        "--sites": args.sites,
+        "--rtt-ms": args.rtt_ms,
+        "--bandwidth-mbit": args.bandwidth_mbit,
+    }
+    given = [flag for flag, value in flags.items() if value is not None]
+    if given:
+        raise UsageError(
+            f"{', '.join(given)}: the job file gives the sites and links; drop "
+            f"{'them' if len(given) > 1 else 'it'} or --job"
+        )
+    if args.queue_ms is not None:
+        raise UsageError("--queue-ms: set queue_ms on the job file's links instead")
+    try:
+        job = load_job(args.job)
+    except JobFileError as exc:
+        raise UsageError(str(exc)) from None
+    except OSError as exc:
+        raise UsageError(f"--job: cannot read {args.job}: {exc.strerror}") from None
+    if len(job.sites) < 2:
+        raise UsageError(f"--job: {args.job} has {len(job.sites)} site; an all-reduce needs 2")
+    if args.algorithm == "two_level" and not job.regions:
+        raise UsageError(
+            f"--algorithm two_level: {args.job} has no regions: section; add one, or use "
+            "direct, ring or auto"
+        )
+    return job
+
+
 def _allreduce(args: argparse.Namespace) -> int:
     from isthmus.deploy.bench.allreduce import (
         SitesFailed,
@@ -105,13 +146,26 @@ def _allreduce(args: argparse.Namespace) -> int:
     )
     from isthmus.inter.codecs import CodecError, parse_codec
 
-    if not 2 <= args.sites <= 8:
-        raise UsageError(f"--sites: must be in 2..8, got {args.sites}")
-    for flag, value in (("--size-mib", args.size_mib), ("--bandwidth-mbit", args.bandwidth_mbit)):
+    job = None
+    if args.job is not None:
+        job = _bench_job(args)
+    else:
+        args.sites = 3 if args.sites is None else args.sites
+        args.rtt_ms = 50.0 if args.rtt_ms is None else args.rtt_ms
+        args.bandwidth_mbit = 200.0 if args.bandwidth_mbit is None else args.bandwidth_mbit
+        if not 2 <= args.sites <= 8:
+            raise UsageError(f"--sites: must be in 2..8, got {args.sites}")
+        if args.rtt_ms < 0:
+            raise UsageError(f"--rtt-ms: must be >= 0, got {args.rtt_ms}")
+        if args.bandwidth_mbit <= 0:
+            raise UsageError(f"--bandwidth-mbit: must be > 0, got {args.bandwidth_mbit}")
+        if args.algorithm == "two_level":
+            raise UsageError(
+                "--algorithm two_level: needs regions; give --job with a regions: section"
+            )
+    for flag, value in (("--size-mib", args.size_mib),):
         if value <= 0:
             raise UsageError(f"{flag}: must be > 0, got {value}")
-    if args.rtt_ms < 0:
-        raise UsageError(f"--rtt-ms: must be >= 0, got {args.rtt_ms}")
     if args.repeats < 1:
         raise UsageError(f"--repeats: must be >= 1, got {args.repeats}")
     if args.queue_ms is not None and args.queue_ms < 0:
@@ -149,6 +203,7 @@ def _allreduce(args: argparse.Namespace) -> int:
             queue_ms=args.queue_ms,
             tcp_rmem_max=args.tcp_rmem_max,
             verbose=not args.json,
+            job=job,
         )
     except SitesFailed as exc:
         print(f"{args.prog}: a round failed: {exc}", file=sys.stderr)

@@ -89,6 +89,9 @@ def describe_job(job: Job) -> str:
         noun = "rank" if site.ranks == 1 else "ranks"
         on = f" on {site.nodes} nodes" if site.nodes > 1 else ""
         lines.append(f"  site {site.name}: {site.ranks} {noun}{on} at {where}{extra}{cap}")
+    for region in job.regions:
+        cap = f", {region.egress_mbit:g} Mbit/s out and in" if region.egress_mbit else ""
+        lines.append(f"  region {region.name}: {', '.join(region.sites)}{cap}")
     if job.wan is None:
         lines.append("  wan: none (real network; peers dial each site's advertised address)")
     else:

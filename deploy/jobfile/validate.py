@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from isthmus.deploy.jobfile.regions import regions_section
 from isthmus.deploy.jobfile.wan import FAULT_KEYS, WAN_KEYS, wan_section
 from isthmus.deploy.jobfile.words import bad_name, join_path, kind, suggest, unknown
 from isthmus.intra.sizes import SIZES
@@ -28,6 +29,7 @@ TOP_LEVEL_KEYS = (
     "name",
     "seed",
     "sites",
+    "regions",
     "wan",
     "train",
     "model",
@@ -122,8 +124,28 @@ class Validator:
         # Links may name a site whose own entry has an error: that is reported
         # once, at the site, not again at every link that names it.
         names = self.named_sites
+        regions = regions_section(self, data["regions"], names) if "regions" in data else ()
         wan = wan_section(self, data["wan"], names) if data.get("wan") is not None else None
+        if wan is not None and wan.between_regions is not None and not regions:
+            self.fail(
+                "wan.between_regions",
+                "the job has no regions: add a regions: section, or give these settings "
+                "as wan.default",
+            )
         train = self.train(data.get("train") or {})
+        algorithm = train.algorithm if train is not None else None
+        if algorithm == "two_level" and not regions:
+            self.fail(
+                "train.algorithm",
+                "two_level needs the sites' regions: add a regions: section, or use direct, "
+                "ring or auto",
+            )
+        if algorithm == "auto" and wan is None:
+            self.fail(
+                "train.algorithm",
+                "auto picks from the links' costs, which only an emulated job (a wan: "
+                "section) states; use direct, ring or two_level",
+            )
         model = self.model(data.get("model", "tiny"), sites)
         control = self.control(data["control"]) if data.get("control") is not None else None
         data_source = self.data(data.get("data", "stdlib"))
@@ -160,6 +182,7 @@ class Validator:
             tls=tls,
             insecure=insecure,
             metrics=metrics,
+            regions=regions,
             source=self.source,
             raw=data,
         )

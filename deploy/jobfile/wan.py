@@ -22,7 +22,7 @@ from isthmus.sim.presets import PRESETS
 if TYPE_CHECKING:
     from isthmus.deploy.jobfile.validate import Validator
 
-WAN_KEYS = ("default", "links", "faults")
+WAN_KEYS = ("default", "between_regions", "links", "faults")
 FAULT_KEYS = (
     "at_s",
     "at_round",
@@ -44,6 +44,11 @@ def wan_section(check: Validator, raw: Any, names: list[str]) -> WanSpec | None:
     if raw is None:
         return None
     default = link_params(check, raw.get("default") or {}, "wan.default", between=None)
+    between_regions = None
+    if raw.get("between_regions") is not None:
+        between_regions = link_params(
+            check, raw["between_regions"], "wan.between_regions", between=None
+        )
     overrides: dict[frozenset[str], tuple[tuple[str, str], LinkParams]] = {}
     links = raw.get("links") or []
     if not isinstance(links, list):
@@ -66,7 +71,12 @@ def wan_section(check: Validator, raw: Any, names: list[str]) -> WanSpec | None:
     faults = fault_schedule(check, raw.get("faults") or [], names)
     if default is None:
         return None
-    return WanSpec(default=default, overrides=overrides, faults=tuple(faults))
+    return WanSpec(
+        default=default,
+        overrides=overrides,
+        faults=tuple(faults),
+        between_regions=between_regions,
+    )
 
 
 def site_pair(check: Validator, value: Any, path: str, names: list[str]) -> tuple[str, str] | None:

@@ -19,7 +19,8 @@ which the first encode can raise).
 Both phases are pipelined by chunks: as soon as every site's chunk k of this
 site's slice is in, chunk k of the result is reduced, encoded and on its way,
 while later chunks of the reduce-scatter still arrive. Wire tags:
-reduce-scatter chunks carry ``shard = j``, all-gather chunks ``shard = S + j``.
+reduce-scatter chunks carry ``shard = j``, all-gather chunks ``shard = S + j``
+(both plus ``round.shard_base``).
 
 Every buffer (contributions, results, the own slice through the codec, the
 error-feedback loss) lives on the values' device, ``round.staging.device``:
@@ -74,6 +75,7 @@ class DirectRound:
         me, sites = round.me, round.sites
         self.n = len(sites)
         self.mine = sites.index(me)
+        self.base = round.shard_base
         self.a, self.b = round.bounds[self.mine]
         self.others = [(j, s) for j, s in enumerate(sites) if s != me]
         # Error feedback: send this round's values plus what the codec lost last
@@ -138,7 +140,7 @@ class DirectRound:
         size = self.b - self.a
         r = self.round
         self.contributions = {
-            s: self.inbox.expect(r.number, self.mine, s, size, staging=r.staging)
+            s: self.inbox.expect(r.number, self.base + self.mine, s, size, staging=r.staging)
             for _, s in self.others
         }
 
@@ -152,7 +154,7 @@ class DirectRound:
                 r.max_chunk_bytes,
                 self.flat[lo:hi],
                 round=r.number,
-                shard=j,
+                shard=self.base + j,
                 sent=self.sent,
                 lost=None if self.lost is None else self.lost[lo:hi],
                 staging=r.staging,
@@ -169,7 +171,7 @@ class DirectRound:
         r = self.round
         for j, s in self.others:
             lo, hi = self.bounds(j)
-            shard = self.n + j
+            shard = self.base + self.n + j
             self.results[s] = self.inbox.expect(
                 self.round.number, shard, s, hi - lo, into=self.out[lo:hi], staging=r.staging
             )
@@ -206,7 +208,8 @@ class DirectRound:
                 await wait_chunk(r, s, self.contributions[s], index)
             reduced = self.reduce(own_values, lo, hi)
             result = await self.outgoing.encode(
-                result_codec, reduced, round=r.number, shard=self.n + self.mine, offset=lo,
+                result_codec, reduced, round=r.number, shard=self.base + self.n + self.mine,
+                offset=lo,
                 index=index, count=len(ranges), staging=r.staging,
             )  # fmt: skip
             self.share(result)
@@ -217,7 +220,7 @@ class DirectRound:
         self.phases["contributions"] = loop.time() - r.started
         self.forget_contributions()
         for j, s in self.others:
-            await self.inbox.wait_for(r, self.n + j, s, self.results[s])
+            await self.inbox.wait_for(r, self.base + self.n + j, s, self.results[s])
         self.phases["results"] = loop.time() - r.started
 
     async def pass_own_through_codec(
@@ -233,7 +236,7 @@ class DirectRound:
         decoded into ``own_values``, its loss kept for error feedback."""
         r = self.round
         chunk = await self.outgoing.encode(
-            r.codec, mine_flat[lo:hi], round=r.number, shard=self.mine, offset=lo,
+            r.codec, mine_flat[lo:hi], round=r.number, shard=self.base + self.mine, offset=lo,
             index=index, count=count, staging=r.staging,
         )  # fmt: skip
         own_chunk(chunk, r.codec).decode_into(own_values, r.staging)
@@ -263,4 +266,4 @@ class DirectRound:
 
     def forget_contributions(self) -> None:
         for _, s in self.others:
-            self.inbox.forget(self.round.number, self.mine, s)
+            self.inbox.forget(self.round.number, self.base + self.mine, s)

@@ -36,6 +36,7 @@ from isthmus.inter.allreduce.incoming import Inbox
 from isthmus.inter.allreduce.ring import ring_allreduce
 from isthmus.inter.allreduce.rounds import Round, RoundError, RoundStats, all_finite, slice_bounds
 from isthmus.inter.allreduce.sending import ChunkFilter, Outgoing
+from isthmus.inter.allreduce.two_level import two_level_allreduce
 from isthmus.inter.chunks import ReceivedChunk
 from isthmus.inter.codecs import Codec
 from isthmus.inter.peer import Identity, PeerClient, PeerError, PeerServer
@@ -50,7 +51,7 @@ LENIENT_HELLO_S = 5.0
 FLUSH_ON_CLOSE_S = 20.0
 """How long :meth:`CrossSiteAllReduce.close` waits for the acknowledgements of chunks
 sent by rounds that are over here (a peer may still need them to finish its round)."""
-ALGORITHMS = ("direct", "ring", "auto")
+ALGORITHMS = ("direct", "ring", "two_level", "auto")
 EXACT = Codec()
 """The codec of an ``exact`` round: float32 as it is."""
 
@@ -68,6 +69,8 @@ class CrossSiteAllReduce:
         deadline_s: float = 60.0,
         link_costs: LinkLookup | None = None,
         uplink_bytes_per_s: Mapping[str, float] | None = None,
+        regions: Mapping[str, str] | None = None,
+        region_egress_bytes_per_s: Mapping[str, float] | None = None,
         lane: int = 0,
         server: PeerServer | None = None,
         chunk_filter: ChunkFilter | None = None,
@@ -76,6 +79,9 @@ class CrossSiteAllReduce:
         """``peers``: site -> address of this rank's counterpart there. ``link_costs``
         (the same on every site: configured, or measured and sealed by the strategy)
         lets ``algorithm="auto"`` pick the algorithm the cost model predicts fastest.
+        ``regions`` (site -> region, the job's ``regions:``) makes ``two_level``
+        possible, and ``region_egress_bytes_per_s`` tells the cost model the
+        regions' shared long-haul capacity.
 
         ``lane`` and ``server``: a rank that owns several lanes (see
         :mod:`isthmus.inter.lanes`) runs one engine per lane on one shared server,
@@ -92,6 +98,8 @@ class CrossSiteAllReduce:
         is on another device than a given staging's is refused."""
         self.link_costs = link_costs
         self.uplink_bytes_per_s = dict(uplink_bytes_per_s or {})
+        self.regions = dict(regions or {})
+        self.region_egress_bytes_per_s = dict(region_egress_bytes_per_s or {})
         self.last_algorithm: str | None = None
         self.identity = identity
         self.peers = dict(peers)
@@ -240,7 +248,9 @@ class CrossSiteAllReduce:
 
         ``algorithm``: ``direct`` (full mesh: every site owns a slice; a value is
         encoded twice), ``ring`` (each site talks to its successor only; partial
-        sums are re-encoded at every hop, so a value is encoded up to S times), or
+        sums are re-encoded at every hop, so a value is encoded up to S times),
+        ``two_level`` (inside each region, across regions between counterparts,
+        inside again; a value is encoded four times; needs ``regions``), or
         ``auto`` (the one :mod:`isthmus.sim.cost` predicts fastest on ``link_costs``)."""
         # Several rounds may be in flight at once (gradient buckets, overlapped
         # fragments): the inbox keeps the chunks of every round from the oldest
@@ -294,7 +304,17 @@ class CrossSiteAllReduce:
             addresses=self.peers,
             staging=staging,
         )
-        if algorithm == "ring" and len(sites) > 1:
+        if algorithm == "two_level" and len(sites) > 1:
+            out, self.last = await two_level_allreduce(
+                plan,
+                flat,
+                region_of=self.regions,
+                inbox=self.inbox,
+                outgoing=self.outgoing,
+                feedback=self.error_feedback,
+                key=feedback,
+            )
+        elif algorithm == "ring" and len(sites) > 1:
             self._say_feedback_is_off(round, feedback)
             out, self.last = await ring_allreduce(
                 plan, flat, inbox=self.inbox, outgoing=self.outgoing
@@ -331,7 +351,14 @@ class CrossSiteAllReduce:
         codec: Codec | None = None,
     ) -> str:
         if algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {algorithm!r}; use direct, ring or auto")
+            raise ValueError(
+                f"unknown algorithm {algorithm!r}; use direct, ring, two_level or auto"
+            )
+        if algorithm == "two_level" and not self.regions:
+            raise ValueError(
+                "the two_level algorithm needs the sites' regions (the job file's regions:); "
+                "use direct, ring or auto"
+            )
         if (codec or self.codec).sparse is not None:
             # The ring re-encodes partial sums at every hop: top-k of a partial sum
             # drops what earlier sites sent, and no site's feedback can send it again.
@@ -350,6 +377,8 @@ class CrossSiteAllReduce:
             sorted(participants),
             self.link_costs,
             self.uplink_bytes_per_s,
+            regions=self.regions or None,
+            region_egress_bytes_per_s=self.region_egress_bytes_per_s,
         )
 
     def _check_participants(

@@ -67,6 +67,10 @@ class Round:
     staging: Staging = HOST
     """How encoded bytes move between the values' device and the host: every
     buffer of the round lives on ``staging.device``, the device of the values."""
+    shard_base: int = 0
+    """The first wire shard number this round's chunks use: an algorithm made of
+    several exchanges in one round (:mod:`.two_level`) gives each its own range,
+    so chunks of one phase never land in another's buffers."""
 
     @property
     def total_weight(self) -> float:
