@@ -150,20 +150,20 @@ def two_level_seconds(
     uplink_bytes_per_s: Mapping[str, float] | None = None,
     regions: Regions | None = None,
 ) -> float:
-    """Direct inside every region (at once), direct across regions between
-    counterparts (a member of a region of m taking ceil(Q / m) of the Q slices),
-    then each member's slices to the rest of its region."""
+    """A reduce-scatter inside every region (at once), direct across regions among
+    each piece's holders (the busiest holding the largest slice, N / the smallest
+    region's size), then each member's slice to the rest of its region."""
     if regions is None or len(sites) < 2:
         return direct_seconds(nbytes, sites, link, uplink_bytes_per_s, regions)
     groups = regions.groups(sites)
-    inside = max(direct_seconds(nbytes, m, link, uplink_bytes_per_s) for m in groups.values())
+    # The reduce-scatter is the direct algorithm's first of two equal phases.
+    inside = max(direct_seconds(nbytes, m, link, uplink_bytes_per_s) for m in groups.values()) / 2
     k, q = len(groups), max(len(m) for m in groups.values())
     across = 0.0
     if k > 1:
-        # The busiest member runs its slices' exchanges at once on the same links.
-        busiest = max(-(-q // len(m)) for m in groups.values()) * nbytes / q
-        for j in range(q):
-            group = [m[j % len(m)] for m in groups.values()]
+        busiest = nbytes / min(len(m) for m in groups.values())
+        for j in range(q):  # holders of the pieces (exact for regions of equal size)
+            group = [m[j * len(m) // q] for m in groups.values()]
             across = max(across, direct_seconds(busiest, group, link, uplink_bytes_per_s))
         shared = regions.egress_seconds(sites, lambda m: (k - 1) * nbytes / k, link)
         across = max(across, 2 * shared)
@@ -171,7 +171,7 @@ def two_level_seconds(
     for members in groups.values():
         if len(members) < 2:
             continue
-        part = -(-q // len(members)) * nbytes / q
+        part = nbytes / len(members)
         back = max(
             back,
             max(link(a, b).one_way_s + part / link(a, b).bandwidth_bytes_per_s

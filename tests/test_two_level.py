@@ -91,13 +91,14 @@ def test_two_levels_give_the_weighted_average_bitwise_identical_everywhere(n):
     torch.testing.assert_close(first.double(), reference, rtol=1e-6, atol=1e-5)
 
 
-def test_a_lossy_codec_stays_identical_everywhere_and_within_four_encodes():
+def test_a_lossy_codec_stays_identical_everywhere_and_within_three_encodes():
     outs, _, reference, _ = _run(50_000, codec="int8")
     first = outs[NAMES[0]]
     assert all(torch.equal(first, out) for out in outs.values())
-    # int8 steps absmax/127 per block of values; four encodes on the way, each off
+    # int8 steps absmax/127 per block of values; three encodes on the way (a
+    # contribution inside, a region's share across, the owner's result), each off
     # by at most half a step of values up to the inputs' scale (5 x randn here).
-    assert float((first.double() - reference).abs().max()) < 4 * 0.5 * 5 * 5 / 127
+    assert float((first.double() - reference).abs().max()) < 3 * 0.5 * 5 * 5 / 127
 
 
 def test_across_regions_it_sends_less_than_half_what_the_flat_direct_algorithm_does():

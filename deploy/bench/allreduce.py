@@ -47,10 +47,11 @@ def job_bounds(job: Job, nbytes: float) -> dict[str, float]:
 
 
 def two_level_volume(job: Job, nbytes: float) -> float:
-    """Bytes all sites send in a two-level round, codec none: 2 (m - 1) N inside each
-    region of m, 2 (K - 1) N across the K regions, and (m - 1) N back inside."""
+    """Bytes all sites send in a two-level round, codec none: (m - 1) N inside each
+    region of m to reduce-scatter and as much to gather, 2 (K - 1) N across the K
+    regions."""
     sizes = [len(r.sites) for r in job.regions]
-    inside = sum(2 * (m - 1) + (m - 1) for m in sizes) * nbytes
+    inside = sum(2 * (m - 1) for m in sizes) * nbytes
     return inside + 2 * (len(sizes) - 1) * nbytes
 
 

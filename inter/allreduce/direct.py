@@ -49,10 +49,14 @@ async def direct_allreduce(
     outgoing: Outgoing,
     feedback: ErrorFeedback,
     key: str | None,
+    gather: bool = True,
 ) -> tuple[torch.Tensor, RoundStats]:
     """The weighted average of ``flat`` over ``round.sites``, and what it moved.
-    ``key``: the vector's name for error feedback (None: none)."""
-    return await DirectRound(round, flat, inbox, outgoing, feedback, key).run()
+    ``key``: the vector's name for error feedback (None: none). ``gather=False``:
+    the reduce-scatter alone: only this site's slice of the output holds the
+    average, reduced from the decoded contributions and not encoded again (the
+    two-level algorithm takes it on from there)."""
+    return await DirectRound(round, flat, inbox, outgoing, feedback, key, gather).run()
 
 
 class DirectRound:
@@ -66,8 +70,10 @@ class DirectRound:
         outgoing: Outgoing,
         feedback: ErrorFeedback,
         key: str | None,
+        gather: bool = True,
     ) -> None:
         self.round = round
+        self.gather = gather
         self.inbox = inbox
         self.outgoing = outgoing
         self.feedback = feedback
@@ -110,8 +116,9 @@ class DirectRound:
         loop = asyncio.get_running_loop()
         self.expect_contributions()
         self.send_contributions()
-        self.expect_results()
-        self.send_results()
+        if self.gather:
+            self.expect_results()
+            self.send_results()
         try:
             await unless_a_send_fails(self.reduce_and_collect(), self.contribution_sends)
         except BaseException:
@@ -119,7 +126,11 @@ class DirectRound:
                 task.cancel()
             self.forget_contributions()
             raise
-        sends = (self.contribution_sends, self.result_sends)
+        sends = (
+            (self.contribution_sends, self.result_sends)
+            if self.gather
+            else (self.contribution_sends,)
+        )
         self.outgoing.outlive(
             self.round.number,
             [(s, t) for tasks in sends for (_, s), t in zip(self.others, tasks, strict=True)],
@@ -128,7 +139,11 @@ class DirectRound:
             self.feedback.keep(self.key, self.lost)  # type: ignore[arg-type]
         # This site's slice from every other site, and every other slice's result.
         a, b = self.a, self.b
-        received = sum((b - a + hi - lo) * 4 for j, _ in self.others for lo, hi in [self.bounds(j)])
+        received = sum(
+            (b - a + (hi - lo if self.gather else 0)) * 4
+            for j, _ in self.others
+            for lo, hi in [self.bounds(j)]
+        )
         stats = RoundStats(sum(self.sent), received, loop.time() - self.round.started, self.phases)
         return self.out, stats
 
@@ -207,6 +222,8 @@ class DirectRound:
             for _, s in self.others:
                 await wait_chunk(r, s, self.contributions[s], index)
             reduced = self.reduce(own_values, lo, hi)
+            if not self.gather:
+                continue  # the reduced values stay, exact, in out
             result = await self.outgoing.encode(
                 result_codec, reduced, round=r.number, shard=self.base + self.n + self.mine,
                 offset=lo,
@@ -219,6 +236,8 @@ class DirectRound:
             queue.put_nowait(None)
         self.phases["contributions"] = loop.time() - r.started
         self.forget_contributions()
+        if not self.gather:
+            return
         for j, s in self.others:
             await self.inbox.wait_for(r, self.base + self.n + j, s, self.results[s])
         self.phases["results"] = loop.time() - r.started

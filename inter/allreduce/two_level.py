@@ -6,32 +6,34 @@ site, so a region of m of the S sites pushes ``m (S - m) N / S`` bytes through
 its long-haul in each phase. In two levels a region pushes ``(K - 1) N / K``
 (K regions), and every member carries its part of it:
 
-1. **Inside the region**, the direct algorithm over its fast links: every
-   member ends with the region's weighted average, bitwise identical across
-   the region (its owners encode once).
-2. **Across regions**: the tensor is cut into Q slices, Q the largest region's
-   size. Member k of a region of m members takes the slices j with
-   ``j mod m == k``; for each, it runs the direct algorithm with the members
-   that take j in the other regions (its counterparts), each contributing
-   its region's average weighted by the region's total weight. The average of
-   region averages so weighted is the global weighted average, and every
-   counterpart ends with slice j of it, identical (its owners encode once).
-3. **Inside again**: each member sends its slices' results to the others of
-   its region as float32, exact, over the fast links. So every site of every
+1. **Reduce-scatter inside the region** (the direct algorithm's first phase,
+   over the fast links): member k of a region of m ends with slice k of the
+   region's weighted average, reduced exactly from the decoded contributions.
+2. **Across regions**: the tensor is cut at every region's slice boundaries;
+   each piece lies in one slice of every region, so it has one holder in each
+   (its counterparts), and they average it by the direct algorithm, each
+   region weighted by its total weight. The average of region averages so
+   weighted is the global weighted average, and every counterpart ends with
+   the piece's same bytes (its owners encode once).
+3. **All-gather inside the region**: each member sends its slice's result to
+   the others as float32, exact, over the fast links. So every site of every
    region ends with the same bytes.
 
-A value is encoded four times on its way (twice in each direct exchange);
+Inside a region each site sends ``2 (m - 1) N / m``, as the flat algorithm
+would among m sites. A value is encoded three times on its way (its
+contribution inside, its region's share across, the owner's result across);
 phase 3 adds no error. Error feedback: phase 1 under the caller's key (what
-this site's own contribution lost), phase 2 under ``key/across/j`` (what its
-share of the region's average lost). Wire shards: phase 1 uses the direct
-algorithm's ``[0, 2S)``, slice j of phase 2 ``[2S (1 + j), 2S (2 + j))``, and
-phase 3 ``2S (1 + Q) + j``, so no chunk lands in another phase's buffers.
+this site's own contribution lost), phase 2 under ``key/across/p`` (what its
+region's share of piece p lost). Wire shards: phase 1 uses ``[0, 2S)``, piece
+p of phase 2 ``[2S (1 + p), 2S (2 + p))``, and phase 3 ``2S (1 + P)`` (P
+pieces), so no chunk lands in another phase's buffers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 from collections.abc import Mapping
 
 import torch
@@ -95,22 +97,24 @@ class TwoLevelRound:
         self.weight_of = {
             r: sum(round.weights[s] for s in members) for r, members in self.groups.items()
         }
-        self.slices = slice_bounds(flat.numel(), max(len(m) for m in self.groups.values()))
+        n = flat.numel()
+        self.slices = {r: slice_bounds(n, len(m)) for r, m in self.groups.items()}
+        """Each region's phase-1 slices, one per member in sorted order."""
+        self.a, self.b = self.slices[self.region][self.members.index(round.me)]
+        self.pieces = _refinement(list(self.slices.values()), n)
         stride = 2 * len(round.sites)
-        self.across_base = [stride * (1 + j) for j in range(len(self.slices))]
-        self.inside_base = stride * (1 + len(self.slices))
+        self.gather_shard = stride * (1 + len(self.pieces))
         self.out = torch.empty_like(flat)
         self.sent: list[int] = []
         self.received = 0
         self.phases: dict[str, float] = {}
 
-    def takes(self, site: str, j: int) -> bool:
-        """Whether ``site`` (of this region) takes slice ``j`` across regions."""
-        return self.members.index(site) == j % len(self.members)
-
-    def counterparts(self, j: int) -> list[str]:
-        """The sites that take slice ``j`` across regions, one per region, sorted."""
-        return sorted(members[j % len(members)] for members in self.groups.values())
+    def holder(self, region: str, lo: int) -> str:
+        """The member of ``region`` whose phase-1 slice holds value ``lo``."""
+        for member, (a, b) in zip(self.groups[region], self.slices[region], strict=True):
+            if a <= lo < b:
+                return member
+        raise AssertionError(f"value {lo} in no slice of region {region}")
 
     async def run(self) -> tuple[torch.Tensor, RoundStats]:
         loop = asyncio.get_running_loop()
@@ -118,102 +122,96 @@ class TwoLevelRound:
         # Phase 3's buffers first: a member quicker across regions may send early.
         results = self.expect_results()
         try:
-            average = await self.inside()
+            await self.reduce_scatter()
             self.phases["inside"] = loop.time() - r.started
-            mine = [j for j in range(len(self.slices)) if self.takes(r.me, j)]
-            await asyncio.gather(*(self.across(j, average) for j in mine))
+            mine = [p for p, (lo, hi) in enumerate(self.pieces) if self.a <= lo < self.b]
+            await asyncio.gather(*(self.across(p) for p in mine))
             self.phases["across"] = loop.time() - r.started
-            await self.share(mine, results)
+            await self.all_gather(results)
         except BaseException:
-            for j, site, _ in results:
-                self.inbox.forget(r.number, self.inside_base + j, site)
+            for site, _ in results:
+                self.inbox.forget(r.number, self.gather_shard, site)
             raise
         self.phases["results"] = loop.time() - r.started
         stats = RoundStats(sum(self.sent), self.received, loop.time() - r.started, self.phases)
         return self.out, stats
 
-    async def inside(self) -> torch.Tensor:
-        """Phase 1: the region's weighted average, by the direct algorithm."""
+    async def reduce_scatter(self) -> None:
+        """Phase 1: this site's slice of the region's weighted average, into ``out``."""
         r = self.round
+        a, b = self.a, self.b
         if len(self.members) == 1:
-            return self.flat
+            self.out.copy_(self.flat)
+            return
         if self.weight_of[self.region] == 0:
             # Nobody here counts this round: the region takes part with weight 0.
-            return torch.zeros_like(self.flat)
-        plan = dataclasses.replace(
-            r, sites=self.members, bounds=slice_bounds(self.flat.numel(), len(self.members))
-        )
-        average, stats = await direct_allreduce(
-            plan, self.flat, inbox=self.inbox, outgoing=self.outgoing,
-            feedback=self.feedback, key=self.key,
-        )  # fmt: skip
-        self.count(stats)
-        return average
-
-    async def across(self, j: int, average: torch.Tensor) -> None:
-        """Phase 2 for slice ``j``: the direct algorithm among its counterparts, each
-        region weighted by its total; the result lands in ``out``."""
-        r = self.round
-        lo, hi = self.slices[j]
-        sites = self.counterparts(j)
-        if len(sites) == 1:
-            self.out[lo:hi] = average[lo:hi]
+            self.out[a:b] = 0
             return
-        weights = {s: self.weight_of[region] for region, s in self._by_region(sites)}
+        plan = dataclasses.replace(r, sites=self.members, bounds=self.slices[self.region])
+        reduced, stats = await direct_allreduce(
+            plan, self.flat, inbox=self.inbox, outgoing=self.outgoing,
+            feedback=self.feedback, key=self.key, gather=False,
+        )  # fmt: skip
+        self.out[a:b] = reduced[a:b]
+        self.count(stats)
+
+    async def across(self, p: int) -> None:
+        """Phase 2 for piece ``p``: the direct algorithm among its holders, one per
+        region, each region weighted by its total; the result replaces it in ``out``."""
+        r = self.round
+        lo, hi = self.pieces[p]
+        holders = {region: self.holder(region, lo) for region in self.groups}
+        sites = sorted(holders.values())
+        if len(sites) == 1:
+            return
+        weights = {s: self.weight_of[region] for region, s in holders.items()}
         plan = dataclasses.replace(
             r,
             sites=sites,
             weights=weights,
             bounds=slice_bounds(hi - lo, len(sites)),
-            shard_base=self.across_base[j],
+            shard_base=2 * len(r.sites) * (1 + p),
         )
-        key = None if self.key is None else f"{self.key}/across/{j}"
+        key = None if self.key is None else f"{self.key}/across/{p}"
         result, stats = await direct_allreduce(
-            plan, average[lo:hi].contiguous(), inbox=self.inbox, outgoing=self.outgoing,
+            plan, self.out[lo:hi].clone(), inbox=self.inbox, outgoing=self.outgoing,
             feedback=self.feedback, key=key,
         )  # fmt: skip
         self.out[lo:hi] = result
         self.count(stats)
 
-    def _by_region(self, sites: list[str]) -> list[tuple[str, str]]:
-        return [(r, s) for r, members in self.groups.items() for s in members if s in sites]
-
-    def expect_results(self) -> list[tuple[int, str, Incoming]]:
-        """Phase 3's buffers: each slice another member of the region takes, decoded
-        straight into its place in ``out``."""
+    def expect_results(self) -> list[tuple[str, Incoming]]:
+        """Phase 3's buffers: each other member's slice, decoded straight into its
+        place in ``out``."""
         r = self.round
         expected = []
-        for j, (lo, hi) in enumerate(self.slices):
-            for site in self.members:
-                if site != r.me and self.takes(site, j):
-                    incoming = self.inbox.expect(
-                        r.number, self.inside_base + j, site, hi - lo,
-                        into=self.out[lo:hi], staging=r.staging,
-                    )  # fmt: skip
-                    expected.append((j, site, incoming))
+        for site, (a, b) in zip(self.members, self.slices[self.region], strict=True):
+            if site != r.me:
+                incoming = self.inbox.expect(
+                    r.number, self.gather_shard, site, b - a, into=self.out[a:b],
+                    staging=r.staging,
+                )  # fmt: skip
+                expected.append((site, incoming))
         return expected
 
-    async def share(self, mine: list[int], results: list[tuple[int, str, Incoming]]) -> None:
-        """Phase 3: this site's slices to every other member, exact; theirs in."""
+    async def all_gather(self, results: list[tuple[str, Incoming]]) -> None:
+        """Phase 3: this site's slice to every other member, exact; theirs in."""
         r = self.round
         sends: list[tuple[str, asyncio.Future[None]]] = []
         for site in self.members:
             if site == r.me:
                 continue
-            for j in mine:
-                lo, hi = self.slices[j]
-                chunks = self.outgoing.encoded_chunks(
-                    EXACT, r.max_chunk_bytes, self.out[lo:hi], round=r.number,
-                    shard=self.inside_base + j, sent=self.sent, staging=r.staging,
-                )  # fmt: skip
-                send = self.outgoing.send(site, chunks, round=r.number, deadline_s=r.deadline_s)
-                sends.append((site, asyncio.ensure_future(send)))
+            chunks = self.outgoing.encoded_chunks(
+                EXACT, r.max_chunk_bytes, self.out[self.a : self.b], round=r.number,
+                shard=self.gather_shard, sent=self.sent, staging=r.staging,
+            )  # fmt: skip
+            send = self.outgoing.send(site, chunks, round=r.number, deadline_s=r.deadline_s)
+            sends.append((site, asyncio.ensure_future(send)))
 
         async def collect() -> None:
-            for j, site, incoming in results:
-                await self.inbox.wait_for(r, self.inside_base + j, site, incoming)
-                lo, hi = self.slices[j]
-                self.received += (hi - lo) * 4
+            for site, incoming in results:
+                buffer = await self.inbox.wait_for(r, self.gather_shard, site, incoming)
+                self.received += buffer.numel() * 4
 
         try:
             await unless_a_send_fails(collect(), [task for _, task in sends])
@@ -226,3 +224,9 @@ class TwoLevelRound:
     def count(self, stats: RoundStats) -> None:
         self.sent.append(stats.bytes_sent)
         self.received += stats.bytes_received
+
+
+def _refinement(partitions: list[list[tuple[int, int]]], count: int) -> list[tuple[int, int]]:
+    """The pieces of [0, count) cut at every boundary of every partition (none empty)."""
+    cuts = sorted({0, count, *(a for slices in partitions for a, _ in slices)})
+    return [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
