@@ -60,7 +60,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from isthmus.sim.cost import LinkCost, LinkLookup, predict
+from isthmus.sim.cost import LinkCost, LinkLookup, Regions, predict
 
 STRATEGIES = ("sync", "diloco", "streaming", "async")
 
@@ -107,6 +107,8 @@ class Scenario:
     sites: Sequence[str]
     links: Mapping[frozenset[str], LinkCost]
     uplink_bytes_per_s: Mapping[str, float] = field(default_factory=dict)
+    regions: Regions | None = None
+    """The job's regions and their shared long-haul capacity (two-level all-reduce)."""
     strategy: str = "diloco"
     sync_every: int = 50
     fragments: int = 2
@@ -266,9 +268,12 @@ def exchange_cost(scenario: Scenario, nbytes: float, *, outer: float = 0.0) -> E
     sites = list(scenario.sites)
     if len(sites) < 2:
         return ExchangeCost(0.0, 0.0, "none")
-    costs = predict(nbytes, sites, scenario.link, scenario.uplink_bytes_per_s)
+    regions = scenario.regions
+    costs = predict(nbytes, sites, scenario.link, scenario.uplink_bytes_per_s, regions=regions)
     algorithm = min(costs, key=lambda name: (costs[name], name != "direct"))
-    latency = predict(0.0, sites, scenario.link, scenario.uplink_bytes_per_s)[algorithm]
+    latency = predict(0.0, sites, scenario.link, scenario.uplink_bytes_per_s, regions=regions)[
+        algorithm
+    ]
     raw_bytes = nbytes / CODEC_BYTES_PER_VALUE[scenario.codec] * 4
     codec_s = raw_bytes / scenario.codec_bytes_per_s if scenario.codec != "none" else 0.0
     wire_s = (costs[algorithm] - latency) / scenario.efficiency + latency

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 import torch
@@ -167,3 +168,15 @@ def test_with_shared_long_haul_auto_picks_two_levels_and_without_it_direct():
     # 300 Mbit/s; two levels push 2/3 N, and pay for the phases inside (1 Gbit/s).
     assert capped["direct"] > 2 * capped["two_level"]
     assert choose(nbytes, sites, link, regions=regions) == "direct"
+
+
+def test_isthmus_sim_costs_a_job_with_regions_in_two_levels(capsys):
+    import json
+
+    from isthmus.deploy.cli import main
+
+    job = Path(__file__).parents[1] / "deploy" / "examples" / "three-regions.yaml"
+    code = main(["sim", str(job), "--step-ms", "100", "--json"])
+    assert code == 0
+    predictions = json.loads(capsys.readouterr().out)["predictions"]
+    assert {p["algorithm"] for p in predictions} == {"two_level"}

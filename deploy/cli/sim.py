@@ -13,7 +13,7 @@ from typing import Any
 from isthmus.deploy.cli.registry import UsageError, add_command
 from isthmus.deploy.jobfile import Job, load_job
 from isthmus.job.compressor import is_sparse
-from isthmus.sim.cost import LinkCost
+from isthmus.sim.cost import LinkCost, job_costs
 from isthmus.sim.hardware import SiteHardware, site_hardware
 from isthmus.sim.perf_model import (
     CODEC_BYTES_PER_VALUE,
@@ -302,6 +302,7 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
         tokens_per_step=tokens,
         sites=sites,
         links=links,
+        regions=job_costs(job)[1] if job is not None and args.sites is None else None,
         strategy=strategy,
         sync_every=_given(args.sync_every, train.sync_every if train else 50),
         # The whole run, its final synchronisation included, as isthmus run measures it.
