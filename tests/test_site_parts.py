@@ -113,6 +113,7 @@ def test_model_shapes_parameter_count_and_bad_sizes():
         model(torch.zeros(1, 65, dtype=torch.long))
 
 
+@pytest.mark.slow  # 10-14 s of training on one core: the slow pass, not the fast tier
 def test_model_learns_the_corpus():
     torch.manual_seed(0)
     model = GPT(config_for("tiny"))
