@@ -11,7 +11,6 @@ Apart from the launcher, which follows the run, so that each stays one idea.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -20,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from isthmus.deploy.run.orphan import parent_environment
-from isthmus.deploy.run.warm_start import ForkedRank, RankTemplate
+from isthmus.deploy.run.warm_start import ForkedRank, RankTemplate, signal_rank
 from isthmus.deploy.session.environment import LaunchEnvironment
 from isthmus.intra.launch import free_port, rank_environment
 
@@ -93,13 +92,9 @@ def terminate(procs: Sequence[subprocess.Popen | ForkedRank]) -> None:
 
 
 def _signal_group(proc: subprocess.Popen | ForkedRank, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        # A rank forked a moment ago may not lead its own group yet (it blocks the
-        # stop signals until it does): the process itself, then.
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, sig)
+    # A rank forked a moment ago may not lead its own group yet (it blocks the stop
+    # signals until it does): the process itself, then.
+    signal_rank(proc.pid, sig)
 
 
 def exit_reason(rank: int, code: int, log: Path) -> str:

@@ -239,8 +239,7 @@ class RankTemplate:
 def _live_or_lost(pid: int) -> int:
     """The end of a rank whose template died: nothing can report it any more, so it
     is killed if it still runs, and counted as killed either way."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
+    signal_rank(pid, signal.SIGKILL)
     return -signal.SIGKILL
 
 
@@ -350,8 +349,19 @@ def _serve_one(line: bytes, children: set[int], private: list[int], say: Any) ->
 
 def _signal_all(children: set[int], sig: int) -> None:
     for pid in children:
+        signal_rank(pid, sig)
+
+
+def signal_rank(pid: int, sig: int) -> None:
+    """Signal a forked rank's process group, or the rank alone if it is not yet
+    past its ``setsid()`` (then the signal is held until it has its handlers, and
+    delivered). With the group alone, a launcher killed right after a fork left
+    that rank running until the 30 s grace's SIGKILL."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, sig)
+            os.kill(pid, sig)
 
 
 def _reap() -> list[tuple[int, int]]:
