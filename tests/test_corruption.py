@@ -240,6 +240,7 @@ def test_a_stream_that_waits_for_its_first_chunk_is_not_taken_for_stalled():
     assert delivery.broken_streams == 0 and delivery.resent_chunks == 0
 
 
+@pytest.mark.slow  # a long transfer through a reset: 10-12 s
 def test_a_connection_reset_mid_transfer_resumes_from_the_last_acknowledged_chunk():
     """The emulator tears every connection of the link down (RST) while the round's
     chunks are on the way, and refuses new ones for a while: the senders redial
