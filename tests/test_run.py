@@ -523,3 +523,35 @@ def test_live_progress_renders_every_site_and_link(tmp_path):
     assert (
         "a: step 4/10 loss 3.500" in plain.getvalue() and "link a<->b: 2.5 MB" in plain.getvalue()
     )
+
+
+def test_progress_with_many_sites_names_the_busiest_links_and_sums_the_rest(tmp_path):
+    from rich.console import Console
+
+    from isthmus.deploy.jobfile import parse_job
+    from isthmus.deploy.run.launcher import RunState, SiteState
+    from isthmus.deploy.run.progress import LINKS_SHOWN, LiveProgress, PlainProgress
+
+    names = [f"s{i:02d}" for i in range(16)]
+    job = parse_job("name: j\nsites: [" + ", ".join(f"{{name: {n}}}" for n in names) + "]\n")
+    pairs = [(a, b) for i, a in enumerate(names) for b in names[i + 1 :]]
+    links = {
+        f"{a}<->{b}": {"bytes": 1e6 * (k + 1), "mbit_s": 1.0} for k, (a, b) in enumerate(pairs)
+    }
+    sent = {"s00": {n: 10**6 for n in names[1:]}}
+    state = RunState(
+        job=job,
+        run_dir=tmp_path,
+        started=time.time(),
+        sites={n: SiteState(n, 1, wan_bytes_sent_to=sent.get(n, {})) for n in names},
+        links=links,
+    )
+    plain = io.StringIO()
+    PlainProgress(plain).update(state)
+    lines = [line for line in plain.getvalue().splitlines() if " link " in line]
+    assert len(lines) == LINKS_SHOWN and "link s14<->s15: 120.0 MB" in lines[0]
+    rest = sum(range(1, 121 - LINKS_SHOWN)) * 1e6 / 1e6
+    assert f"{120 - LINKS_SHOWN} more links: {rest:.1f} MB" in plain.getvalue()
+    console = Console(file=io.StringIO(), width=160)
+    console.print(LiveProgress().render(state))
+    assert f"{120 - LINKS_SHOWN} more links" in console.file.getvalue()

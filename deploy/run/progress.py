@@ -28,6 +28,21 @@ def _mb(value: float) -> str:
     return f"{value / 1e6:.1f} MB"
 
 
+LINKS_SHOWN = 6
+"""Links listed by name; with more sites (16 have 120 links) the busiest are, and
+the rest in one line."""
+
+
+def busiest(counts: dict[str, float]) -> tuple[list[str], int, float]:
+    """The ``LINKS_SHOWN`` links with the most bytes (in the job's order when all are
+    shown), how many more there are, and their bytes."""
+    if len(counts) <= LINKS_SHOWN:
+        return list(counts), 0, 0.0
+    ranked = sorted(counts, key=lambda k: -counts[k])
+    rest = ranked[LINKS_SHOWN:]
+    return ranked[:LINKS_SHOWN], len(rest), sum(counts[k] for k in rest)
+
+
 class PlainProgress:
     """A line per site every few seconds, and one when a site's status settles."""
 
@@ -64,12 +79,16 @@ class PlainProgress:
                 file=self.out,
                 flush=True,
             )
-        for key, link in state.links.items():
+        shown, more, rest = busiest({k: link["bytes"] for k, link in state.links.items()})
+        for key in shown:
+            link = state.links[key]
             print(
                 f"[{elapsed:6.1f}s] link {key}: {_mb(link['bytes'])} {link['mbit_s']:.1f} Mbit/s",
                 file=self.out,
                 flush=True,
             )
+        if more:
+            print(f"[{elapsed:6.1f}s] {more} more links: {_mb(rest)}", file=self.out, flush=True)
 
 
 class LiveProgress:
@@ -139,10 +158,14 @@ class LiveProgress:
         if state.links:
             links.add_column("wire (emulator)", justify="right")
             links.add_column("now", justify="right")
-        for key, counted in state.isthmus_link_bytes().items():
+        counts = state.isthmus_link_bytes()
+        shown, more, rest = busiest(counts)
+        for key in shown:
             wire = state.links.get(key)
             emulated = [_mb(wire["bytes"]), f"{wire['mbit_s']:.1f} Mbit/s"] if wire else []
-            links.add_row(key, _mb(counted), *emulated)
+            links.add_row(key, _mb(counts[key]), *emulated)
+        if more:
+            links.add_row(f"{more} more links", _mb(rest))
         parts.append(links)
         return Group(*parts)
 

@@ -12,6 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from isthmus.deploy.run.progress import busiest
 from isthmus.deploy.run.records import read_records
 from isthmus.deploy.run.summary import compute_utilization
 
@@ -134,17 +135,22 @@ def _plot_wan(
             key = "<->".join(sorted((record["site"], peer), key=order.index))  # the job's order
             both = latest.get((record["site"], peer), 0) + latest.get((peer, record["site"]), 0)
             series[key].append((record["t"] - started, both / 1e6))
+    # Many sites have many links (16: 120): the busiest, named, are what a reader
+    # can tell apart.
+    shown, more, _ = busiest({k: points[-1][1] for k, points in series.items()})
     colours: dict[str, str] = {}
-    for key in sorted(series):
+    for key in sorted(shown):
         (line,) = axes.step(*zip(*series[key], strict=True), where="post", label=f"{key} (Isthmus)")
         colours[key] = line.get_color()
     links = [r for r in records if r["kind"] == "link"]
-    for key in sorted({k for r in links for k in r["links"]}):
+    for key in sorted({k for r in links for k in r["links"]} & set(shown)):
         xs = [r["t"] - started for r in links if key in r["links"]]
         ys = [r["links"][key] / 1e6 for r in links if key in r["links"]]
         axes.plot(xs, ys, ":", color=colours.get(key), label=f"{key} (emulator's wire)")
     axes.set_xlabel("wall time (s)")
     axes.set_ylabel("MB over the link, both ways (cumulative)")
+    if more:
+        axes.set_title(f"the {len(shown)} busiest of {len(shown) + more} links", fontsize=9)
     axes.grid(alpha=0.3)
     axes.legend(fontsize=7)
     return _save(fig, path)
