@@ -204,3 +204,31 @@ def test_a_run_across_regions_averages_in_two_levels_and_ends_identical(tmp_path
     # direct would carry the same int8 shares on every link.
     by_link = summary["wan_bytes_by_link"]
     assert by_link["a<->b"] > 2 * by_link["a<->d"], by_link
+
+
+@pytest.mark.slow
+def test_sixteen_sites_train_one_model(tmp_path):
+    """isthmus run with 16 one-rank sites (120 links): every site makes the first
+    round and ends with the same parameters."""
+    import json
+    import subprocess
+    import sys
+
+    names = [f"s{i:02d}" for i in range(16)]
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "name: sixteen\nsites: [" + ", ".join(f"{{name: {n}}}" for n in names) + "]\n"
+        "wan: {default: {rtt_ms: 60, bandwidth_mbit: 200}}\n"
+        "train: {strategy: diloco, steps: 20, sync_every: 10, warmup_steps: 2, eval_every: 0}\n"
+    )
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    sites = summary["sites"]
+    assert sorted(sites) == names
+    assert all(s["status"] == "finished" and s["outer_steps"] == 2 for s in sites.values())
+    assert len({s["param_sha256"] for s in sites.values()}) == 1
