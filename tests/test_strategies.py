@@ -23,10 +23,9 @@ STEPS, H, BATCH, CORPUS, SEED = 9, 3, 8, 300_000, 0
 OUTER_LR, OUTER_MOMENTUM, INNER_LR = 0.7, 0.9, 0.05
 
 
-def reference_diloco(workers: int) -> dict[str, torch.Tensor]:
-    """DiLoCo as the paper writes it, one process, written without Isthmus's
-    strategy code: H AdamW steps per worker, average of (global - local), outer
-    SGD with Nesterov momentum on the global parameters, workers reset."""
+def _reference_workers(workers: int):
+    """The references' start: the global parameters and their outer momentum, and
+    each worker's model (the same initial one), inner SGD and shard of the data."""
     torch.manual_seed(SEED)
     template = GPT(config_for("tiny"))
     global_params = {k: v.detach().clone() for k, v in template.named_parameters()}
@@ -39,6 +38,14 @@ def reference_diloco(workers: int) -> dict[str, torch.Tensor]:
         models.append(model)
         optimizers.append(torch.optim.SGD(model.parameters(), lr=INNER_LR))
         streams.append(data.batches(ShardSpec(w, (1,) * workers, 0), BATCH))
+    return global_params, momentum, models, optimizers, streams
+
+
+def reference_diloco(workers: int) -> dict[str, torch.Tensor]:
+    """DiLoCo as the paper writes it, one process, written without Isthmus's
+    strategy code: H AdamW steps per worker, average of (global - local), outer
+    SGD with Nesterov momentum on the global parameters, workers reset."""
+    global_params, momentum, models, optimizers, streams = _reference_workers(workers)
     for _ in range(STEPS // H):
         for model, optimizer, stream in zip(models, optimizers, streams, strict=True):
             for _ in range(H):
@@ -176,18 +183,7 @@ def reference_eager(workers: int, overlap: int) -> dict[str, torch.Tensor]:
     average arrives, the outer step (SGD, Nesterov) moves the global parameters,
     and each worker becomes the new global parameters plus what it trained since
     the round's end."""
-    torch.manual_seed(SEED)
-    template = GPT(config_for("tiny"))
-    global_params = {k: v.detach().clone() for k, v in template.named_parameters()}
-    momentum = {k: torch.zeros_like(v) for k, v in global_params.items()}
-    data = Dataset(stdlib_corpus(CORPUS), template.config.seq_len)
-    models, optimizers, streams = [], [], []
-    for w in range(workers):
-        torch.manual_seed(SEED)
-        model = GPT(config_for("tiny"))
-        models.append(model)
-        optimizers.append(torch.optim.SGD(model.parameters(), lr=INNER_LR))
-        streams.append(data.batches(ShardSpec(w, (1,) * workers, 0), BATCH))
+    global_params, momentum, models, optimizers, streams = _reference_workers(workers)
     in_flight: tuple[int, list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]] | None
     in_flight = None  # (due step, each worker's pseudo-gradient, each worker's parameters)
 
