@@ -219,7 +219,7 @@ def test_sixteen_sites_train_one_model(tmp_path):
     job.write_text(
         "name: sixteen\nsites: [" + ", ".join(f"{{name: {n}}}" for n in names) + "]\n"
         "wan: {default: {rtt_ms: 60, bandwidth_mbit: 200}}\n"
-        "train: {strategy: diloco, steps: 20, sync_every: 10, warmup_steps: 2, eval_every: 0}\n"
+        "train: {strategy: diloco, steps: 10, sync_every: 5, warmup_steps: 2, eval_every: 0}\n"
     )
     out = tmp_path / "run"
     done = subprocess.run(

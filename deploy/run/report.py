@@ -135,14 +135,19 @@ def _plot_wan(
             key = "<->".join(sorted((record["site"], peer), key=order.index))  # the job's order
             both = latest.get((record["site"], peer), 0) + latest.get((peer, record["site"]), 0)
             series[key].append((record["t"] - started, both / 1e6))
+    links = [r for r in records if r["kind"] == "link"]
     # Many sites have many links (16: 120): the busiest, named, are what a reader
-    # can tell apart.
-    shown, more, _ = busiest({k: points[-1][1] for k, points in series.items()})
+    # can tell apart (by Isthmus's count, or the wire's where no round completed).
+    finals = {k: points[-1][1] for k, points in series.items()}
+    for record in links:
+        for key, count in record["links"].items():
+            if key not in series:
+                finals[key] = count / 1e6
+    shown, more, _ = busiest(finals)
     colours: dict[str, str] = {}
-    for key in sorted(shown):
+    for key in sorted(k for k in shown if k in series):
         (line,) = axes.step(*zip(*series[key], strict=True), where="post", label=f"{key} (Isthmus)")
         colours[key] = line.get_color()
-    links = [r for r in records if r["kind"] == "link"]
     for key in sorted({k for r in links for k in r["links"]} & set(shown)):
         xs = [r["t"] - started for r in links if key in r["links"]]
         ys = [r["links"][key] / 1e6 for r in links if key in r["links"]]
@@ -152,7 +157,8 @@ def _plot_wan(
     if more:
         axes.set_title(f"the {len(shown)} busiest of {len(shown) + more} links", fontsize=9)
     axes.grid(alpha=0.3)
-    axes.legend(fontsize=7)
+    if shown:
+        axes.legend(fontsize=7)
     return _save(fig, path)
 
 
