@@ -26,8 +26,7 @@ name: resumable
 sites:
   - {{name: a, ranks: 1, address: 127.0.0.1:{a}}}
   - {{name: b, ranks: 2, nodes: 2, address: 127.0.0.1:{b}}}
-train: {{strategy: diloco, steps: 32, sync_every: 4, warmup_steps: 2, checkpoint_every: 1,
-        eval_every: 0}}
+train: {{strategy: diloco, steps: 32, sync_every: 4, warmup_steps: 2, checkpoint_every: 1}}
 control: {{broker: mqtt://127.0.0.1:{broker}}}
 """
 
