@@ -34,7 +34,14 @@ from isthmus.inter.allreduce.direct import direct_allreduce
 from isthmus.inter.allreduce.feedback import ErrorFeedback
 from isthmus.inter.allreduce.incoming import Inbox
 from isthmus.inter.allreduce.ring import ring_allreduce
-from isthmus.inter.allreduce.rounds import Round, RoundError, RoundStats, all_finite, slice_bounds
+from isthmus.inter.allreduce.rounds import (
+    EXACT,
+    Round,
+    RoundError,
+    RoundStats,
+    all_finite,
+    slice_bounds,
+)
 from isthmus.inter.allreduce.sending import ChunkFilter, Outgoing
 from isthmus.inter.allreduce.two_level import two_level_allreduce
 from isthmus.inter.chunks import ReceivedChunk
@@ -52,8 +59,6 @@ FLUSH_ON_CLOSE_S = 20.0
 """How long :meth:`CrossSiteAllReduce.close` waits for the acknowledgements of chunks
 sent by rounds that are over here (a peer may still need them to finish its round)."""
 ALGORITHMS = ("direct", "ring", "two_level", "auto")
-EXACT = Codec()
-"""The codec of an ``exact`` round: float32 as it is."""
 
 
 class CrossSiteAllReduce:
@@ -250,7 +255,7 @@ class CrossSiteAllReduce:
         encoded twice), ``ring`` (each site talks to its successor only; partial
         sums are re-encoded at every hop, so a value is encoded up to S times),
         ``two_level`` (inside each region, across regions between counterparts,
-        inside again; a value is encoded four times; needs ``regions``), or
+        inside again; a value is encoded three times; needs ``regions``), or
         ``auto`` (the one :mod:`isthmus.sim.cost` predicts fastest on ``link_costs``)."""
         # Several rounds may be in flight at once (gradient buckets, overlapped
         # fragments): the inbox keeps the chunks of every round from the oldest

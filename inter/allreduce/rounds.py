@@ -20,6 +20,10 @@ from isthmus.inter.codecs import Codec
 from isthmus.inter.staging import HOST, Staging
 from isthmus.proto import wire_pb2
 
+EXACT = Codec()
+"""float32 as it is: the codec of an ``exact`` round, and of what the two-level
+algorithm passes on unchanged."""
+
 
 class RoundError(RuntimeError):
     """A round could not complete; ``site`` names the site at fault."""

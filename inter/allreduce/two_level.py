@@ -41,11 +41,8 @@ import torch
 from isthmus.inter.allreduce.direct import direct_allreduce
 from isthmus.inter.allreduce.feedback import ErrorFeedback
 from isthmus.inter.allreduce.incoming import Inbox, Incoming
-from isthmus.inter.allreduce.rounds import Round, RoundStats, slice_bounds
+from isthmus.inter.allreduce.rounds import EXACT, Round, RoundStats, slice_bounds
 from isthmus.inter.allreduce.sending import Outgoing, unless_a_send_fails
-from isthmus.inter.codecs import Codec
-
-EXACT = Codec()
 
 
 def region_groups(sites: list[str], region_of: Mapping[str, str]) -> dict[str, list[str]]:
