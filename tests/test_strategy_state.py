@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from isthmus.inter.hierarchical import StepReport
+from isthmus.inter.membership import View
 from isthmus.inter.strategies import AsyncDiLoCo, DiLoCo, Strategy, StreamingDiLoCo, Sync
 from isthmus.job.layout import Layout
 
@@ -177,3 +178,36 @@ def test_a_checkpoint_from_before_the_rounds_were_held_apart_still_loads(name):
     fresh.load_state_dict(old)
     expected = {"rounds": 2, "epoch": 1} if name == "diloco" else {"rounds": 6, "epoch": 0}
     assert fresh.member.state_dict() == expected
+
+
+def test_a_diloco_site_that_caught_up_gives_the_next_puller_the_others_step():
+    """Site a pulls b's state after 4 rounds (12 steps) and takes part in round 4 with
+    nothing; from then on a is at step 15 like b, and a site that pulls a's state
+    after 5 rounds gets step 15 too. a once served the step it pulled (12): its
+    round's steps were counted after the round, outside the lock, and the site that
+    caught up from it trained a round behind everyone and waited for an extra round
+    alone at the end (the CI failure of test_site_loss's DiLoCo case)."""
+    donor, donor_model, donor_optimizer = _build("diloco")  # sync_every=3
+    _train(donor_model, donor_optimizer, range(12))
+    assert (donor.member.rounds, donor._global_state()["inner_steps"]) == (4, 12)
+    pulled = copy.deepcopy({"rounds": 4, **donor._global_state()})
+
+    strategy, _, _ = _build("diloco")
+    member = strategy.member
+    view = View(epoch=1, members=("a",), start_round=4, engine_round=8, catch_up=("a",), donor="b")
+
+    def caught_up_round(attempt: Callable[[View, bool], None], **_: Any) -> bool:
+        # What MemberRounds does for a view that names this site in catch_up.
+        with member.lock:
+            strategy._load_global_state(pulled, "b")
+            member.rounds = pulled["rounds"]
+        attempt(view, True)
+        return True
+
+    member.membership = SimpleNamespace(newer_view=lambda rounds: None)
+    member.as_member = caught_up_round
+    member.report_done = lambda: None
+    strategy.sync()
+    assert member.rounds == 5
+    assert strategy.inner_steps == 15
+    assert strategy._global_state()["inner_steps"] == 15

@@ -189,9 +189,12 @@ class DiLoCo(LocalSteps):
         tokens: int,
         last: bool,
         abort: Callable[[], bool] | None = None,
+        caught_up: bool = False,
     ) -> None:
         """One round among ``members``: seal, average, outer step. With ``abort``,
-        raises :class:`RoundAborted` when it says so, before anything is applied."""
+        raises :class:`RoundAborted` when it says so, before anything is applied.
+        ``caught_up``: this site pulled the global state for this round and takes
+        part with nothing (see :meth:`_count_round`)."""
         site = self.site
         with self._blocking("waiting"):
             seal = seal_round(
@@ -230,7 +233,7 @@ class DiLoCo(LocalSteps):
             # next round from the global parameters as they were.
             with self.member.lock:
                 self.outer.reset_model()
-                self._count_round(stepped=False)
+                self._count_round(stepped=False, caught_up=caught_up)
             return
         with self._blocking("syncing"):
             # Left out: sent, but not counted (weight 0). Zeros in place of the
@@ -242,11 +245,20 @@ class DiLoCo(LocalSteps):
             report = pending.wait(abort=abort)
             with self.member.lock:
                 self.outer.step(sent)
-                self._count_round(stepped=True)
+                self._count_round(stepped=True, caught_up=caught_up)
         self._account(report)
 
-    def _count_round(self, *, stepped: bool) -> None:
-        """Under the state lock: a round is complete."""
+    def _count_round(self, *, stepped: bool, caught_up: bool) -> None:
+        """Under the state lock: a round is complete. A site that caught up for it took
+        part with nothing while the others trained the round's steps: it goes on from
+        their step. That step is counted here, under the lock, with the round: a site
+        may pull this one's state as soon as the round is counted (it is the donor of
+        the next view), and it must get the others' step. Counted after the lock was
+        let go, a site that caught up from a donor which had itself just caught up
+        went on a round's steps behind everyone, trained one round more than they did
+        and waited alone for it at the end."""
+        if caught_up:
+            self.inner_steps += self.sync_every
         self.outer_steps += stepped
         self.member.rounds += 1
         self._steps_at_round = self.inner_steps
@@ -267,14 +279,12 @@ class DiLoCo(LocalSteps):
                     0,
                     last,
                     abort=self.member.abandoned(),
+                    caught_up=True,
                 )
             else:
                 self._round(view.members, deltas, bad, tokens, last, abort=self.member.abandoned())
 
-        if self.member.as_member(attempt):
-            # The others trained this round's steps while this site took part with
-            # nothing: go on from where they are.
-            self.inner_steps += self.sync_every
+        self.member.as_member(attempt)
         self.member.report_done()
 
     def _global_state(self) -> dict[str, Any]:
