@@ -1,9 +1,14 @@
-"""Shared fixtures: a probe server and two-site emulated links over real loopback TCP."""
+"""Shared fixtures: a probe server and two-site emulated links over real loopback TCP;
+the longest tests first on xdist workers."""
 
 from __future__ import annotations
 
+import json
+import os
+import statistics
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +16,26 @@ from isthmus.job.link import LinkParams
 from isthmus.sim.emulator import BackgroundEmulator
 from isthmus.sim.probe import ProbeServer
 from isthmus.sim.topology import Fault, Site, Topology
+
+DURATIONS = Path(__file__).with_name("durations.json")
+"""Seconds each test took in a recent whole-suite run (scripts/test_durations.py)."""
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On xdist workers (scripts/test.sh's passes): the longest tests first. A pass's
+    wall time is its busiest worker's: in file order, a 60-80 s test that came late
+    kept one worker busy for a minute after the other had run out of work. Longest
+    first, the last tests handed out are the short ones, whichever worker takes
+    them (``load`` hands tests out in this order; ``worksteal`` gives each worker a
+    contiguous part and an idle one takes the tail of another's). Every worker sorts
+    the same way (the controller checks that their collections match); a plain
+    pytest run keeps the file order."""
+    if "PYTEST_XDIST_WORKER" not in os.environ or not DURATIONS.exists():
+        return
+    known = json.loads(DURATIONS.read_text())
+    typical = statistics.median(known.values()) if known else 0.0
+    items.sort(key=lambda item: -known.get(item.nodeid, typical))
 
 
 @pytest.fixture
