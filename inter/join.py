@@ -25,7 +25,7 @@ from isthmus.inter.lanes import RankEndpoint, lane_count, lane_owner, owned_lane
 from isthmus.inter.membership import Membership
 from isthmus.inter.peer import Identity, PeerClient
 from isthmus.inter.tls import SiteTls
-from isthmus.inter.transport import TransportSettings
+from isthmus.inter.transport import TransportSettings, connections_of
 from isthmus.intra.devices import compute_device
 from isthmus.intra.process_group import SiteError, dp_group, init_site_group, waiting_group
 from isthmus.job.addressing import SiteAddresses, resolve
@@ -220,7 +220,7 @@ def start_site(
         if job.tls is not None
         else None
     )
-    settings = TransportSettings(tls=tls)
+    settings = TransportSettings(tls=tls, connections_per_peer=connections_of(job, site))
     loop = BackgroundLoop(name=f"isthmus-wan-{site}-{rank}")
     endpoint = None
     try:

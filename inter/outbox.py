@@ -159,10 +159,12 @@ async def send_reliably(
     *,
     deadline_s: float,
     wrap: Callable[[AsyncIterator[wire_pb2.Chunk]], AsyncIterator[wire_pb2.Chunk]] | None = None,
+    connection: int = 0,
 ) -> Delivery:
     """Deliver ``chunks`` to ``client``'s peer, each acknowledged once, within
     ``deadline_s``; raise :class:`SendFailed` otherwise. ``wrap``: applied to each
-    stream on its way out (byte counters, fault injection)."""
+    stream on its way out (byte counters, fault injection); ``connection``: which of
+    the client's connections carries the streams (a stall redials that one)."""
     loop = asyncio.get_running_loop()
     give_up = loop.time() + deadline_s
     outbox = _Outbox(chunks)
@@ -180,6 +182,7 @@ async def send_reliably(
                     # After a break, wait for the connection to come back (within
                     # the deadline) rather than fail on the first refused connect.
                     wait_for_ready=attempt > 0,
+                    connection=connection,
                 )
             )
             try:
@@ -209,7 +212,7 @@ async def send_reliably(
                     outbox.last_refusal,
                     len(outbox.unacked),
                 )
-                await client.reconnect()
+                await client.reconnect(connection)
                 continue
             if outbox.exhausted and not outbox.unacked:
                 delivery.resent_chunks = outbox.resent

@@ -443,7 +443,10 @@ class PeerServer:
 
 
 class PeerClient:
-    """A session with one counterpart rank of another site."""
+    """A session with one counterpart rank of another site, over
+    ``settings.connections_per_peer`` TCP connections (one gRPC channel each):
+    handshakes and state pulls use the first, the all-reduce's streams any of them
+    (``connection=``)."""
 
     def __init__(
         self,
@@ -464,8 +467,20 @@ class PeerClient:
             raise ValueError("a TLS session needs the peer's site name (peer_site=)")
         self.peer_site = peer_site
         self._generation = 0
-        self.channel, self.stub = self._open()
+        self._channels = [self._open() for _ in range(self.settings.connections_per_peer)]
         self.peer: tuple[str, int] | None = None
+
+    @property
+    def connections(self) -> int:
+        return len(self._channels)
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        return self._channels[0][0]
+
+    @property
+    def stub(self) -> wire_pb2_grpc.PeerServiceStub:
+        return self._channels[0][1]
 
     def _open(self) -> tuple[grpc.aio.Channel, wire_pb2_grpc.PeerServiceStub]:
         options = self.settings.channel_options()
@@ -481,16 +496,18 @@ class PeerClient:
             )
         return channel, wire_pb2_grpc.PeerServiceStub(channel)
 
-    async def reconnect(self) -> None:
-        """Drop the connection and dial a new one: for a connection that stalls
-        without failing (a garbled frame can leave both ends waiting). Calls in
-        flight on the old one fail and are retried by their senders."""
-        old = self.channel
-        self.channel, self.stub = self._open()
-        await old.close()
+    async def reconnect(self, connection: int | None = None) -> None:
+        """Drop a connection (all of them: None) and dial a new one: for a connection
+        that stalls without failing (a garbled frame can leave both ends waiting).
+        Calls in flight on the old one fail and are retried by their senders."""
+        which = range(self.connections) if connection is None else [connection]
+        for i in which:
+            old, _ = self._channels[i]
+            self._channels[i] = self._open()
+            await old.close()
 
     async def _follow_certificates(self) -> None:
-        """Files replaced since this channel was made: dial again with the new ones
+        """Files replaced since the channels were made: dial again with the new ones
         (a channel keeps the credentials it was made with, even to reconnect)."""
         tls = self.settings.tls
         if tls is not None and tls.generation != self._generation:
@@ -528,12 +545,14 @@ class PeerClient:
         on_ack: Callable[[wire_pb2.Ack], None] | None = None,
         timeout_s: float | None = None,
         wait_for_ready: bool = False,
+        connection: int = 0,
     ) -> list[wire_pb2.Ack]:
         """Send ``chunks`` on one stream, as they come; return the peer's acknowledgement
         of each, and hand each to ``on_ack`` as it arrives. An async iterator lets the
         caller encode chunk k+1 while k is sent. ``timeout_s``: for this stream
         (default: the session's deadline); ``wait_for_ready``: wait for a broken
-        connection to come back instead of failing at once."""
+        connection to come back instead of failing at once; ``connection``: which of
+        the session's connections carries the stream."""
         await self._follow_certificates()
         me = self.identity
         metadata = ((META_JOB, me.job), (META_SITE, me.site), (META_RANK, str(me.rank)))
@@ -541,7 +560,7 @@ class PeerClient:
         timeout = self.deadline_s if timeout_s is None else timeout_s
         acks: list[wire_pb2.Ack] = []
         try:
-            call = self.stub.Exchange(
+            call = self._channels[connection][1].Exchange(
                 requests, timeout=timeout, metadata=metadata, wait_for_ready=wait_for_ready
             )
             async for ack in call:
@@ -583,4 +602,5 @@ class PeerClient:
         return f"peer {self.address} refused: {code.name}: {exc.details()}"
 
     async def close(self) -> None:
-        await self.channel.close()
+        for channel, _ in self._channels:
+            await channel.close()

@@ -8,11 +8,15 @@ keepalive or the server answers pings with GOAWAY ("too_many_pings").
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from isthmus.job.settings import MAX_CONNECTIONS_PER_PEER
+
 if TYPE_CHECKING:
     from isthmus.inter.tls import SiteTls
+    from isthmus.job.model import Job
 
 # The largest chunk a message may carry, plus room for the other fields.
 MAX_CHUNK_BYTES = 16 * 1024 * 1024
@@ -30,6 +34,15 @@ class TransportSettings:
     stream_window_bytes: int = 64 * 1024 * 1024
     """Initial HTTP/2 stream window (lookahead): at least one bandwidth-delay product,
     so a stream is not held back waiting for WINDOW_UPDATEs. BDP probing then tunes it."""
+
+    connections_per_peer: int = 1
+    """TCP connections this rank opens to each peer rank; the chunks of every call are
+    dealt over all of them. One TCP connection carries at most its window per round
+    trip, and Linux caps a window at the receiver's largest socket buffer
+    (``net.ipv4.tcp_rmem``'s third value: 6 MiB by default, often raised to 16-64 MiB
+    on hosts tuned for a WAN). So 1 Gbit/s at 300 ms, a bandwidth-delay product of
+    37.5 MB, needs three connections with 16 MiB windows: one fills 45% of it,
+    whatever the stream windows above TCP say (see :func:`connections_for`)."""
 
     keepalive_s: float = 30.0
     """Ping an idle connection this often, so NATs and firewalls keep it open."""
@@ -93,6 +106,11 @@ class TransportSettings:
                 f"max_early_bytes_per_site must hold at least one message "
                 f"({self.max_message_bytes} bytes), got {self.max_early_bytes_per_site}"
             )
+        if not 1 <= self.connections_per_peer <= MAX_CONNECTIONS_PER_PEER:
+            raise ValueError(
+                f"connections_per_peer must be in [1, {MAX_CONNECTIONS_PER_PEER}], "
+                f"got {self.connections_per_peer}"
+            )
         if self.reconnect_backoff_s < 0.5:
             raise ValueError(f"reconnect_backoff_s must be >= 0.5, got {self.reconnect_backoff_s}")
 
@@ -145,3 +163,41 @@ class TransportSettings:
             ("grpc.so_reuseport", 0),
             ("grpc.max_concurrent_streams", self.max_streams_per_connection),
         ]
+
+
+def connections_for(bytes_per_s: float | None, rtt_s: float, window_bytes: int) -> int:
+    """The TCP connections that keep a link of ``bytes_per_s`` and ``rtt_s`` full when
+    each may have ``window_bytes`` in flight: its bandwidth-delay product over the
+    window, plus a quarter for the round trip's slack (a window is returned a round
+    trip after it left, and a little later under load), at least 1 and at most
+    :data:`MAX_CONNECTIONS_PER_PEER`. An uncapped link gets one."""
+    if bytes_per_s is None or rtt_s <= 0:
+        return 1
+    needed = math.ceil(1.25 * bytes_per_s * rtt_s / window_bytes)
+    return max(1, min(MAX_CONNECTIONS_PER_PEER, needed))
+
+
+def connections_of(job: Job, site: str) -> int:
+    """``train.connections_per_peer`` for ``site``'s ranks: the number given, or for
+    ``auto`` what the site's longest-fat emulated link needs with the emulator's TCP
+    window (the window a link's direction gives each connection; 1 on a real WAN,
+    whose links and buffers the job file does not state)."""
+    setting = job.train.connections_per_peer
+    if setting != "auto":
+        return int(setting)
+    wan = job.wan
+    if wan is None:
+        return 1
+    region_of = job.region_of()
+    needed = 1
+    for other in job.sites:
+        if other.name == site:
+            continue
+        link = wan.link_between(site, other.name, region_of)
+        rtt_s = (link.a_to_b.delay_ms + link.b_to_a.delay_ms) / 1e3
+        for direction in (link.a_to_b, link.b_to_a):
+            needed = max(
+                needed,
+                connections_for(direction.rate_bytes_per_s, rtt_s, direction.window_bytes),
+            )
+    return needed

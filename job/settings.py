@@ -16,6 +16,10 @@ from typing import Any
 from isthmus.job.basics import CODECS, FieldError, is_number
 from isthmus.job.compressor import SPARSE, SparseSettings, is_sparse, parse_sparse
 
+MAX_CONNECTIONS_PER_PEER = 16
+"""More TCP connections than this to one peer rank only add handshakes and buffers:
+16 windows of 16 MiB fill 10 Gbit/s at 200 ms."""
+
 STRATEGIES = ("sync", "diloco", "streaming", "async")
 SCHEDULES = ("cosine", "constant", "wsd")
 MERGES = ("mix", "eager")
@@ -178,6 +182,17 @@ class TrainSettings:
     (restarted, cut off, below quorum) before it gives up. Longer than
     ``round_deadline_s``: the others may need that long to notice the site was gone."""
 
+    connections_per_peer: int | str = "auto"
+    """TCP connections each rank opens to each peer rank; every exchange's chunks are
+    dealt over them. One connection carries at most its TCP window per round trip,
+    and Linux caps the window at the receiver's largest socket buffer (the third
+    value of ``net.ipv4.tcp_rmem``): a link whose bandwidth-delay product is larger
+    needs several. ``auto``: for a job on emulated links (a ``wan:`` section) as
+    many as this site's longest-fat link needs with the emulator's window
+    (``window_bytes``, 16 MiB: 3 for 1 Gbit/s at 300 ms); on a real WAN, 1. There,
+    give ``ceil(1.25 x bandwidth x RTT / window)``, e.g. 3 for 1 Gbit/s at 300 ms
+    with 16 MiB buffers, or raise the buffers (docs/two-clusters.md)."""
+
     device: str = "auto"
     """Where each rank computes: ``cuda`` (its GPU, ``cuda:LOCAL_RANK``: one process
     per GPU), ``cpu``, or ``auto``: the GPU when the rank sees one, else the CPU."""
@@ -336,6 +351,17 @@ class TrainSettings:
                 "inner steps; 0: only at the end; null: every sync_every steps",
             )
         _non_negative_int("checkpoint_every", self.checkpoint_every, "rounds; 0: no checkpoints")
+        connections = self.connections_per_peer
+        if connections != "auto" and not (
+            isinstance(connections, int)
+            and not isinstance(connections, bool)
+            and 1 <= connections <= MAX_CONNECTIONS_PER_PEER
+        ):
+            raise SettingError(
+                "connections_per_peer",
+                f"must be auto or an integer in 1..{MAX_CONNECTIONS_PER_PEER} (TCP connections "
+                f"to each peer rank), got {connections!r}",
+            )
 
         if not (is_number(self.round_deadline_s) and self.round_deadline_s > 0):
             raise SettingError(

@@ -7,7 +7,8 @@
 # two-rank sites) run on $ISTHMUS_TEST_WORKERS workers (default 2, pytest-xdist);
 # then the slow multi-process runs (`slow`: whole jobs of several sites over the
 # emulator) on as many workers, each worker taking the next test as it frees
-# (worksteal: the slow tests differ tenfold in length); last, one at a time, the
+# (worksteal: the slow tests differ tenfold in length; the longest first, by
+# tests/durations.json); last, one at a time, the
 # tests that must have the machine to themselves (`serial`: they measure the
 # emulator's own timing or rate, or start a Slurm cluster, of which two at once
 # never finish their jobs). A `-m EXPR` given here selects within every pass.
@@ -42,7 +43,7 @@ case "$selection" in
   "not slow") echo "test: pytest, slow multi-process runs: none selected" ;;
   *)
     echo "test: pytest, slow multi-process runs (${ISTHMUS_TEST_WORKERS:-2} workers)"
-    .venv/bin/python -m pytest -n "${ISTHMUS_TEST_WORKERS:-2}" --dist worksteal \
+    ISTHMUS_LONGEST_FIRST=1 .venv/bin/python -m pytest -n "${ISTHMUS_TEST_WORKERS:-2}" --dist worksteal \
       -m "$(within 'slow and not serial')" ${rest[@]+"${rest[@]}"} || second=$?
     [ "$second" = 5 ] && second=0
     ;;

@@ -23,15 +23,19 @@ DURATIONS = Path(__file__).with_name("durations.json")
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """On xdist workers (scripts/test.sh's passes): the longest tests first. A pass's
-    wall time is its busiest worker's: in file order, a 60-80 s test that came late
-    kept one worker busy for a minute after the other had run out of work. Longest
-    first, the last tests handed out are the short ones, whichever worker takes
-    them (``load`` hands tests out in this order; ``worksteal`` gives each worker a
-    contiguous part and an idle one takes the tail of another's). Every worker sorts
-    the same way (the controller checks that their collections match); a plain
-    pytest run keeps the file order."""
-    if "PYTEST_XDIST_WORKER" not in os.environ or not DURATIONS.exists():
+    """In scripts/test.sh's pass of slow tests (``ISTHMUS_LONGEST_FIRST=1``, on xdist
+    workers): the longest tests first. A pass's wall time is its busiest worker's:
+    in file order, a 60-80 s test that came late kept one worker busy for a minute
+    after the other had run out of work. Longest first, the last tests handed out
+    are short ones, whichever worker takes them (``worksteal`` gives each worker a
+    contiguous part and an idle one takes the tail of another's). Every worker
+    sorts the same way (the controller checks that their collections match). The
+    pass of short tests keeps the file order: it has no long test to strand, and
+    the one run that sorted it too took 2:57 against 2:06 the run before (the
+    heaviest tests, each spawning ranks, then ran against each other)."""
+    if os.environ.get("ISTHMUS_LONGEST_FIRST") != "1" or "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+    if not DURATIONS.exists():
         return
     known = json.loads(DURATIONS.read_text())
     typical = statistics.median(known.values()) if known else 0.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 
 import pytest
 import torch
@@ -10,13 +11,15 @@ import torch
 from isthmus.inter.allreduce import CrossSiteAllReduce, RoundError, slice_bounds
 from isthmus.inter.chunks import encode_chunks
 from isthmus.inter.codecs import parse_codec
-from isthmus.inter.peer import Identity
-from isthmus.inter.transport import TransportSettings
+from isthmus.inter.peer import Identity, PeerClient
+from isthmus.inter.transport import TransportSettings, connections_for
 
 JOB = "allreduce-test"
 
 
-async def _group(n_sites: int, codec: str = "none", deadline_s: float = 30.0, filter_for=None):
+async def _group(
+    n_sites: int, codec: str = "none", deadline_s: float = 30.0, filter_for=None, settings=None
+):
     """Connected engines ``site0`` ... ; ``filter_for(name)``: each one's chunk filter."""
     names = [f"site{i}" for i in range(n_sites)]
     members = {}
@@ -30,6 +33,7 @@ async def _group(n_sites: int, codec: str = "none", deadline_s: float = 30.0, fi
             codec=parse_codec(codec),
             deadline_s=deadline_s,
             chunk_filter=None if filter_for is None else filter_for(name),
+            settings=settings,
         )
         ports[name] = await member.start("127.0.0.1", 0)
         members[name] = member
@@ -719,3 +723,66 @@ def test_an_exact_round_crosses_as_float32_whatever_the_codec(codec):
     for out in outs:
         assert torch.equal((out * 3).round(), (expected * 3).round())
         assert torch.allclose(out, expected, rtol=0, atol=1e-6)
+
+
+def _averaged_over(connections: int, n_sites: int, n: int, monkeypatch) -> tuple[list, Counter]:
+    """Every site's result of one round with ``connections`` to each peer, and how
+    many chunks each connection (by index) carried."""
+    carried: Counter[int] = Counter()
+    exchange = PeerClient.exchange
+
+    async def counting(self, chunks, *, connection=0, **kwargs):
+        async def counted():
+            async for chunk in chunks:
+                carried[connection] += 1
+                yield chunk
+
+        return await exchange(self, counted(), connection=connection, **kwargs)
+
+    settings = TransportSettings(max_chunk_bytes=4096, connections_per_peer=connections)
+
+    async def main():
+        names, members = await _group(n_sites, settings=settings)
+        inputs = _inputs(names, n)
+        weights = {s: 1.0 for s in names}
+        try:
+            return await asyncio.gather(
+                *[
+                    members[s].allreduce(inputs[s], round=0, participants=names, weights=weights)
+                    for s in names
+                ]
+            )
+        finally:
+            await _close(members)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(PeerClient, "exchange", counting)
+        return asyncio.run(main()), carried
+
+
+@pytest.mark.parametrize("n_sites, connections", [(2, 3), (3, 2)])
+def test_a_peer_s_chunks_are_dealt_over_every_connection_and_the_result_is_the_same(
+    monkeypatch, n_sites, connections
+):
+    """A long fat link needs several TCP connections (one carries at most its window
+    per round trip): every call's chunks are dealt over all of them, each arrives
+    once, and every site ends with what one connection gives, bit for bit."""
+    n = 60_000  # about 60 chunks of 4 KiB a link and direction: all connections get some
+    one, carried_by_one = _averaged_over(1, n_sites, n, monkeypatch)
+    several, carried = _averaged_over(connections, n_sites, n, monkeypatch)
+    assert set(carried_by_one) == {0}
+    assert set(carried) == set(range(connections)), carried
+    assert sum(carried.values()) == sum(carried_by_one.values())  # nothing sent twice
+    for out in several:
+        assert torch.equal(out, one[0])
+
+
+def test_connections_for_a_link_fill_its_bandwidth_delay_product():
+    window = 16 * 2**20
+    # 1 Gbit/s at 300 ms holds 37.5 MB: one 16 MiB window fills 45% of it.
+    assert connections_for(1e9 / 8, 0.3, window) == 3
+    assert connections_for(200e6 / 8, 0.06, window) == 1
+    assert connections_for(None, 0.3, window) == 1  # uncapped: the window is not the limit
+    assert connections_for(100e9 / 8, 0.3, window) == 16  # at most MAX_CONNECTIONS_PER_PEER
+    with pytest.raises(ValueError, match="connections_per_peer"):
+        TransportSettings(connections_per_peer=0)

@@ -409,3 +409,38 @@ def test_a_fault_built_in_python_needs_one_start_and_one_end():
         )
     with pytest.raises(LinkConfigError, match="whole number of rounds"):
         validate_fault(Fault(at_round=True, link=("a", "b"), action="partition"), ["a", "b"])
+
+
+LONG_FAT = """\
+name: long-fat
+sites:
+  - {name: a}
+  - {name: b}
+  - {name: c}
+wan:
+  default: {rtt_ms: 20, bandwidth_mbit: 1000}
+  links:
+    - {between: [a, b], rtt_ms: 300, bandwidth_mbit: 1000}
+train: {strategy: diloco, steps: 10, sync_every: 5CONNECTIONS}
+"""
+
+
+def test_connections_per_peer_auto_fills_each_site_s_longest_fat_link():
+    """1 Gbit/s at 300 ms holds 37.5 MB, the emulator's window is 16 MiB: a and b
+    open three connections to each peer; c, whose links are 20 ms long, one. On a
+    real WAN (no wan: section) auto is one, and a number given is taken as it is."""
+    from isthmus.inter.transport import connections_of
+
+    job = parse_job(LONG_FAT.replace("CONNECTIONS", ""))
+    assert job.train.connections_per_peer == "auto"
+    assert [connections_of(job, s) for s in "abc"] == [3, 3, 1]
+    given = parse_job(LONG_FAT.replace("CONNECTIONS", ", connections_per_peer: 5"))
+    assert connections_of(given, "c") == 5
+    real = parse_job(LONG_FAT.replace("CONNECTIONS", "").split("wan:")[0] + "train: {}\n")
+    assert connections_of(real, "a") == 1
+
+
+@pytest.mark.parametrize("value", ["0", "17", "many", "true"])
+def test_a_bad_connections_per_peer_is_refused_naming_the_field(value):
+    (line,) = _errors(LONG_FAT.replace("CONNECTIONS", f", connections_per_peer: {value}"))
+    assert "train.connections_per_peer" in line and "auto or an integer in 1..16" in line

@@ -28,11 +28,12 @@ import yaml
 
 from isthmus.deploy.bench.gloo_baseline import time_on_hosts
 from isthmus.deploy.bench.wan import wan_up
+from isthmus.inter.transport import connections_for
 from isthmus.job.link import DirectionParams
 from isthmus.job.model import Job
 from isthmus.job.ports import free_ports
 from isthmus.sim.control import ControlClient
-from isthmus.sim.cost import LinkCost, job_costs, predict
+from isthmus.sim.cost import UNCAPPED_BYTES_PER_S, LinkCost, job_costs, predict
 from isthmus.sim.hosts import TCP_BUFFER_MAX
 
 ISTHMUS = [sys.executable, "-m", "isthmus"]
@@ -206,6 +207,7 @@ def run_allreduce_bench(
     tcp_rmem_max: int | None = None,
     verbose: bool = True,
     job: Job | None = None,
+    connections: int | None = None,
 ) -> dict[str, Any]:
     """With ``hosts`` every site runs in its own emulated host (packet backend, real
     TCP); ``vs_gloo`` then also times Gloo's all-reduce across the same hosts.
@@ -213,10 +215,16 @@ def run_allreduce_bench(
     the rounds meet links that went quiet. ``queue_ms``: each link's bottleneck
     queue (``None``: the link model's default). ``tcp_rmem_max``: the hosts' largest
     TCP receive buffer (``None``: the hosts' default, 32 MiB). ``job``: its sites,
-    regions and links instead of ``sites``, ``rtt_ms`` and ``bandwidth_mbit``."""
+    regions and links instead of ``sites``, ``rtt_ms`` and ``bandwidth_mbit``.
+    ``connections``: TCP connections from each site to each other (``None``: as many
+    as the longest-fat link needs with the TCP window of the backend, see
+    :func:`isthmus.inter.transport.connections_for`)."""
     queue = "" if queue_ms is None else f", queue_ms: {queue_ms}"
     if job is not None:
         sites = len(job.sites)
+    window = (tcp_rmem_max or TCP_BUFFER_MAX) if hosts else DirectionParams().window_bytes
+    if connections is None:
+        connections = _connections(job, rtt_ms, bandwidth_mbit, window)
     links = (
         f"the links of {job.source}"
         if job is not None
@@ -240,6 +248,8 @@ def run_allreduce_bench(
             str(repeats),
             "--idle-s",
             str(idle_s),
+            "--connections",
+            str(connections),
         ],
         link=f"{{rtt_ms: {rtt_ms}, bandwidth_mbit: {bandwidth_mbit}{queue}}}",
         job=job,
@@ -309,6 +319,8 @@ def run_allreduce_bench(
         "rounds": repeats,
         "idle_s": idle_s,
         "queue_ms": queue_ms if queue_ms is not None else DirectionParams().queue_ms,
+        "connections_per_peer": connections,
+        "tcp_window_bytes": window,
         "seconds": [round(s, 3) for s in per_round],
         "median_seconds": round(median, 3),
         "bound_seconds": round(best, 3),
@@ -324,6 +336,31 @@ def run_allreduce_bench(
         "wall_seconds": round(run.seconds, 1),
         **extra,
     }
+
+
+def _connections(
+    job: Job | None, rtt_ms: float | None, bandwidth_mbit: float | None, window: int
+) -> int:
+    """How many connections the longest-fat link of the bench needs (see
+    :func:`connections_for`)."""
+    if job is None:
+        assert rtt_ms is not None and bandwidth_mbit is not None
+        return connections_for(bandwidth_mbit * 1e6 / 8, rtt_ms / 1e3, window)
+    costs, _ = job_costs(job)
+    if costs is None:
+        return 1
+    names = [s.name for s in job.sites]
+    return max(
+        connections_for(
+            None if c.bandwidth_bytes_per_s >= UNCAPPED_BYTES_PER_S else c.bandwidth_bytes_per_s,
+            2 * c.one_way_s,
+            window,
+        )
+        for a in names
+        for b in names
+        if a != b
+        for c in [costs(a, b)]
+    )
 
 
 def format_allreduce_report(r: dict[str, Any]) -> str:
@@ -355,7 +392,13 @@ def format_allreduce_report(r: dict[str, Any]) -> str:
                 else []
             ),
             f"  max |error| vs float64 {r['max_abs_error']:.3g}; identical on all sites: "
-            f"{r['identical_on_all_sites']}; backend {r['backend']}",
+            f"{r['identical_on_all_sites']}; backend {r['backend']}"
+            + (
+                f", {r['connections_per_peer']} connections per peer "
+                f"(TCP window {r['tcp_window_bytes'] / 2**20:g} MiB)"
+                if "connections_per_peer" in r
+                else ""
+            ),
             *(
                 [
                     f"  Gloo on the same links: median {r['gloo_median_seconds']:.3f} s "

@@ -58,7 +58,11 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         assert costs is not None, "a bench job is emulated: it has links"
         links, regions = costs, job.region_of()
         egress = None if grouped is None else dict(grouped.egress_bytes_per_s)
-    settings = TransportSettings(max_chunk_bytes=int(args.chunk_kib * 1024), stall_s=args.stall_s)
+    settings = TransportSettings(
+        max_chunk_bytes=int(args.chunk_kib * 1024),
+        stall_s=args.stall_s,
+        connections_per_peer=args.connections,
+    )
     # A fault for the fault benchmark, seeded by site, rank and lane.
     corrupter = (
         CorruptPayloads(args.corrupt_payloads, seed=f"{me}/0/0") if args.corrupt_payloads else None
@@ -150,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         "--round-digests", action="store_true", help="a digest of every round's result"
     )
     parser.add_argument("--stall-s", type=float, default=30.0, help="see TransportSettings")
+    parser.add_argument(
+        "--connections", type=int, default=1, help="TCP connections to each peer rank"
+    )
     parser.add_argument(
         "--idle-s", type=float, default=0.0, help="pause after each round, as compute would"
     )

@@ -64,6 +64,14 @@ def register(commands: Any) -> None:
         help="with --hosts: the hosts' largest TCP receive buffer (default 32 MiB); about "
         "2x the links' bandwidth-delay product keeps TCP from overrunning their queues",
     )
+    allreduce.add_argument(
+        "--connections",
+        default="auto",
+        metavar="N|auto",
+        help="TCP connections from each site to each other; a call's chunks are dealt over "
+        "them. auto (default): enough that each carries at most its TCP window per round "
+        "trip (the emulator's 16 MiB; with --hosts the hosts' largest receive buffer)",
+    )
     allreduce.add_argument("--repeats", type=int, default=3)
     allreduce.add_argument(
         "--idle-s",
@@ -172,6 +180,7 @@ def _allreduce(args: argparse.Namespace) -> int:
         raise UsageError(f"--queue-ms: must be >= 0, got {args.queue_ms}")
     if not 0 <= args.idle_s <= 3600:
         raise UsageError(f"--idle-s: must be in [0, 3600] seconds, got {args.idle_s}")
+    connections = _connections_flag(args.connections)
     try:
         parse_codec(args.codec)
     except CodecError as exc:
@@ -204,12 +213,31 @@ def _allreduce(args: argparse.Namespace) -> int:
             tcp_rmem_max=args.tcp_rmem_max,
             verbose=not args.json,
             job=job,
+            connections=connections,
         )
     except SitesFailed as exc:
         print(f"{args.prog}: a round failed: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(results, indent=2) if args.json else format_allreduce_report(results))
     return 0
+
+
+def _connections_flag(value: str) -> int | None:
+    """``--connections``: a count, or None for auto."""
+    from isthmus.inter.transport import MAX_CONNECTIONS_PER_PEER
+
+    if value == "auto":
+        return None
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if not 1 <= count <= MAX_CONNECTIONS_PER_PEER:
+        raise UsageError(
+            f"--connections: must be auto or a count in 1..{MAX_CONNECTIONS_PER_PEER}, "
+            f"got {value!r}"
+        )
+    return count
 
 
 def _codec(args: argparse.Namespace) -> int:

@@ -33,7 +33,7 @@ import torch
 from isthmus.inter.allreduce.rounds import RoundError, payload_size
 from isthmus.inter.chunks import chunk_ranges, encode_chunk, to_encoded, values_per_chunk
 from isthmus.inter.codecs import Codec
-from isthmus.inter.outbox import SendFailed, send_reliably
+from isthmus.inter.outbox import Delivery, SendFailed, send_reliably
 from isthmus.inter.peer import PeerClient
 from isthmus.inter.staging import Staging
 from isthmus.proto import wire_pb2
@@ -131,27 +131,50 @@ class Outgoing:
         handed_over: asyncio.Event | None = None,
     ) -> None:
         """Deliver ``chunks`` to ``site``: a chunk refused as corrupted, or lost with a
-        broken stream, is sent again (:mod:`isthmus.inter.outbox`). ``handed_over`` is
-        set once gRPC has taken the last chunk (or the first stream gave up)."""
+        broken stream, is sent again (:mod:`isthmus.inter.outbox`). With several
+        connections to the site, one stream on each takes the chunks as they come
+        (a chunk stays with the stream that took it, resends included).
+        ``handed_over`` is set once gRPC has taken the last chunk on every
+        connection (or each one's first stream gave up)."""
+        client = self.clients[site]
         chunk_filter = self.chunk_filter
+        connections = client.connections
+        taken = [asyncio.Event() for _ in range(connections)] if handed_over else []
 
-        def wrap(stream: AsyncIterator[wire_pb2.Chunk]) -> AsyncIterator[wire_pb2.Chunk]:
-            counted = self._on_the_wire(site, stream)
-            if chunk_filter is not None:
-                counted = _filtered(site, counted, chunk_filter)
-            return counted if handed_over is None else _then_set(counted, handed_over)
+        def wrap_for(connection: int) -> Callable[[AsyncIterator[wire_pb2.Chunk]], Any]:
+            def wrap(stream: AsyncIterator[wire_pb2.Chunk]) -> AsyncIterator[wire_pb2.Chunk]:
+                counted = self._on_the_wire(site, stream)
+                if chunk_filter is not None:
+                    counted = _filtered(site, counted, chunk_filter)
+                return _then_set(counted, taken[connection]) if taken else counted
 
-        try:
-            delivery = await send_reliably(
-                self.clients[site], chunks, deadline_s=deadline_s, wrap=wrap
+            return wrap
+
+        source = _Dealt(chunks) if connections > 1 else None
+        sends = [
+            send_reliably(
+                client,
+                source.part() if source is not None else chunks,
+                deadline_s=deadline_s,
+                wrap=wrap_for(i),
+                connection=i,
             )
+            for i in range(connections)
+        ]
+        handing = asyncio.ensure_future(_all_set(taken, handed_over)) if handed_over else None
+        try:
+            deliveries = await _all_or_none(sends)
         except SendFailed as exc:
             raise RoundError(
                 site, f"round {round}: sending to site {site!r} failed: {exc}"
             ) from None
-        self.resent_chunks += delivery.resent_chunks
-        self.broken_streams += delivery.broken_streams
-        self.times_refused.update(delivery.times_refused)
+        finally:
+            if handing is not None:
+                handing.cancel()
+        for delivery in deliveries:
+            self.resent_chunks += delivery.resent_chunks
+            self.broken_streams += delivery.broken_streams
+            self.times_refused.update(delivery.times_refused)
 
     async def _on_the_wire(
         self, site: str, chunks: AsyncIterator[wire_pb2.Chunk]
@@ -260,6 +283,53 @@ async def drain(
     await after.wait()
     while (chunk := await queue.get()) is not None:
         yield chunk
+
+
+class _Dealt:
+    """One lazy chunk source read by the streams of several connections: each chunk
+    goes to the stream that asks first, so a connection whose window opens sooner
+    takes more, and each chunk is still read (encoded) exactly once."""
+
+    def __init__(self, chunks: Iterable[wire_pb2.Chunk] | AsyncIterator[wire_pb2.Chunk]) -> None:
+        self._source = chunks.__aiter__() if hasattr(chunks, "__aiter__") else _aiter(chunks)
+        self._lock = asyncio.Lock()
+        self._ended = False
+
+    async def part(self) -> AsyncIterator[wire_pb2.Chunk]:
+        """One connection's share, as it asks for chunks."""
+        while True:
+            async with self._lock:  # one reader at a time: an async generator allows no more
+                if self._ended:
+                    return
+                try:
+                    chunk = await anext(self._source)
+                except StopAsyncIteration:
+                    self._ended = True
+                    return
+            yield chunk
+
+
+async def _aiter(chunks: Iterable[wire_pb2.Chunk]) -> AsyncIterator[wire_pb2.Chunk]:
+    for chunk in chunks:
+        yield chunk
+
+
+async def _all_or_none(sends: list[Coroutine[Any, Any, Delivery]]) -> list[Delivery]:
+    """Every send's delivery; the first to fail cancels the others and is raised."""
+    if len(sends) == 1:
+        return [await sends[0]]
+    tasks = [asyncio.ensure_future(send) for send in sends]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _all_set(events: list[asyncio.Event], then: asyncio.Event) -> None:
+    for event in events:
+        await event.wait()
+    then.set()
 
 
 async def _then_set(
