@@ -301,6 +301,8 @@ def test_bench_allreduce_runs_site_processes_over_the_emulator():
             "400",
             "--repeats",
             "1",
+            "--connections",
+            "2",
             "--json",
         ],
         capture_output=True,
@@ -309,6 +311,7 @@ def test_bench_allreduce_runs_site_processes_over_the_emulator():
     )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
+    assert report["connections_per_peer"] == 2  # every chunk dealt over two per peer
     assert report["identical_on_all_sites"]
     assert report["data_plane_over_theoretical"] == pytest.approx(1.0, abs=0.02)
     assert report["max_abs_error"] < 1e-5

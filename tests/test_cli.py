@@ -176,6 +176,10 @@ def test_help_imports_neither_torch_nor_grpc(command):
         (("bench", "allreduce", "--idle-s", "-1"), "--idle-s: must be in [0, 3600]"),
         (("bench", "allreduce", "--queue-ms", "-5"), "--queue-ms: must be >= 0, got -5"),
         (
+            ("bench", "allreduce", "--connections", "0"),
+            "--connections: must be auto or a count in 1..16, got '0'",
+        ),
+        (
             ("bench", "allreduce", "--tcp-rmem-max", "2500000"),
             "--tcp-rmem-max: sets the emulated hosts' TCP; add --hosts",
         ),
