@@ -176,14 +176,15 @@ wan:
   default: {rtt_ms: 4, bandwidth_mbit: 1000}
   between_regions: {rtt_ms: 60, bandwidth_mbit: 200}
 train: {strategy: diloco, steps: 8, sync_every: 4, warmup_steps: 2, eval_every: 0,
-        codec: int8, error_feedback: true}
+        codec: int8, error_feedback: true, connections_per_peer: 2}
 """
 
 
 @pytest.mark.slow
 def test_a_run_across_regions_averages_in_two_levels_and_ends_identical(tmp_path):
     """isthmus run with regions: every round in two levels (regions of 3 and 1 sites,
-    a site of 2 ranks and so 2 lanes), int8 with error feedback, one model at the end."""
+    a site of 2 ranks and so 2 lanes), int8 with error feedback, every rank's chunks
+    dealt over two connections per peer, one model at the end."""
     import json
     import subprocess
     import sys
