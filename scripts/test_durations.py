@@ -1,7 +1,7 @@
 """Writes tests/durations.json from the output of a suite run with every duration:
 
     bash scripts/test.sh --durations=0 --durations-min=0.5 2>&1 | tee suite.txt
-    .venv/bin/python scripts/test_durations.py suite.txt
+    .venv/bin/python scripts/test_durations.py suite.txt [more runs' output ...]
 
 tests/conftest.py starts the longest tests first on the xdist workers, so that no
 worker is left running a long test alone at the end of a pass. Tests it does not
@@ -24,11 +24,15 @@ def main(paths: list[str]) -> int:
     if not paths:
         print(__doc__.strip(), file=sys.stderr)
         return 2
-    seconds: dict[str, float] = defaultdict(float)
-    for path in paths:
+    runs: dict[str, list[float]] = defaultdict(list)
+    for path in paths:  # each a run: a test's setup, call and teardown add up
+        this_run: dict[str, float] = defaultdict(float)
         for line in Path(path).read_text(errors="replace").splitlines():
             if match := LINE.match(line.strip()):
-                seconds[match[2]] += float(match[1])
+                this_run[match[2]] += float(match[1])
+        for test, spent in this_run.items():
+            runs[test].append(spent)
+    seconds = {test: sum(spent) / len(spent) for test, spent in runs.items()}  # the mean
     if not seconds:
         print(f"no durations in {paths}: run the suite with --durations=0", file=sys.stderr)
         return 1
