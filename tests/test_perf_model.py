@@ -231,10 +231,85 @@ def test_sim_command_for_a_job_and_for_flags(capsys):
     assert "outside the validated range" in stdout and "sync" in stdout
 
 
+REGIONS = ["--rtt-ms", "8", "--bandwidth-mbit", "1000", "--between-rtt-ms", "140",
+           "--between-mbit", "300"]  # fmt: skip
+"""The issue's regions: 1 Gbit/s and 8 ms inside a region, 300 Mbit/s and 140 ms across."""
+
+
+@pytest.mark.parametrize(("sites", "regions"), [(64, 4), (256, 16)])
+def test_sim_predicts_many_sites_in_regions_and_names_the_algorithm(capsys, sites, regions):
+    """64 and 256 sites, each region's long-haul 300 Mbit/s shared by its sites: the
+    flat mesh pushes m (S - m) / S of the model through a region of m sites, two
+    levels (K - 1) / K, so every strategy's exchange takes two levels; without
+    regions the same links give the flat direct algorithm."""
+    scale = ["--params", "1e9", "--sites", str(sites), "--gpu", "h100", "--json"]
+    code, stdout, stderr = in_process(
+        capsys, "sim", *scale, *REGIONS, "--regions", str(regions), "--egress-mbit", "300"
+    )
+    assert code == 0, stderr
+    out = json.loads(stdout)
+    assert {p["algorithm"] for p in out["predictions"]} == {"two_level"}
+    bounds = out["all_reduce_bounds_s"]
+    assert set(bounds) == {"direct", "ring", "two_level"}
+    assert bounds["two_level"] < min(bounds["direct"], bounds["ring"])
+    groups = out["scenario"]["regions"]["sites"]
+    assert len(groups) == regions and {len(m) for m in groups.values()} == {sites // regions}
+    assert set(out["scenario"]["regions"]["egress_mbit"].values()) == {300.0}
+    code, stdout, stderr = in_process(
+        capsys, "sim", *scale, "--rtt-ms", "8", "--bandwidth-mbit", "1000"
+    )
+    assert code == 0, stderr
+    flat = json.loads(stdout)
+    assert {p["algorithm"] for p in flat["predictions"]} == {"direct"}
+    assert set(flat["all_reduce_bounds_s"]) == {"direct", "ring"}
+    assert flat["scenario"]["regions"] is None
+
+
+def test_sim_prints_the_all_reduce_and_the_regions(capsys):
+    code, stdout, stderr = in_process(
+        capsys, "sim", "--params", "1e9", "--sites", "64", "--gpu", "h100", *REGIONS,
+        "--regions", "4", "--egress-mbit", "300",
+    )  # fmt: skip
+    assert code == 0, stderr
+    table = [line.split() for line in stdout.splitlines()]
+    assert "all-reduce" in table[1]
+    assert [row[4] for row in table[2:6]] == ["two_level"] * 4  # each strategy's exchange
+    assert "bounds: direct" in stdout and "two_level" in stdout.split("bounds:")[1]
+    assert "regions: 4 of 16 sites, long-haul 300 Mbit/s each way" in stdout
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--params", "1e9", "--sites", "2", "--step-ms", "10"], "--bandwidth-mbit: give --rtt-ms"),
+        (
+            ["--params", "1e9", "--sites", "8", "--step-ms", "10", *REGIONS, "--regions", "9"],
+            "--regions: must be in 1..8 (the sites), got 9",
+        ),
+        (
+            ["deploy/examples/two-sites.yaml", "--step-ms", "10", "--regions", "2"],
+            "--regions: give --sites too",
+        ),
+        (
+            ["--params", "1e9", "--sites", "8", "--step-ms", "10", *REGIONS, "--egress-mbit", "5"],
+            "--regions: --between-rtt-ms, --between-mbit and --egress-mbit describe regions",
+        ),
+        (
+            [
+                "--params",
+                "1e9",
+                "--sites",
+                "8",
+                "--step-ms",
+                "10",
+                *REGIONS,
+                "--regions",
+                "2",
+                "--egress-mbit",
+                "0",
+            ],
+            "--egress-mbit: must be > 0",
+        ),
         (
             [
                 "--params",

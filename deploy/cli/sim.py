@@ -13,7 +13,7 @@ from typing import Any
 from isthmus.deploy.cli.registry import UsageError, add_command
 from isthmus.deploy.jobfile import Job, load_job
 from isthmus.job.compressor import is_sparse
-from isthmus.sim.cost import LinkCost, job_costs
+from isthmus.sim.cost import LinkCost, Regions, job_costs, predict
 from isthmus.sim.hardware import SiteHardware, site_hardware
 from isthmus.sim.perf_model import (
     CODEC_BYTES_PER_VALUE,
@@ -86,6 +86,24 @@ def register(commands: Any) -> None:
     )
     what.add_argument("--rtt-ms", type=float, help="every link's round trip")
     what.add_argument("--bandwidth-mbit", type=float, help="every link's bandwidth")
+    what.add_argument(
+        "--regions",
+        type=int,
+        help="with --sites: split the sites into this many regions in order (as evenly as "
+        "they go); --rtt-ms and --bandwidth-mbit are then the links inside a region",
+    )
+    what.add_argument(
+        "--between-rtt-ms", type=float, help="with --regions: every link across regions"
+    )
+    what.add_argument(
+        "--between-mbit", type=float, help="with --regions: every link across regions"
+    )
+    what.add_argument(
+        "--egress-mbit",
+        type=float,
+        help="with --regions: each region's long-haul capacity, shared by its sites' "
+        "traffic to other regions (each way; default: not shared)",
+    )
     what.add_argument("--strategy", choices=STRATEGIES, help="mark this strategy")
     what.add_argument("--sync-every", type=int)
     what.add_argument("--fragments", type=int)
@@ -122,6 +140,16 @@ def _sim(args: argparse.Namespace) -> int:
         except ScenarioError as exc:  # e.g. fragments > sync_every for sync's H = 1
             raise UsageError(str(exc)) from None
         rows.append(prediction.to_dict())
+    # Every algorithm's bound for one exchange of the whole model (what ``auto`` and
+    # the exchange column choose from).
+    model_bytes = scenario.params * CODEC_BYTES_PER_VALUE[scenario.codec]
+    bounds = predict(
+        model_bytes,
+        list(scenario.sites),
+        scenario.link,
+        scenario.uplink_bytes_per_s,
+        regions=scenario.regions,
+    )
     out = {
         "scenario": {
             "params": scenario.params,
@@ -137,7 +165,19 @@ def _sim(args: argparse.Namespace) -> int:
             "efficiency": scenario.efficiency,
             "chosen": scenario.strategy,
             "host_work": site_hardware(scenario.host_hardware).describe(),
+            "regions": (
+                None
+                if scenario.regions is None
+                else {
+                    "sites": scenario.regions.groups(list(scenario.sites)),
+                    "egress_mbit": {
+                        name: rate * 8 / 1e6
+                        for name, rate in scenario.regions.egress_bytes_per_s.items()
+                    },
+                }
+            ),
         },
+        "all_reduce_bounds_s": bounds,
         "predictions": rows,
         "validated_range": range_note(scenario),
         "validation": validated_range(scenario),
@@ -163,13 +203,29 @@ def _sim(args: argparse.Namespace) -> int:
         f"step (all sites), H={sc['sync_every']}, codec {sc['codec']}"
     )
     print(f"{'strategy':10s} {'step':>10s} {'round':>10s} {'exchange':>10s} "
-          f"{'utilisation':>12s} {'WAN B/token':>12s}")  # fmt: skip
+          f"{'all-reduce':>11s} {'utilisation':>12s} {'WAN B/token':>12s}")  # fmt: skip
     for row in rows:
         mark = " <" if row["strategy"] == sc["chosen"] else ""
         print(
             f"{row['strategy']:10s} {row['step_s'] * 1e3:8.1f}ms {row['round_s']:9.2f}s "
-            f"{row['exchange_s']:9.2f}s {row['utilization']:11.1%} "
+            f"{row['exchange_s']:9.2f}s {row['algorithm']:>11s} {row['utilization']:11.1%} "
             f"{row['wan_bytes_per_token']:12.1f}{mark}"
+        )
+    print(
+        f"all-reduce of the model ({model_bytes / 1e9:.3g} GB, codec {sc['codec']}), bounds: "
+        + ", ".join(f"{name} {seconds:.3g} s" for name, seconds in bounds.items())
+    )
+    if scenario.regions is not None:
+        groups = scenario.regions.groups(list(scenario.sites))
+        sizes = sorted({len(m) for m in groups.values()})
+        print(
+            f"regions: {len(groups)} of {' or '.join(map(str, sizes))} sites"
+            + (
+                f", long-haul {min(scenario.regions.egress_bytes_per_s.values()) * 8 / 1e6:g} "
+                "Mbit/s each way"
+                if scenario.regions.egress_bytes_per_s
+                else ""
+            )
         )
     host = sc["host_work"]
     print(
@@ -257,6 +313,15 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
         links = uniform_links(sites, bandwidth_mbit=args.bandwidth_mbit, rtt_ms=args.rtt_ms)
     else:
         links = _job_links(job, sites)
+    regions = job_costs(job)[1] if job is not None and args.sites is None else None
+    if getattr(args, "regions", None) is not None:
+        regions = _flag_regions(args, sites, links)
+    elif any(
+        getattr(args, flag, None) is not None
+        for flag in ("between_rtt_ms", "between_mbit", "egress_mbit")
+    ):
+        raise ScenarioError("regions", "--between-rtt-ms, --between-mbit and --egress-mbit "
+                            "describe regions: give --regions K too")  # fmt: skip
     params = args.params or (_job_params(job) if job else None)
     if params is None:
         raise ScenarioError("params", "give --params (no job file)")
@@ -302,7 +367,7 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
         tokens_per_step=tokens,
         sites=sites,
         links=links,
-        regions=job_costs(job)[1] if job is not None and args.sites is None else None,
+        regions=regions,
         strategy=strategy,
         sync_every=_given(args.sync_every, train.sync_every if train else 50),
         # The whole run, its final synchronisation included, as isthmus run measures it.
@@ -318,6 +383,37 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
         **_host_work(job, params, hardware),
         **_fabric(job, args),
     )
+
+
+def _flag_regions(
+    args: argparse.Namespace, sites: list[str], links: dict[frozenset[str], LinkCost]
+) -> Regions:
+    """``--regions K``: the sites in K regions of consecutive sites (sizes differing by
+    at most one), the links across them set to ``--between-*`` in place (``links``),
+    and each region's shared long-haul capacity ``--egress-mbit``."""
+    count = args.regions
+    if args.sites is None:
+        raise ScenarioError("regions", "give --sites too (a job file states its own regions)")
+    if not 1 <= count <= len(sites):
+        raise ScenarioError("regions", f"must be in 1..{len(sites)} (the sites), got {count}")
+    of = {site: f"region{i * count // len(sites)}" for i, site in enumerate(sites)}
+    rtt = _given(args.between_rtt_ms, args.rtt_ms)
+    rate = _given(args.between_mbit, args.bandwidth_mbit)
+    if rtt < 0:
+        raise ScenarioError("between_rtt_ms", f"must be >= 0, got {rtt}")
+    if not rate > 0:
+        raise ScenarioError("between_mbit", f"must be > 0, got {rate}")
+    across = LinkCost.of(bandwidth_mbit=rate, rtt_ms=rtt)
+    for pair in links:
+        a, b = sorted(pair)
+        if of[a] != of[b]:
+            links[pair] = across
+    egress = {}
+    if args.egress_mbit is not None:
+        if not args.egress_mbit > 0:
+            raise ScenarioError("egress_mbit", f"must be > 0, got {args.egress_mbit}")
+        egress = {region: args.egress_mbit * 1e6 / 8 for region in set(of.values())}
+    return Regions(of, egress)
 
 
 def _fabric(job: Job | None, args: argparse.Namespace) -> dict[str, Any]:
