@@ -22,6 +22,8 @@ whether every site ended with the same model and every victim was let back in.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import collections
 import itertools
 import json
 import os
@@ -30,6 +32,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -50,7 +53,11 @@ train:
   min_sites: {min_sites}
 """
 
-SITE_NAMES = ("us-east", "eu-west", "asia-east", "us-west", "sa-east", "af-south")
+SITE_NAMES = (
+    *("us-east", "eu-west", "asia-east", "us-west", "sa-east", "af-south"),
+    *(f"s{i:02d}" for i in range(6, 16)),
+)
+"""Up to 16 sites (issue 32's scale): six named, then numbered."""
 
 
 def job_text(args: argparse.Namespace, steps: int) -> str:
@@ -186,6 +193,68 @@ def _progress_until(end: float, out: Path, sites: list[str], every_s: float = 30
             _say(f"{(end - time.time()) / 60:.1f} min left; steps {steps}")
 
 
+class BrokerTally:
+    """Every message the run's broker delivers to one more subscriber of ``isthmus/#``
+    (each message once), counted by second and by topic (statuses, the membership
+    views, metrics, live settings): the control plane's load at this many sites."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.per_second: collections.Counter[int] = collections.Counter()
+        self.by_topic: collections.Counter[str] = collections.Counter()
+        self.problem = ""
+        self._loop = asyncio.new_event_loop()
+        self._task: asyncio.Task[None] | None = None
+        self._thread = threading.Thread(target=self._run, name="broker-tally", daemon=True)
+
+    def start(self) -> BrokerTally:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._loop.call_soon_threadsafe(self._task.cancel)
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        self._task = self._loop.create_task(self._count())
+        try:
+            self._loop.run_until_complete(self._task)
+        except asyncio.CancelledError:
+            pass
+        except Exception as exc:  # the figures say the tally failed, and why
+            if not (self.run_dir / "summary.json").exists():  # else: the broker ended with the run
+                self.problem = f"{type(exc).__name__}: {exc}"
+
+    async def _count(self) -> None:
+        import aiomqtt
+
+        control = self.run_dir / "control.json"
+        while not control.exists():
+            await asyncio.sleep(0.2)
+        host, port = json.loads(control.read_text())["broker"].split("//")[1].rsplit(":", 1)
+        async with aiomqtt.Client(host, int(port)) as client:
+            await client.subscribe("isthmus/#")
+            async for message in client.messages:
+                self.per_second[int(time.time())] += 1
+                # isthmus/JOB/sites/SITE/status, isthmus/JOB/metrics/SITE,
+                # isthmus/JOB/membership, isthmus/JOB/config
+                parts = str(message.topic).split("/")
+                self.by_topic[parts[-1] if parts[2] == "sites" else parts[2]] += 1
+
+    def figures(self, t0: float, t1: float) -> dict[str, Any]:
+        """Messages per second between ``t0`` and ``t1`` (mean and busiest second)."""
+        window = {t: n for t, n in self.per_second.items() if t0 <= t < t1}
+        seconds = max(1.0, t1 - t0)
+        return {
+            "messages": sum(self.per_second.values()),
+            "by_topic": dict(self.by_topic),
+            "per_second_mean": round(sum(window.values()) / seconds, 1),
+            "per_second_peak": max(window.values(), default=0),
+            "problem": self.problem,
+        }
+
+
 def churned(args: argparse.Namespace, tmp: Path, steps: int) -> dict[str, Any]:
     """The job with a random live site SIGKILLed every ``--kill-every-s`` seconds."""
     job = tmp / "churn.yaml"
@@ -195,6 +264,7 @@ def churned(args: argparse.Namespace, tmp: Path, steps: int) -> dict[str, Any]:
     rng = random.Random(args.seed)
     kills: list[dict[str, Any]] = []
     run = _start(job, out, "--restart-lost")
+    tally = BrokerTally(out).start()
     try:
         t0 = _wait_for_training(out, sites, run)
         end = t0 + args.minutes * 60
@@ -212,6 +282,7 @@ def churned(args: argparse.Namespace, tmp: Path, steps: int) -> dict[str, Any]:
         _, err = run.communicate(timeout=args.minutes * 60 + 900)
     finally:
         run.kill()
+        tally.stop()
     summary = json.loads((out / "summary.json").read_text())
     window = tokens_in_window(out, sites, t0, end)
     records = read_records(out / "metrics.jsonl")
@@ -236,6 +307,7 @@ def churned(args: argparse.Namespace, tmp: Path, steps: int) -> dict[str, Any]:
         "longest_stall_s": round(window["longest_stall_s"], 1),
         "same_model_on_every_site": len(set(digests.values())) == 1 and None not in digests,
         "site_status": {n: s.get("status") for n, s in summary["sites"].items()},
+        "broker": tally.figures(t0, end),
         "stderr_tail": err[-1000:] if run.returncode else "",
     }
 
