@@ -444,3 +444,17 @@ def test_connections_per_peer_auto_fills_each_site_s_longest_fat_link():
 def test_a_bad_connections_per_peer_is_refused_naming_the_field(value):
     (line,) = _errors(LONG_FAT.replace("CONNECTIONS", f", connections_per_peer: {value}"))
     assert "train.connections_per_peer" in line and "auto or an integer in 1..16" in line
+
+
+def test_isthmus_run_says_when_sites_open_several_connections_and_why():
+    from isthmus.deploy.cli.run import _connections_note
+
+    auto = _connections_note(parse_job(LONG_FAT.replace("CONNECTIONS", "")))
+    assert auto == (
+        "TCP connections to each peer: a 3, b 3 (the links' bandwidth x RTT is more than "
+        "one TCP window carries)"
+    )
+    given = parse_job(LONG_FAT.replace("CONNECTIONS", ", connections_per_peer: 2"))
+    assert _connections_note(given).endswith("a 2, b 2, c 2 (train.connections_per_peer)")
+    one = parse_job(LONG_FAT.replace("CONNECTIONS", ", connections_per_peer: 1"))
+    assert _connections_note(one) == ""  # the usual case says nothing

@@ -216,6 +216,9 @@ def run_job(
     warning = insecure_warning(job)
     if warning:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
+    connections = _connections_note(job)
+    if connections:
+        print(connections, flush=True)
     if placement:
         from isthmus.intra.devices import describe_gpu_map
 
@@ -235,6 +238,24 @@ def run_job(
     report = write_report(run_dir)
     _print_outcome(summary, report)
     return summary
+
+
+def _connections_note(job: Any) -> str:
+    """A line when some site opens several TCP connections to each peer (a long fat
+    link, or the job says so): what a user timing the run would want to know."""
+    from isthmus.inter.transport import connections_of
+
+    counts = {site.name: connections_of(job, site.name) for site in job.sites}
+    several = {name: n for name, n in counts.items() if n > 1}
+    if not several:
+        return ""
+    why = (
+        "the links' bandwidth x RTT is more than one TCP window carries"
+        if job.train.connections_per_peer == "auto"
+        else "train.connections_per_peer"
+    )
+    each = ", ".join(f"{name} {n}" for name, n in several.items())
+    return f"TCP connections to each peer: {each} ({why})"
 
 
 def _gpu_placement(job: Any) -> dict[str, list[int]]:
