@@ -47,7 +47,8 @@ from isthmus.deploy.examples.diloco_train import loopback_job
 from isthmus.deploy.render.certs import make_certs, revoke_site
 from isthmus.inter.chunks import encode_chunks
 from isthmus.inter.codecs import parse_codec
-from isthmus.inter.peer import META_JOB, META_RANK, META_SITE, Identity, PeerClient, PeerError
+from isthmus.inter.peer import META_JOB, META_RANK, META_SITE, Identity, PeerError
+from isthmus.inter.peer_client import PeerClient
 from isthmus.inter.tls import SiteTls
 from isthmus.inter.transport import TransportSettings
 from isthmus.proto import wire_pb2, wire_pb2_grpc

@@ -23,7 +23,8 @@ from isthmus.inter.codecs import Codec
 from isthmus.inter.hierarchical import HierarchicalStep
 from isthmus.inter.lanes import RankEndpoint, lane_count, lane_owner, owned_lanes
 from isthmus.inter.membership import Membership
-from isthmus.inter.peer import Identity, PeerClient
+from isthmus.inter.peer import Identity
+from isthmus.inter.peer_client import PeerClient
 from isthmus.inter.tls import SiteTls
 from isthmus.inter.transport import TransportSettings, connections_of
 from isthmus.intra.devices import compute_device

@@ -24,7 +24,8 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
-from isthmus.inter.peer import PeerClient, PeerError
+from isthmus.inter.peer import PeerError
+from isthmus.inter.peer_client import PeerClient
 from isthmus.proto import wire_pb2
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,8 @@ from typing import Any
 import grpc
 import torch
 
-from isthmus.inter.peer import PROTOCOL_VERSION, PeerClient
+from isthmus.inter.peer import PROTOCOL_VERSION
+from isthmus.inter.peer_client import PeerClient
 from isthmus.proto import wire_pb2
 
 log = logging.getLogger(__name__)

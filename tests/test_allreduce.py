@@ -11,7 +11,8 @@ import torch
 from isthmus.inter.allreduce import CrossSiteAllReduce, RoundError, slice_bounds
 from isthmus.inter.chunks import encode_chunks
 from isthmus.inter.codecs import parse_codec
-from isthmus.inter.peer import Identity, PeerClient
+from isthmus.inter.peer import Identity
+from isthmus.inter.peer_client import PeerClient
 from isthmus.inter.transport import TransportSettings, connections_for
 
 JOB = "allreduce-test"
@@ -520,7 +521,8 @@ def test_a_replayed_chunk_of_a_round_that_is_over_is_counted_and_never_applied(c
     """Through the peer service: a chunk of a round this rank has left is acknowledged
     (nothing for the sender to send again), counted as STALE_ROUND, logged, and never
     reaches a buffer."""
-    from isthmus.inter.peer import PeerClient, PeerServer
+    from isthmus.inter.peer import PeerServer
+    from isthmus.inter.peer_client import PeerClient
 
     codec = parse_codec("none")
     chunks = list(encode_chunks(codec, torch.ones(8), round=2, shard=0, max_chunk_bytes=4096))

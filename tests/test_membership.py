@@ -22,7 +22,8 @@ from isthmus.inter.membership import (
     first_view,
     leader_of,
 )
-from isthmus.inter.peer import Identity, PeerClient, PeerServer
+from isthmus.inter.peer import Identity, PeerServer
+from isthmus.inter.peer_client import PeerClient
 from isthmus.inter.state_transfer import (
     StateGone,
     StateUnavailable,

@@ -12,14 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from isthmus.inter.chunks import ReceivedChunk, encode_chunks
 from isthmus.inter.codecs import parse_codec
-from isthmus.inter.peer import (
-    PROTOCOL_VERSION,
-    AuthInterceptor,
-    Identity,
-    PeerClient,
-    PeerError,
-    PeerServer,
-)
+from isthmus.inter.peer import PROTOCOL_VERSION, AuthInterceptor, Identity, PeerError, PeerServer
+from isthmus.inter.peer_client import PeerClient
 from isthmus.proto import wire_pb2
 
 SITES = ("us-east", "eu-west", "ap-south")

@@ -18,7 +18,8 @@ from test_cli import in_process
 from isthmus.deploy.render.certs import make_certs, revoke_site
 from isthmus.inter.chunks import encode_chunks
 from isthmus.inter.codecs import parse_codec
-from isthmus.inter.peer import Identity, PeerClient, PeerError, PeerServer
+from isthmus.inter.peer import Identity, PeerError, PeerServer
+from isthmus.inter.peer_client import PeerClient
 from isthmus.inter.tls import SiteTls, TlsError
 from isthmus.inter.transport import TransportSettings
 

@@ -46,7 +46,8 @@ from isthmus.inter.allreduce.sending import ChunkFilter, Outgoing
 from isthmus.inter.allreduce.two_level import two_level_allreduce
 from isthmus.inter.chunks import ReceivedChunk
 from isthmus.inter.codecs import Codec
-from isthmus.inter.peer import Identity, PeerClient, PeerError, PeerServer
+from isthmus.inter.peer import Identity, PeerError, PeerServer
+from isthmus.inter.peer_client import PeerClient
 from isthmus.inter.staging import Staging, staging_for
 from isthmus.inter.transport import TransportSettings
 from isthmus.sim.cost import LinkLookup, choose

@@ -34,7 +34,7 @@ from isthmus.inter.allreduce.rounds import RoundError, payload_size
 from isthmus.inter.chunks import chunk_ranges, encode_chunk, to_encoded, values_per_chunk
 from isthmus.inter.codecs import Codec
 from isthmus.inter.outbox import Delivery, SendFailed, send_reliably
-from isthmus.inter.peer import PeerClient
+from isthmus.inter.peer_client import PeerClient
 from isthmus.inter.staging import Staging
 from isthmus.proto import wire_pb2
 
