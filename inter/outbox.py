@@ -78,7 +78,7 @@ class _Outbox:
     """The chunks of one call: pulled from their source once, kept until acknowledged."""
 
     def __init__(self, chunks: Iterable[wire_pb2.Chunk] | AsyncIterator[wire_pb2.Chunk]) -> None:
-        self._source = chunks if isinstance(chunks, AsyncIterator) else _async(chunks)
+        self._source = chunks if isinstance(chunks, AsyncIterator) else as_async(chunks)
         # A task of its own reads the source, PREFETCH chunks ahead: the next chunk
         # is encoded while this one is written, and gRPC cancelling the task that
         # reads a broken stream's requests cannot reach (and kill) the source.
@@ -255,7 +255,8 @@ async def _watch(call: asyncio.Future[object], outbox: _Outbox, stall_s: float) 
             return True
 
 
-async def _async(chunks: Iterable[wire_pb2.Chunk]) -> AsyncIterator[wire_pb2.Chunk]:
+async def as_async(chunks: Iterable[wire_pb2.Chunk]) -> AsyncIterator[wire_pb2.Chunk]:
+    """``chunks`` as an async iterator (a source of either kind is read the same way)."""
     for chunk in chunks:
         yield chunk
 

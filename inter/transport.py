@@ -177,11 +177,12 @@ def connections_for(bytes_per_s: float | None, rtt_s: float, window_bytes: int) 
     return max(1, min(MAX_CONNECTIONS_PER_PEER, needed))
 
 
-def connections_of(job: Job, site: str) -> int:
+def connections_of(job: Job, site: str, *, window_bytes: int | None = None) -> int:
     """``train.connections_per_peer`` for ``site``'s ranks: the number given, or for
     ``auto`` what the site's longest-fat emulated link needs with the emulator's TCP
-    window (the window a link's direction gives each connection; 1 on a real WAN,
-    whose links and buffers the job file does not state)."""
+    window (the window a link's direction gives each connection, or ``window_bytes``
+    where real TCP sets it: the packet-level hosts); 1 on a real WAN, whose links
+    and buffers the job file does not state."""
     setting = job.train.connections_per_peer
     if setting != "auto":
         return int(setting)
@@ -198,6 +199,8 @@ def connections_of(job: Job, site: str) -> int:
         for direction in (link.a_to_b, link.b_to_a):
             needed = max(
                 needed,
-                connections_for(direction.rate_bytes_per_s, rtt_s, direction.window_bytes),
+                connections_for(
+                    direction.rate_bytes_per_s, rtt_s, window_bytes or direction.window_bytes
+                ),
             )
     return needed

@@ -28,12 +28,12 @@ import yaml
 
 from isthmus.deploy.bench.gloo_baseline import time_on_hosts
 from isthmus.deploy.bench.wan import wan_up
-from isthmus.inter.transport import connections_for
+from isthmus.inter.transport import connections_for, connections_of
 from isthmus.job.link import DirectionParams
 from isthmus.job.model import Job
 from isthmus.job.ports import free_ports
 from isthmus.sim.control import ControlClient
-from isthmus.sim.cost import UNCAPPED_BYTES_PER_S, LinkCost, job_costs, predict
+from isthmus.sim.cost import LinkCost, job_costs, predict
 from isthmus.sim.hosts import TCP_BUFFER_MAX
 
 ISTHMUS = [sys.executable, "-m", "isthmus"]
@@ -223,8 +223,15 @@ def run_allreduce_bench(
     if job is not None:
         sites = len(job.sites)
     window = (tcp_rmem_max or TCP_BUFFER_MAX) if hosts else DirectionParams().window_bytes
-    if connections is None:
-        connections = _connections(job, rtt_ms, bandwidth_mbit, window)
+    if connections is None:  # auto: as many as the longest-fat link needs
+        if job is None:
+            assert rtt_ms is not None and bandwidth_mbit is not None
+            connections = connections_for(bandwidth_mbit * 1e6 / 8, rtt_ms / 1e3, window)
+        else:
+            connections = max(
+                connections_of(job, s.name, window_bytes=window if hosts else None)
+                for s in job.sites
+            )
     links = (
         f"the links of {job.source}"
         if job is not None
@@ -336,31 +343,6 @@ def run_allreduce_bench(
         "wall_seconds": round(run.seconds, 1),
         **extra,
     }
-
-
-def _connections(
-    job: Job | None, rtt_ms: float | None, bandwidth_mbit: float | None, window: int
-) -> int:
-    """How many connections the longest-fat link of the bench needs (see
-    :func:`connections_for`)."""
-    if job is None:
-        assert rtt_ms is not None and bandwidth_mbit is not None
-        return connections_for(bandwidth_mbit * 1e6 / 8, rtt_ms / 1e3, window)
-    costs, _ = job_costs(job)
-    if costs is None:
-        return 1
-    names = [s.name for s in job.sites]
-    return max(
-        connections_for(
-            None if c.bandwidth_bytes_per_s >= UNCAPPED_BYTES_PER_S else c.bandwidth_bytes_per_s,
-            2 * c.one_way_s,
-            window,
-        )
-        for a in names
-        for b in names
-        if a != b
-        for c in [costs(a, b)]
-    )
 
 
 def format_allreduce_report(r: dict[str, Any]) -> str:

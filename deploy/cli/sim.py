@@ -150,6 +150,8 @@ def _sim(args: argparse.Namespace) -> int:
         scenario.uplink_bytes_per_s,
         regions=scenario.regions,
     )
+    regions = scenario.regions
+    groups = regions.groups(list(scenario.sites)) if regions is not None else None
     out = {
         "scenario": {
             "params": scenario.params,
@@ -167,12 +169,11 @@ def _sim(args: argparse.Namespace) -> int:
             "host_work": site_hardware(scenario.host_hardware).describe(),
             "regions": (
                 None
-                if scenario.regions is None
+                if regions is None
                 else {
-                    "sites": scenario.regions.groups(list(scenario.sites)),
+                    "sites": groups,
                     "egress_mbit": {
-                        name: rate * 8 / 1e6
-                        for name, rate in scenario.regions.egress_bytes_per_s.items()
+                        name: rate * 8 / 1e6 for name, rate in regions.egress_bytes_per_s.items()
                     },
                 }
             ),
@@ -215,15 +216,14 @@ def _sim(args: argparse.Namespace) -> int:
         f"all-reduce of the model ({model_bytes / 1e9:.3g} GB, codec {sc['codec']}), bounds: "
         + ", ".join(f"{name} {seconds:.3g} s" for name, seconds in bounds.items())
     )
-    if scenario.regions is not None:
-        groups = scenario.regions.groups(list(scenario.sites))
+    if regions is not None and groups is not None:
         sizes = sorted({len(m) for m in groups.values()})
         print(
             f"regions: {len(groups)} of {' or '.join(map(str, sizes))} sites"
             + (
-                f", long-haul {min(scenario.regions.egress_bytes_per_s.values()) * 8 / 1e6:g} "
+                f", long-haul {min(regions.egress_bytes_per_s.values()) * 8 / 1e6:g} "
                 "Mbit/s each way"
-                if scenario.regions.egress_bytes_per_s
+                if regions.egress_bytes_per_s
                 else ""
             )
         )

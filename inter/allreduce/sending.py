@@ -33,7 +33,7 @@ import torch
 from isthmus.inter.allreduce.rounds import RoundError, payload_size
 from isthmus.inter.chunks import chunk_ranges, encode_chunk, to_encoded, values_per_chunk
 from isthmus.inter.codecs import Codec
-from isthmus.inter.outbox import Delivery, SendFailed, send_reliably
+from isthmus.inter.outbox import Delivery, SendFailed, as_async, send_reliably
 from isthmus.inter.peer_client import PeerClient
 from isthmus.inter.staging import Staging
 from isthmus.proto import wire_pb2
@@ -291,7 +291,7 @@ class _Dealt:
     takes more, and each chunk is still read (encoded) exactly once."""
 
     def __init__(self, chunks: Iterable[wire_pb2.Chunk] | AsyncIterator[wire_pb2.Chunk]) -> None:
-        self._source = chunks.__aiter__() if hasattr(chunks, "__aiter__") else _aiter(chunks)
+        self._source = chunks if isinstance(chunks, AsyncIterator) else as_async(chunks)
         self._lock = asyncio.Lock()
         self._ended = False
 
@@ -307,11 +307,6 @@ class _Dealt:
                     self._ended = True
                     return
             yield chunk
-
-
-async def _aiter(chunks: Iterable[wire_pb2.Chunk]) -> AsyncIterator[wire_pb2.Chunk]:
-    for chunk in chunks:
-        yield chunk
 
 
 async def _all_or_none(sends: list[Coroutine[Any, Any, Delivery]]) -> list[Delivery]:
