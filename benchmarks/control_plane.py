@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import argparse
-import getpass
 import math
 import shutil
 import signal
@@ -32,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from local_broker import mosquitto_binary, start_mosquitto
 
 from isthmus.deploy.run.broker import EmbeddedBroker
 from isthmus.inter.control import Broker, ControlPlane
@@ -161,24 +161,9 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--steps", type=int, default=600)
     args = parser.parse_args()
-    mosquitto = shutil.which("mosquitto") or (
-        "/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None
-    )
     brokers: list[tuple[str, Broker, object]] = []
-    if mosquitto:
-        folder = Path(tempfile.mkdtemp())
-        with __import__("socket").socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        (folder / "m.conf").write_text(
-            f"listener {port} 127.0.0.1\nallow_anonymous true\nuser {getpass.getuser()}\n"
-        )
-        proc = subprocess.Popen(
-            [mosquitto, "-c", str(folder / "m.conf")],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        time.sleep(0.5)
+    if mosquitto_binary():
+        proc, port = start_mosquitto(Path(tempfile.mkdtemp()))
         brokers.append(("mosquitto", Broker("127.0.0.1", port), proc))
     embedded = EmbeddedBroker().start()
     brokers.append(("embedded (amqtt)", embedded.address, embedded))

@@ -18,10 +18,7 @@ wall time.
 from __future__ import annotations
 
 import argparse
-import getpass
 import json
-import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,8 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from local_broker import start_mosquitto
+
 from isthmus.deploy.run.records import read_records
-from isthmus.job.ports import free_port, free_port_blocks
+from isthmus.job.ports import free_port_blocks
 
 JOB = """\
 name: staggered
@@ -46,34 +45,14 @@ def _say(message: str) -> None:
     print(f"staggered start: {message}", file=sys.stderr, flush=True)
 
 
-def _mosquitto(folder: Path) -> tuple[subprocess.Popen[bytes], int]:
-    binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
-    if not Path(binary).exists():
-        raise SystemExit("staggered start: needs mosquitto (apt-get install mosquitto)")
-    port = free_port("127.0.0.1")
-    config = folder / "mosquitto.conf"
-    config.write_text(
-        f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
-        f"user {getpass.getuser()}\n"
-    )
-    proc = subprocess.Popen(
-        [binary, "-c", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return proc, port
-        time.sleep(0.05)
-    proc.kill()
-    raise SystemExit("staggered start: mosquitto did not start listening within 10 s")
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     names = [f"s{i:02d}" for i in range(args.sites)]
     with tempfile.TemporaryDirectory(prefix="isthmus-staggered-") as name:
         tmp = Path(name)
-        broker, port = _mosquitto(tmp)
+        try:
+            broker, port = start_mosquitto(tmp)
+        except RuntimeError as exc:
+            raise SystemExit(f"staggered start: {exc}") from None
         try:
             (base,) = free_port_blocks("127.0.0.1", [args.sites])
             sites = "\n".join(
@@ -81,9 +60,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             job = tmp / "job.yaml"
             job.write_text(
-                JOB.format(
-                    sites=sites, steps=args.steps, sync_every=args.sync_every, broker=port
-                )
+                JOB.format(sites=sites, steps=args.steps, sync_every=args.sync_every, broker=port)
             )
             started: dict[str, float] = {}
             procs: dict[str, subprocess.Popen[str]] = {}
