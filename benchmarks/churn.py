@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from isthmus.deploy.run.records import read_records
+from isthmus.job.broker import Broker
 
 JOB = """\
 name: churn
@@ -227,13 +228,11 @@ class BrokerTally:
                 self.problem = f"{type(exc).__name__}: {exc}"
 
     async def _count(self) -> None:
-        import aiomqtt
-
         control = self.run_dir / "control.json"
         while not control.exists():
             await asyncio.sleep(0.2)
-        host, port = json.loads(control.read_text())["broker"].split("//")[1].rsplit(":", 1)
-        async with aiomqtt.Client(host, int(port)) as client:
+        broker = Broker.from_url(json.loads(control.read_text())["broker"])
+        async with broker.client(f"isthmus-broker-tally-{os.getpid()}") as client:
             await client.subscribe("isthmus/#")
             async for message in client.messages:
                 self.per_second[int(time.time())] += 1
