@@ -276,6 +276,7 @@ EXPECTED_SITES = {
     "member_rounds.site_any",
     "round_records.site_mean",
     "round_records.write_round",
+    "setup.evaluate",
     "control.live_settings",
     "checkpoint.save",
 }
@@ -309,6 +310,8 @@ def test_a_two_rank_gloo_site_runs_every_call_site_under_emulation(tmp_path):
         assert set(report["sites"]) >= EXPECTED_SITES, EXPECTED_SITES - set(report["sites"])
         assert report["devices"] == [f"cuda:{rank}"]  # every tensor "on" the rank's GPU
         assert report["bitwise_equal"], "bucketed average differs from per-parameter"
+        shared, alone = report["evaluate"]  # replicas share the held-out batches
+        assert shared == pytest.approx(alone, rel=1e-12)
     a0, a1, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("a-0", "a-1", "b-0"))
     assert a0["average"] == a1["average"] == b["average"]  # the step still averages
 
@@ -360,6 +363,7 @@ def _site_main(job_path: str, out: str, name: str) -> None:
                 for p in model.parameters():
                     check.place(p)
                 checkpoint._barrier(model)
+                report["evaluate"] = _replicas_evaluate(check, runtime)
         finally:
             runtime.close()
     report["sites"] = sorted(check.sites)
@@ -386,6 +390,26 @@ def _replica_gradients(check, runtime) -> bool:
     average_replica_gradients(bucketed, group, bucket_bytes=300, device=runtime.device)
     total_grad_norm(bucketed, group, device=runtime.device)
     return all(torch.equal(p.grad, r) for p, r in zip(bucketed, reference, strict=True))
+
+
+def _replicas_evaluate(check, runtime) -> tuple[float, float]:
+    """The held-out loss with the site's replicas sharing 5 batches (3 and 2), and
+    with this rank evaluating all 5 alone."""
+    from isthmus.deploy.run.setup import evaluate
+
+    model = torch.nn.Linear(4, 4)
+    torch.nn.init.constant_(model.weight, 0.5)
+    for p in model.parameters():
+        check.place(p)
+    generator = torch.Generator().manual_seed(7)
+    batches = [(check.place(torch.randn(3, 4, generator=generator)),) * 2 for _ in range(5)]
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((out - y) ** 2).mean()
+
+    return evaluate(model, batches, loss_fn, replicas=runtime.dp_group), evaluate(
+        model, batches, loss_fn
+    )
 
 
 if __name__ == "__main__":

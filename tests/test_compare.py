@@ -90,3 +90,11 @@ def test_the_report_tables_the_times_and_plots_loss_against_wall_time(tmp_path):
     rows = json.loads((tmp_path / "compare.json").read_text())
     assert [r["seconds_to_sync_loss"] for r in rows] == [40.0, 25.0]
     assert (tmp_path / "compare.png").stat().st_size > 10_000
+
+    # --no-report: the same table, no plot, and no word of reports that were not written.
+    (tmp_path / "compare.png").unlink()
+    bare = write_comparison(tmp_path, summaries, plot=False).read_text()
+    assert "| diloco | 2.000 | 1.0 MB | 90% | 100 | 25 (0.62x sync) | finished |" in bare
+    assert not (tmp_path / "compare.png").exists()
+    assert "compare.png" not in bare and "STRATEGY/report.md" not in bare
+    assert "isthmus report OUT/STRATEGY" in bare

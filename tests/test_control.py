@@ -258,7 +258,7 @@ def test_a_run_whose_broker_is_unreachable_stops_and_names_it(tmp_path):
         "name: j\nsites: [{name: a}, {name: b}]\ntrain: {steps: 4, sync_every: 2}\n"
         f"control: {{broker: 'mqtt://127.0.0.1:{port}', wait_s: 0.5}}\n"
     )
-    done = isthmus("run", str(job), "--out", str(tmp_path / "run"), cwd=tmp_path)
+    done = isthmus("run", str(job), "--out", str(tmp_path / "run"), "--no-report", cwd=tmp_path)
     assert done.returncode == 1
     assert f"no MQTT broker answered at mqtt://127.0.0.1:{port}" in done.stderr
     assert "Traceback" not in done.stderr
@@ -418,7 +418,7 @@ def test_config_set_is_applied_by_every_site_at_the_same_round(tmp_path, kind):
     job.write_text(JOB + control)
     out = tmp_path / "run"
     run = subprocess.Popen(
-        [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)],
+        [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out), "--no-report"],
         cwd=tmp_path,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

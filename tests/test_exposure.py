@@ -216,7 +216,7 @@ def test_a_run_with_a_broker_password_leaves_it_in_no_file_and_no_output(tmp_pat
         )
         out = tmp_path / "run"
         run = subprocess.run(
-            [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)],
+            [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out), "--no-report"],
             cwd=tmp_path,
             capture_output=True,
             text=True,

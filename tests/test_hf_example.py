@@ -133,7 +133,7 @@ def test_two_sites_train_the_example_to_the_same_parameters(tmp_path: Path) -> N
     text = (REPO / "deploy" / "examples" / "two-sites.yaml").read_text()
     job.write_text(text.replace("sync_every: 50", "sync_every: 4"))
     out = tmp_path / "run"
-    isthmus_run = [sys.executable, "-m", "isthmus", "run", str(job), "--steps", "8"]
+    isthmus_run = [sys.executable, "-m", "isthmus", "run", str(job), "--steps", "8", "--no-report"]
     result = subprocess.run(
         [*isthmus_run, "--out", str(out), "--", sys.executable, str(EXAMPLE)],
         cwd=tmp_path,  # what the run leaves beside it stays in the test's folder

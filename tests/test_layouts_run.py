@@ -28,7 +28,7 @@ def test_an_fsdp_site_beside_a_one_rank_site_trains_one_model(tmp_path):
     job = tmp_path / "job.yaml"
     job.write_text(JOB)
     out = tmp_path / "run"
-    done = isthmus("run", str(job), "--out", str(out), cwd=tmp_path)
+    done = isthmus("run", str(job), "--out", str(out), "--no-report", cwd=tmp_path)
     assert done.returncode == 0, done.stderr + explain(out)
     sites = json.loads((out / "summary.json").read_text())["sites"]
     assert len({s["param_sha256"] for s in sites.values()}) == 1, sites

@@ -126,7 +126,7 @@ def test_every_rank_serves_metrics_that_rise_and_end_at_the_summary_s_figures(tm
     job.write_text(JOB)
     out = tmp_path / "run"
     run = subprocess.Popen(
-        [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)],
+        [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out), "--no-report"],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

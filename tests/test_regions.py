@@ -193,7 +193,7 @@ def test_a_run_across_regions_averages_in_two_levels_and_ends_identical(tmp_path
     job.write_text(FOUR_SITES_TWO_REGIONS)
     out = tmp_path / "run"
     done = subprocess.run(
-        [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)],
+        [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out), "--no-report"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
@@ -224,7 +224,7 @@ def test_sixteen_sites_train_one_model(tmp_path):
     )
     out = tmp_path / "run"
     done = subprocess.run(
-        [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)],
+        [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out), "--no-report"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

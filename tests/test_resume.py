@@ -124,7 +124,7 @@ def whole_run(tmp_path_factory):
             folder = tmp_path_factory.mktemp("whole")
             shared = write_job(folder, text=text)
             whole = folder / "whole"
-            ran = isthmus("run", str(shared), "--out", str(whole), cwd=folder)
+            ran = isthmus("run", str(shared), "--out", str(whole), "--no-report", cwd=folder)
             assert ran.returncode == 0, ran.stderr + explain(whole)
             sites = json.loads((whole / "summary.json").read_text())["sites"]
             # The reference must be whole: a site that failed at the end has no digest
@@ -175,7 +175,7 @@ def test_a_stopped_run_resumes_to_the_same_parameters_bit_for_bit(
     # keep=2: at least the newest two complete checkpoints of each site remain.
     assert all(len(complete_checkpoints(out / "checkpoints" / s, "round")) >= 2 for s in "ab")
 
-    resumed = isthmus("run", "--resume", str(out), cwd=tmp_path)
+    resumed = isthmus("run", "--resume", str(out), "--no-report", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr + explain(out)
     assert "resuming after round" in resumed.stdout
     summary = json.loads((out / "summary.json").read_text())
@@ -190,7 +190,7 @@ def test_a_stopped_run_resumes_to_the_same_parameters_bit_for_bit(
     steps_after = [r["step"] for r in records[records.index(resume) :] if r["kind"] == "step"]
     assert steps_after == list(range(resume["step"] + 1, 29))
 
-    again = isthmus("run", "--resume", str(out), cwd=tmp_path)
+    again = isthmus("run", "--resume", str(out), "--no-report", cwd=tmp_path)
     assert again.returncode == 2 and "finished; nothing to go on with" in again.stderr
 
 
@@ -198,7 +198,7 @@ def test_a_stopped_run_resumes_to_the_same_parameters_bit_for_bit(
 def test_resume_without_checkpoints_says_how_to_get_them(tmp_path):
     job = _job(tmp_path, "diloco", steps=4, every=0)
     out = tmp_path / "run"
-    assert isthmus("run", str(job), "--out", str(out), cwd=tmp_path).returncode == 0
+    assert isthmus("run", str(job), "--out", str(out), "--no-report", cwd=tmp_path).returncode == 0
     (out / "summary.json").unlink()  # as if it had been killed
     refused = isthmus("run", "--resume", str(out), cwd=tmp_path)
     assert refused.returncode == 2

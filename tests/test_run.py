@@ -173,7 +173,7 @@ def test_time_budgeted_rounds_end_every_site_at_the_same_round(tmp_path):
     text = SMALL_JOB.replace("sync_every: 4,", "sync_every: 1000, round_seconds: 0.4,")
     job = write_job(tmp_path, steps=80, text=text)
     out = tmp_path / "run"
-    done = isthmus("run", str(job), "--out", str(out), cwd=tmp_path)
+    done = isthmus("run", str(job), "--out", str(out), "--no-report", cwd=tmp_path)
     assert done.returncode == 0, done.stderr + explain(out)
     sites = json.loads((out / "summary.json").read_text())["sites"]
     assert sites["a"]["param_sha256"] == sites["b"]["param_sha256"]
@@ -196,7 +196,9 @@ def test_every_strategy_runs_and_ends_identical(tmp_path, strategy, eval_every, 
         text = text.replace("warmup_steps: 2}", f"warmup_steps: 2, eval_every: {eval_every}}}")
     job = write_job(tmp_path, steps=8, text=text)
     out = tmp_path / "run"
-    done = isthmus("run", str(job), "--out", str(out), "--strategy", strategy, cwd=tmp_path)
+    done = isthmus(
+        "run", str(job), "--out", str(out), "--no-report", "--strategy", strategy, cwd=tmp_path
+    )
     assert done.returncode == 0, done.stderr + explain(out)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["strategy"] == strategy
@@ -274,7 +276,7 @@ def test_a_killed_launcher_leaves_no_site_or_emulator_behind(tmp_path):
     # launcher only), so nothing else would stop them once it is SIGKILLed.
     job = write_job(tmp_path, steps=100_000)
     out = tmp_path / "run"
-    run = start_run(job, out)
+    run = start_run(job, out, "--no-report")
     wait_for_steps(out, "b", 3)
     children = [pid for pid in processes_of(out) if pid != run.pid]
     assert len(children) >= 4  # a, b's two ranks, the emulator
@@ -297,7 +299,7 @@ def test_a_killed_site_stops_the_run_below_quorum_and_is_named(tmp_path):
     )
     job = write_job(tmp_path, steps=100_000, text=text)
     out = tmp_path / "run"
-    run = start_run(job, out, "--strategy", "sync")
+    run = start_run(job, out, "--no-report", "--strategy", "sync")
     wait_for_steps(out, "a", 3)
     victim = json.loads((out / "pids.json").read_text())["b"][1]
     os.kill(victim, signal.SIGKILL)
@@ -399,7 +401,7 @@ def test_your_own_model_and_data_from_the_job_file(tmp_path):
     )
     job = write_job(tmp_path, steps=8, text=text)
     out = tmp_path / "run"
-    done = isthmus("run", str(job), "--out", str(out), cwd=tmp_path)
+    done = isthmus("run", str(job), "--out", str(out), "--no-report", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["model"] == "isthmus.deploy.examples.custom_model:model"
@@ -408,6 +410,11 @@ def test_your_own_model_and_data_from_the_job_file(tmp_path):
     assert summary["sites"]["a"]["eval_loss"] > 0
     evaluated = json.loads(isthmus("eval", str(out), cwd=tmp_path).stdout)
     assert evaluated["matches_summary"] is True
+    # --no-report: none written, and the way to write it said; then it writes it.
+    assert f"isthmus report {out} writes it" in done.stdout
+    assert not (out / "report.md").exists() and not (out / "plots").exists()
+    assert isthmus("report", str(out), cwd=tmp_path).returncode == 0
+    assert (out / "report.md").exists()
 
 
 @pytest.mark.slow
@@ -415,7 +422,7 @@ def test_a_job_without_wan_section_connects_sites_directly(tmp_path):
     text = "name: direct\nsites: [{name: a}, {name: b}]\ntrain: {steps: 6, sync_every: 3}\n"
     job = write_job(tmp_path, text=text)
     out = tmp_path / "run"
-    done = isthmus("run", str(job), "--out", str(out), cwd=tmp_path)
+    done = isthmus("run", str(job), "--out", str(out), "--no-report", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert "emulator_wire_bytes" not in summary and summary["wan_bytes"] > 0

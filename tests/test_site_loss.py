@@ -97,7 +97,17 @@ def run_with_fault(tmp_path, text: str, victim: str, *flags: str, **fault):
     job.write_text(text)
     out = tmp_path / "run"
     run = subprocess.Popen(
-        [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out), *flags],
+        [
+            sys.executable,
+            "-m",
+            "isthmus",
+            "run",
+            str(job),
+            "--out",
+            str(out),
+            "--no-report",
+            *flags,
+        ],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -250,7 +260,7 @@ def test_an_async_site_that_misses_its_round_has_its_pseudo_gradient_applied_lat
     job = tmp_path / "job.yaml"
     job.write_text(CUT_OFF)
     out = tmp_path / "run"
-    done = isthmus("run", str(job), "--out", str(out), cwd=tmp_path, timeout=900)
+    done = isthmus("run", str(job), "--out", str(out), "--no-report", cwd=tmp_path, timeout=900)
     assert done.returncode == 0, done.stderr + explain(out)
     sites = json.loads((out / "summary.json").read_text())["sites"]
     assert len({s["param_sha256"] for s in sites.values()}) == 1, sites

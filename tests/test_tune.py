@@ -345,7 +345,7 @@ def test_the_online_controller_moves_h_and_every_site_switches_at_the_same_round
     text = job.read_text().replace("max_sync_every: 100}", "max_sync_every: 100, online: true}")
     job.write_text(text)
     out = tmp_path / "run"
-    done = isthmus("run", str(job), "--out", str(out), cwd=tmp_path)
+    done = isthmus("run", str(job), "--out", str(out), "--no-report", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     changes = summary["sync_every_changes"]

@@ -100,6 +100,14 @@ def register(commands: Any) -> None:
         "tokens, and write one comparison report",
     )
     run.add_argument(
+        "--no-report",
+        dest="report",
+        action="store_false",
+        help="write no report.md and plots (scripted runs, sweeps); `isthmus report RUN_DIR` "
+        "writes them later from the run's files. With --compare, the comparison is still "
+        "written, without its plot",
+    )
+    run.add_argument(
         "--join-timeout",
         type=float,
         metavar="SECONDS",
@@ -138,7 +146,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         job, raw = resolve_job(Path(args.job), strategy=args.strategy, steps=args.steps)
         run_dir = args.out or default_run_dir(job, job.train.strategy)
-        summary = run_job(job, raw, run_dir, **_launch_options(args))
+        summary = run_job(job, raw, run_dir, report=args.report, **_launch_options(args))
     except RunError as exc:
         raise UsageError(str(exc)) from None
     return EXIT_CODES[summary["status"]]
@@ -173,7 +181,7 @@ def _resume(args: argparse.Namespace) -> int:
         options = _launch_options(args)
         if options["command"] is None:  # the run's own, unless a new one is given
             options["command"] = saved_command(args.resume)
-        summary = run_job(job, raw, args.resume, resume_round=round, **options)
+        summary = run_job(job, raw, args.resume, resume_round=round, report=args.report, **options)
     except RunError as exc:
         raise UsageError(str(exc)) from None
     return EXIT_CODES[summary["status"]]
@@ -188,12 +196,14 @@ def run_job(
     restart_lost: bool = False,
     command: list[str] | None = None,
     join_timeout_s: float = JOIN_TIMEOUT_S,
+    report: bool = True,
 ) -> dict[str, Any]:
     """One run, start to report; prints progress and where the report is.
     ``resume_round``: go on with a stopped run from that round's checkpoints.
     ``restart_lost``: start a lost site again, so it rejoins. ``command``: what
     every rank runs (None: the built-in loop), kept in the run directory for
-    ``--resume``. ``join_timeout_s``: see ``--join-timeout``."""
+    ``--resume``. ``join_timeout_s``: see ``--join-timeout``. ``report``: write
+    report.md and its plots (about 1.5 CPU-seconds, most of it matplotlib)."""
     from isthmus.deploy.run.execute import execute_run
     from isthmus.deploy.run.progress import progress_for
     from isthmus.deploy.run.report import write_report
@@ -235,8 +245,11 @@ def run_job(
             command=command,
             join_timeout_s=join_timeout_s,
         )
-    report = write_report(run_dir)
-    _print_outcome(summary, report)
+    _print_outcome(summary)
+    if report:
+        print(f"report: {write_report(run_dir)}", flush=True)
+    else:
+        print(f"report: not written (--no-report); isthmus report {run_dir} writes it", flush=True)
     return summary
 
 
@@ -269,7 +282,7 @@ def _gpu_placement(job: Any) -> dict[str, list[int]]:
         raise UsageError(f"train.{exc}") from None
 
 
-def _print_outcome(summary: dict[str, Any], report: Path) -> None:
+def _print_outcome(summary: dict[str, Any]) -> None:
     for name, site in summary["sites"].items():
         if site.get("reason"):
             print(f"site {name} {site['status']}: {site['reason']}", file=sys.stderr)
@@ -285,7 +298,6 @@ def _print_outcome(summary: dict[str, Any], report: Path) -> None:
         + (", every site holds the same model" if same else ""),
         flush=True,
     )
-    print(f"report: {report}", flush=True)
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -309,12 +321,14 @@ def _compare(args: argparse.Namespace) -> int:
         summaries = {}
         for strategy in strategies:
             job, raw = resolve_job(Path(args.job), strategy=strategy, steps=args.steps)
-            summaries[strategy] = run_job(job, raw, out / strategy, **_launch_options(args))
+            summaries[strategy] = run_job(
+                job, raw, out / strategy, report=args.report, **_launch_options(args)
+            )
             if summaries[strategy]["status"] == "interrupted":
                 break
     except RunError as exc:
         raise UsageError(str(exc)) from None
-    report = write_comparison(out, summaries)
+    report = write_comparison(out, summaries, plot=args.report)
     print(report.read_text().split("\n\n")[1], flush=True)  # the table
     print(f"comparison: {report}", flush=True)
     worst = max(EXIT_CODES[s["status"]] for s in summaries.values())

@@ -79,14 +79,15 @@ def _curves(
     return curves
 
 
-def write_comparison(out: Path, summaries: dict[str, dict[str, Any]]) -> Path:
-    """``compare.json``, ``compare.md`` and ``compare.png`` in ``out``; returns the report."""
+def write_comparison(out: Path, summaries: dict[str, dict[str, Any]], *, plot: bool = True) -> Path:
+    """``compare.json``, ``compare.md`` and (``plot``) ``compare.png`` in ``out``; returns
+    the report. Without the plot, the runs' own reports were not written either."""
     # Each run's records read once, for the rows and the plot.
     evals = {s: first_site_evals(read_records(out / s / "metrics.jsonl")) for s in summaries}
     curves = _curves(evals, summaries)
     rows = comparison_rows(summaries, curves)
     write_json_atomic(out / "compare.json", rows)
-    image = _plot(out, summaries, evals, curves)
+    image = _plot(out, summaries, evals, curves) if plot else None
     first = next(iter(summaries.values()))
     timed = any("seconds_to_sync_loss" in row for row in rows)
     header = "| strategy | held-out loss | WAN bytes | compute utilisation | wall s |"
@@ -115,7 +116,10 @@ def write_comparison(out: Path, summaries: dict[str, dict[str, Any]]) -> Path:
     lines += [
         "",
         "Same job, data and tokens for every strategy; each run's own report is in its "
-        "sub-directory (`STRATEGY/report.md`).",
+        "sub-directory (`STRATEGY/report.md`)."
+        if plot
+        else "Same job, data and tokens for every strategy; `isthmus report OUT/STRATEGY` "
+        "writes a run's own report.",
     ]
     if timed:
         target = next(r["sync_best_loss"] for r in rows if "sync_best_loss" in r)
@@ -125,12 +129,9 @@ def write_comparison(out: Path, summaries: dict[str, dict[str, Any]]) -> Path:
             f"model the sites share first reached the lowest held-out loss sync reached "
             f"({target:.3f}); the loss a user gets per hour on these links.",
         ]
-    lines += [
-        "",
-        f"![held-out loss against tokens and wall time, and WAN bytes]({image})",
-        "",
-        "Settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()),
-    ]
+    if image:
+        lines += ["", f"![held-out loss against tokens and wall time, and WAN bytes]({image})"]
+    lines += ["", "Settings: " + ", ".join(f"{k}={v}" for k, v in settings.items())]
     report = out / "compare.md"
     report.write_text("\n".join(lines) + "\n")
     return report

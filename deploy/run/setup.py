@@ -12,10 +12,12 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from isthmus.deploy.jobfile import Job
 from isthmus.inter.join import SiteRuntime
+from isthmus.intra import collectives
 from isthmus.intra.data import Dataset, ShardSpec, load_corpus
 from isthmus.intra.model import GPT, config_for, lm_loss
 from isthmus.intra.parallelize import GPT_PLAN, ModelPlan, autocast, materialise
@@ -143,15 +145,34 @@ def evaluate(
     batches: list[Batch],
     loss_fn: Callable[..., torch.Tensor],
     precision: str = "fp32",
+    replicas: dist.ProcessGroup | None = None,
 ) -> float:
-    """Mean loss over ``batches``, on the model's device, in the training precision."""
+    """Mean loss over ``batches``, on the model's device, in the training precision.
+
+    ``replicas``: the site's data-parallel replicas of this model (the same
+    parameters on every one of them). Each evaluates its share of the batches
+    (``batches[i::n]``) and one all-reduce of (sum, count) gives every replica
+    the mean over all of them: the site evaluates in 1/n of the time (and the
+    CPU) it took when every replica evaluated every batch. The mean is the same
+    within float64 rounding of the summation order."""
     device = next(model.parameters()).device
-    losses = []
+    share = batches
+    if replicas is not None:
+        share = batches[dist.get_rank(replicas) :: dist.get_world_size(replicas)]
+    total = 0.0
     with torch.no_grad(), autocast(device, precision):
-        for batch in batches:
+        for batch in share:
             x, y = to_device(batch, device)
-            losses.append(float(loss_fn(model(x), y)))
-    return sum(losses) / len(losses)
+            total += float(loss_fn(model(x), y))
+    if replicas is None:
+        return total / len(batches)
+    summed, count = collectives.all_reduce_values(
+        [total, len(share)],
+        device=collectives.device_of(next(model.parameters())),
+        where="setup.evaluate",
+        group=replicas,
+    ).tolist()
+    return summed / count
 
 
 def save_model(model: nn.Module, path: Path, job: Job) -> None:

@@ -81,6 +81,8 @@ def train() -> int:
     replicas = None
     if site.layout.dp > 1 and not part.sharded and settings.strategy != "sync":
         replicas = site.runtime.dp_group
+    # Replicas (not FSDP's shards) share the held-out batches between them.
+    eval_replicas = site.runtime.dp_group if site.layout.dp > 1 and not part.sharded else None
 
     with site.strategy(
         part.model, optimizer, tokens_per_step=tokens_per_step, stage_group=part.stage_group
@@ -103,7 +105,9 @@ def train() -> int:
             round_ended = run.strategy.outer_steps != rounds
             if _eval_due(run.settings, step + 1, round_ended) and site.layout.pp == 1:
                 started = time.perf_counter()  # a pipeline stage is not a model
-                logged["eval_loss"] = evaluate(part.model, held_out, loss_fn, settings.precision)
+                logged["eval_loss"] = evaluate(
+                    part.model, held_out, loss_fn, settings.precision, eval_replicas
+                )
                 logged["eval_seconds"] = time.perf_counter() - started
             site.log(**logged)
 
