@@ -259,6 +259,10 @@ def _threads() -> int:
 def serve() -> int:
     for module in _PRELOAD:
         __import__(module)
+    # The built-in data's corpus: read once here, every rank's from these pages.
+    from isthmus.intra.data import stdlib_corpus
+
+    stdlib_corpus()
     launcher = int(os.environ.pop(PARENT_ENV, "0") or 0)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
