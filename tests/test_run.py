@@ -384,6 +384,9 @@ def test_compare_writes_one_table_for_every_strategy(tmp_path):
     # Sync averages every step, DiLoCo every 4: sync sends more.
     assert rows[0]["wan_bytes"] > 2 * rows[1]["wan_bytes"]
     assert (out / "compare.png").exists() and (out / "compare.md").exists()
+    # One warm template forked both runs' ranks: neither started its own.
+    assert (out / "template.log").exists()
+    assert not list(out.glob("*/logs/template.log"))
     # Each strategy timed to the best held-out loss sync reached (test_compare.py).
     assert rows[0]["time_to_sync_loss_vs_sync"] == 1.0
     assert rows[0]["seconds_to_sync_loss"] <= rows[0]["wall_seconds"]

@@ -333,6 +333,9 @@ def test_the_tuner_on_a_fast_and_a_slow_emulated_link(tmp_path):
         trials = [r for r in result["rows"] if r.get("status") == "finished"]
         assert trials and all(0 < r["measured_utilization"] <= 1 for r in trials)
         assert all(Path(r["run_dir"], "summary.json").is_file() for r in trials)
+        # The trials forked their ranks from one warm template, not one each.
+        assert (tmp_path / label / "trials" / "template.log").exists()
+        assert not list((tmp_path / label / "trials").glob("*/logs/template.log"))
         choices[label] = result["choice"]["settings"]
     fast, slow = choices["fast"], choices["slow"]
     assert fast["codec"] == "none", choices

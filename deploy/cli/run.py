@@ -197,13 +197,15 @@ def run_job(
     command: list[str] | None = None,
     join_timeout_s: float = JOIN_TIMEOUT_S,
     report: bool = True,
+    template: Any = None,
 ) -> dict[str, Any]:
     """One run, start to report; prints progress and where the report is.
     ``resume_round``: go on with a stopped run from that round's checkpoints.
     ``restart_lost``: start a lost site again, so it rejoins. ``command``: what
     every rank runs (None: the built-in loop), kept in the run directory for
     ``--resume``. ``join_timeout_s``: see ``--join-timeout``. ``report``: write
-    report.md and its plots (about 1.5 CPU-seconds, most of it matplotlib)."""
+    report.md and its plots (about 1.5 CPU-seconds, most of it matplotlib).
+    ``template``: a warm rank template shared with other runs (``--compare``)."""
     from isthmus.deploy.run.execute import execute_run
     from isthmus.deploy.run.progress import progress_for
     from isthmus.deploy.run.report import write_report
@@ -244,6 +246,7 @@ def run_job(
             restart_lost=restart_lost,
             command=command,
             join_timeout_s=join_timeout_s,
+            template=template,
         )
     _print_outcome(summary)
     if report:
@@ -303,6 +306,7 @@ def _print_outcome(summary: dict[str, Any]) -> None:
 def _compare(args: argparse.Namespace) -> int:
     from isthmus.deploy.run.compare import write_comparison
     from isthmus.deploy.run.run_dir import RunError, default_run_dir, prepare_run_dir, resolve_job
+    from isthmus.deploy.run.warm_start import template_for_runs
 
     strategies = [s.strip() for s in args.compare.split(",") if s.strip()]
     unknown = [s for s in strategies if s not in STRATEGIES]
@@ -319,13 +323,20 @@ def _compare(args: argparse.Namespace) -> int:
         out = args.out or default_run_dir(first, "compare")
         prepare_run_dir(out)
         summaries = {}
-        for strategy in strategies:
-            job, raw = resolve_job(Path(args.job), strategy=strategy, steps=args.steps)
-            summaries[strategy] = run_job(
-                job, raw, out / strategy, report=args.report, **_launch_options(args)
-            )
-            if summaries[strategy]["status"] == "interrupted":
-                break
+        # The strategies' runs fork their ranks from one warm template.
+        with template_for_runs(out) as template:
+            for strategy in strategies:
+                job, raw = resolve_job(Path(args.job), strategy=strategy, steps=args.steps)
+                summaries[strategy] = run_job(
+                    job,
+                    raw,
+                    out / strategy,
+                    report=args.report,
+                    template=template,
+                    **_launch_options(args),
+                )
+                if summaries[strategy]["status"] == "interrupted":
+                    break
     except RunError as exc:
         raise UsageError(str(exc)) from None
     report = write_comparison(out, summaries, plot=args.report)

@@ -220,15 +220,21 @@ def _run_trials(
     job_path: Path, planned: list[Candidate], steps: int, folder: Path, log: Any
 ) -> list[Any]:
     from isthmus.deploy.run.run_dir import RunError
+    from isthmus.deploy.run.warm_start import template_for_runs
     from isthmus.deploy.tune.trials import TrialProgress, run_trial
 
     results = []
-    with TrialProgress(steps * len(planned), out=log) as progress:
+    # Every trial forks its ranks from one warm template: a trial's start is then
+    # not a fresh import of torch (a few seconds of each short trial's budget).
+    with (
+        TrialProgress(steps * len(planned), out=log) as progress,
+        template_for_runs(folder) as template,
+    ):
         for index, candidate in enumerate(planned, 1):
             progress.trial_started(index, len(planned), candidate, steps)
             run_dir = folder / candidate.label.replace(" ", "-").replace("=", "")
             try:
-                result = run_trial(job_path, candidate, steps, run_dir, progress.update)
+                result = run_trial(job_path, candidate, steps, run_dir, progress.update, template)
             except RunError as exc:
                 raise UsageError(str(exc)) from None
             progress.trial_ended(result)

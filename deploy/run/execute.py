@@ -25,10 +25,12 @@ def execute_run(
     restart_lost: bool = False,
     command: list[str] | None = None,
     join_timeout_s: float = JOIN_TIMEOUT_S,
+    template: Any = None,
 ) -> dict[str, Any]:
     """Launch, follow and stop one run in a prepared directory; write its TensorBoard
     events and summary.json and return the summary. Prints nothing. ``command``:
-    what every rank runs (None: the built-in loop)."""
+    what every rank runs (None: the built-in loop). ``template``: a warm template
+    shared with other runs (:func:`~isthmus.deploy.run.warm_start.template_for_runs`)."""
     launcher = Launcher(
         job,
         raw,
@@ -38,6 +40,7 @@ def execute_run(
         restart_lost=restart_lost,
         command=command,
         join_timeout_s=join_timeout_s,
+        template=template,
     )
     launcher.tensorboard = TensorBoardWriter(run_dir / "tensorboard", [s.name for s in job.sites])
     try:

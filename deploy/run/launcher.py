@@ -153,11 +153,15 @@ class Launcher:
         restart_lost: bool = False,
         command: list[str] | None = None,
         join_timeout_s: float = JOIN_TIMEOUT_S,
+        template: RankTemplate | None = None,
     ) -> None:
         """``restart_lost``: start a lost site again (as its operator would) so it
         rejoins; needs a run that survives the loss of a site. ``command``: what
         every rank runs (None: the built-in loop). ``join_timeout_s``: how long a
-        site may run without calling ``isthmus.join()`` before it has failed."""
+        site may run without calling ``isthmus.join()`` before it has failed.
+        ``template``: a warm template that outlives this run (several runs in a
+        row, :func:`~isthmus.deploy.run.warm_start.template_for_runs`); without
+        one the run starts its own."""
         if join_timeout_s <= 0:
             raise RunError(f"--join-timeout: must be > 0 seconds, got {join_timeout_s:g}")
         if command is not None and not command:
@@ -201,6 +205,8 @@ class Launcher:
         self.tensorboard: Any = None
         self.template: RankTemplate | None = None
         """Forks the built-in loop's ranks (:mod:`isthmus.deploy.run.warm_start`)."""
+        self._given_template = template
+        """Not this run's to close."""
         self._template_failed = False
         """The template refused a fork: new ranks start fresh (it still runs its own)."""
         self.tuner: Any = None
@@ -223,7 +229,9 @@ class Launcher:
         self._metrics = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
         if self.command is None and warm_start.enabled():
             # Its imports run while the broker and the emulator start.
-            self.template = RankTemplate(run_dir, run_dir / "logs" / "template.log")
+            self.template = self._given_template or RankTemplate(
+                run_dir, run_dir / "logs" / "template.log"
+            )
         if self.job.metrics is not None:
             self._choose_metrics_ports()
         if self.job.control is None:
@@ -530,9 +538,9 @@ class Launcher:
         if self.emulator is not None:
             self._final_link_stats()
         terminate([*children, *([self.emulator] if self.emulator else [])])
-        if self.template is not None:
+        if self.template is not None and self.template is not self._given_template:
             self.template.close()
-            self.template = None
+        self.template = None
         if self.tuner is not None:
             self.tuner.close()
             self.tuner = None

@@ -66,9 +66,11 @@ def run_trial(
     steps: int,
     run_dir: Path,
     on_update: Callable[[RunState], None] | None = None,
+    template: Any = None,
 ) -> TrialResult:
     """One short run of the job with the candidate's settings; never the online
-    controller (the trial measures the setting itself)."""
+    controller (the trial measures the setting itself). ``template``: the warm rank
+    template the trials share."""
     from isthmus.deploy.run.execute import execute_run
 
     job, raw = resolve_job(
@@ -78,7 +80,7 @@ def run_trial(
         tune={"online": False},
     )
     prepare_run_dir(run_dir)
-    summary = execute_run(job, raw, run_dir, on_update=on_update)
+    summary = execute_run(job, raw, run_dir, on_update=on_update, template=template)
     return result_from_summary(candidate, run_dir, summary)
 
 
