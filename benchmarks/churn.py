@@ -79,7 +79,17 @@ def _say(message: str) -> None:
 
 def _start(job: Path, out: Path, *flags: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out), *flags],
+        [
+            sys.executable,
+            "-m",
+            "isthmus",
+            "run",
+            str(job),
+            "--out",
+            str(out),
+            "--no-report",
+            *flags,
+        ],
         cwd=job.parent,  # the run writes ./JOB.control.json for `isthmus config`
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

@@ -176,7 +176,16 @@ def partition(args: argparse.Namespace) -> dict[str, Any]:
             out = Path(tmp) / "run"
             print(f"faults partition: {mode}, {args.for_s:g} s ...", file=sys.stderr, flush=True)
             done = subprocess.run(
-                [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)],
+                [
+                    sys.executable,
+                    "-m",
+                    "isthmus",
+                    "run",
+                    str(job),
+                    "--out",
+                    str(out),
+                    "--no-report",
+                ],
                 capture_output=True,
                 text=True,
                 timeout=1800,
@@ -257,7 +266,16 @@ def kill_once(args: argparse.Namespace) -> dict[str, Any]:
             KILL_JOB.format(steps=args.steps, sync_every=args.sync_every, strategy=args.strategy)
         )
         out = Path(tmp) / "run"
-        command = [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)]
+        command = [
+            sys.executable,
+            "-m",
+            "isthmus",
+            "run",
+            str(job),
+            "--out",
+            str(out),
+            "--no-report",
+        ]
         command.append("--restart-lost")
         if args.script is not None:  # a user's script instead of the built-in loop
             command += ["--", sys.executable, str(args.script.resolve())]

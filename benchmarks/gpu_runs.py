@@ -54,7 +54,7 @@ def write_job(
 
 def isthmus_run(job: Path, out: Path, timeout_s: float) -> dict[str, Any]:
     """``isthmus run JOB --out OUT``: its exit status, summary.json and output's tail."""
-    command = [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)]
+    command = [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out), "--no-report"]
     try:
         done = subprocess.run(
             command, cwd=job.parent, capture_output=True, text=True, timeout=timeout_s

@@ -181,7 +181,7 @@ def run(case: Case, folder: Path) -> dict[str, float]:
     job.write_text(job_text(case))
     out = folder / "run"
     done = subprocess.run(
-        [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)],
+        [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out), "--no-report"],
         capture_output=True,
         text=True,
         timeout=900,
