@@ -83,7 +83,8 @@ class Regions:
         groups = self.groups(sites)
         for region, members in groups.items():
             rate = self.egress_bytes_per_s.get(region)
-            outside = [s for s in sites if s not in members]
+            inside = set(members)
+            outside = [s for s in sites if s not in inside]
             if rate is None or not outside:
                 continue
             latency = max(link(a, b).one_way_s for a in members for b in outside)
@@ -103,14 +104,16 @@ def direct_seconds(
         return 0.0
     uplinks = uplink_bytes_per_s or {}
     share = nbytes / s
-    pairs = [(a, b, link(a, b)) for a in sites for b in sites if a != b]
-    slowest = max(cost.one_way_s + share / cost.bandwidth_bytes_per_s for _, _, cost in pairs)
+    slowest = 0.0
+    farthest: dict[str, float] = {}  # each site's longest one-way latency
+    for a in sites:
+        for b in sites:
+            if a != b:
+                cost = link(a, b)
+                slowest = max(slowest, cost.one_way_s + share / cost.bandwidth_bytes_per_s)
+                farthest[a] = max(farthest.get(a, 0.0), cost.one_way_s)
     capped = max(
-        (
-            (s - 1) * share / uplinks[x] + max(cost.one_way_s for a, _, cost in pairs if a == x)
-            for x in sites
-            if x in uplinks
-        ),
+        ((s - 1) * share / uplinks[x] + farthest[x] for x in sites if x in uplinks),
         default=0.0,
     )
     shared = 0.0

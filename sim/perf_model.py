@@ -207,7 +207,18 @@ class Scenario:
         return self.step_jitter_s * math.sqrt(steps) * expected_largest_normal(len(self.sites))
 
     def link(self, a: str, b: str) -> LinkCost:
-        return self.links[frozenset((a, b))]
+        return self._ordered_links[(a, b)]
+
+    @functools.cached_property
+    def _ordered_links(self) -> dict[tuple[str, str], LinkCost]:
+        """``links`` by ordered pair: the cost functions look a link up for every
+        pair of sites, millions of times at 256 sites, and building a frozenset
+        for each lookup was most of ``isthmus sim``'s time there."""
+        ordered: dict[tuple[str, str], LinkCost] = {}
+        for pair, cost in self.links.items():
+            a, b = (*pair, *pair)[:2]  # a one-site "pair" is (a, a)
+            ordered[(a, b)] = ordered[(b, a)] = cost
+        return ordered
 
     @property
     def wan_bytes(self) -> float:
