@@ -53,8 +53,9 @@ def write_job(
 
 
 def isthmus_run(job: Path, out: Path, timeout_s: float) -> dict[str, Any]:
-    """``isthmus run JOB --out OUT``: its exit status, summary.json and output's tail."""
-    command = [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out), "--no-report"]
+    """``isthmus run JOB --out OUT`` (with its report: the GPU run checks it is written):
+    its exit status, summary.json and output's tail."""
+    command = [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)]
     try:
         done = subprocess.run(
             command, cwd=job.parent, capture_output=True, text=True, timeout=timeout_s
