@@ -4,7 +4,8 @@ dies again before it completes a round is given up after MAX_RESTARTS."""
 
 from __future__ import annotations
 
-from isthmus.deploy.run.launcher import MAX_RESTARTS, SiteState, _apply
+from isthmus.deploy.run.launcher import MAX_RESTARTS
+from isthmus.deploy.run.run_state import SiteState, apply_record
 
 
 def round_record(outer_steps: int) -> dict:
@@ -23,7 +24,7 @@ def test_a_completed_round_resets_the_crash_loop_count_but_not_the_total():
         site.restarts += 1
         site.restarts_in_a_row += 1
         assert site.restarts_in_a_row == 1  # the round before reset it
-        _apply(site, round_record(lost))  # back in training: it was churn
+        apply_record(site, round_record(lost))  # back in training: it was churn
         assert site.restarts_in_a_row == 0
     assert site.restarts == 3 * MAX_RESTARTS
     assert site.restarts_in_a_row == 0
@@ -31,6 +32,8 @@ def test_a_completed_round_resets_the_crash_loop_count_but_not_the_total():
 
 def test_other_records_do_not_reset_it():
     site = SiteState(name="a", ranks=1, restarts_in_a_row=2)
-    _apply(site, {"kind": "state", "t": 0.0, "state": "rejoining"})
-    _apply(site, {"kind": "step", "t": 1.0, "step": 1, "loss": 1.0, "tokens": 8, "compute_s": 0.1})
+    apply_record(site, {"kind": "state", "t": 0.0, "state": "rejoining"})
+    apply_record(
+        site, {"kind": "step", "t": 1.0, "step": 1, "loss": 1.0, "tokens": 8, "compute_s": 0.1}
+    )
     assert site.restarts_in_a_row == 2

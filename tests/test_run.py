@@ -508,8 +508,8 @@ def test_live_progress_renders_every_site_and_link(tmp_path):
     from rich.console import Console
 
     from isthmus.deploy.jobfile import parse_job
-    from isthmus.deploy.run.launcher import RunState, SiteState
     from isthmus.deploy.run.progress import LiveProgress, PlainProgress
+    from isthmus.deploy.run.run_state import RunState, SiteState
 
     job = parse_job("name: j\nsites: [{name: a}, {name: b}]\ntrain: {steps: 10}\n")
     state = RunState(
@@ -539,8 +539,8 @@ def test_progress_with_many_sites_names_the_busiest_links_and_sums_the_rest(tmp_
     from rich.console import Console
 
     from isthmus.deploy.jobfile import parse_job
-    from isthmus.deploy.run.launcher import RunState, SiteState
     from isthmus.deploy.run.progress import LINKS_SHOWN, LiveProgress, PlainProgress
+    from isthmus.deploy.run.run_state import RunState, SiteState
 
     names = [f"s{i:02d}" for i in range(16)]
     job = parse_job("name: j\nsites: [" + ", ".join(f"{{name: {n}}}" for n in names) + "]\n")

@@ -6,7 +6,7 @@ import sys
 import time
 from typing import IO, Any
 
-from isthmus.deploy.run.launcher import RunState
+from isthmus.deploy.run.run_state import RunState
 
 PLAIN_EVERY_S = 5.0
 

@@ -9,7 +9,7 @@ from itertools import combinations
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy.run.launcher import RunState
+from isthmus.deploy.run.run_state import RunState
 from isthmus.job.exposure import insecure_warning
 
 SITE_FIELDS = (

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from isthmus.deploy.run.launcher import RunState
 from isthmus.deploy.run.records import read_records
 from isthmus.deploy.run.run_dir import prepare_run_dir, resolve_job
+from isthmus.deploy.run.run_state import RunState
 from isthmus.sim.tuner import Candidate
 
 RUN_OVERHEAD_S = 12.0
