@@ -155,7 +155,8 @@ def evaluate(
     the mean over all of them: the site evaluates in 1/n of the time (and the
     CPU) it took when every replica evaluated every batch. The mean is the same
     within float64 rounding of the summation order."""
-    device = next(model.parameters()).device
+    parameter = next(model.parameters())
+    device = parameter.device
     share = batches
     if replicas is not None:
         share = batches[dist.get_rank(replicas) :: dist.get_world_size(replicas)]
@@ -168,7 +169,7 @@ def evaluate(
         return total / len(batches)
     summed, count = collectives.all_reduce_values(
         [total, len(share)],
-        device=collectives.device_of(next(model.parameters())),
+        device=collectives.device_of(parameter),
         where="setup.evaluate",
         group=replicas,
     ).tolist()

@@ -78,11 +78,9 @@ def train() -> int:
     tokens_per_step = next(train_batches(job, settings, site.runtime, dataset))[1].numel()
     # Replicas in a site average their gradients over the fast fabric before every
     # inner step; FSDP does it itself, and Sync includes it in its exchange.
-    replicas = None
-    if site.layout.dp > 1 and not part.sharded and settings.strategy != "sync":
-        replicas = site.runtime.dp_group
-    # Replicas (not FSDP's shards) share the held-out batches between them.
+    # Replicas (not FSDP's shards) also share the held-out batches between them.
     eval_replicas = site.runtime.dp_group if site.layout.dp > 1 and not part.sharded else None
+    replicas = eval_replicas if settings.strategy != "sync" else None
 
     with site.strategy(
         part.model, optimizer, tokens_per_step=tokens_per_step, stage_group=part.stage_group
