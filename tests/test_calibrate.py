@@ -9,7 +9,10 @@ import statistics
 import pytest
 
 from isthmus.deploy.bench.calibrate import (
-    LOCKSTEP_EVERY,
+    MIN_STEPS,
+    ROUND_CAP,
+    WARM_UP_STEPS,
+    calibration_steps,
     calibration_train,
     steady_calibration,
     steps_between_syncs,
@@ -21,27 +24,45 @@ def test_the_calibration_synchronises_as_the_job_does():
     # Sync: every step, its buckets beside the backward pass.
     sync = calibration_train({"strategy": "sync", "codec": "int8", "steps": 50, "lr": 0.01})
     assert sync["strategy"] == "sync" and sync["lr"] == 0.01
-    # The codec is host work in the model, not compute: never in the calibration.
+    # The codec is host work in the model, not compute: never in the calibration,
+    # nor the sparse codec's settings (refused without their codec).
     assert sync["codec"] == "none"
-    # Streaming: its fragments and overlap, a fragment at most every 10 steps.
-    streaming = calibration_train(
-        {"strategy": "streaming", "sync_every": 100, "fragments": 4, "overlap_steps": 2}
+    sparse = calibration_train(
+        {"strategy": "diloco", "codec": "topk", "compressor": {"density": 0.02}}
     )
-    assert streaming["strategy"] == "streaming" and streaming["fragments"] == 4
-    assert streaming["overlap_steps"] == 2
-    assert streaming["sync_every"] == 4 * LOCKSTEP_EVERY
-    assert calibration_train({"strategy": "streaming", "sync_every": 20})["sync_every"] == 20
-    # DiLoCo at the job's H up to 10.
-    assert calibration_train({"strategy": "diloco", "sync_every": 5})["sync_every"] == 5
-    lockstep = calibration_train({"strategy": "diloco", "sync_every": 50})
-    assert lockstep["strategy"] == "diloco" and lockstep["sync_every"] == LOCKSTEP_EVERY
-    # Async: its exchange beside the compute, the sites in step: one streaming fragment
-    # overlapped with all but the last step of each round.
-    overlapped = calibration_train({"strategy": "async", "sync_every": 50})
-    assert overlapped["strategy"] == "streaming" and overlapped["fragments"] == 1
-    assert overlapped["sync_every"] == LOCKSTEP_EVERY
-    assert overlapped["overlap_steps"] == LOCKSTEP_EVERY - 1
-    assert steps_between_syncs(overlapped) == LOCKSTEP_EVERY
+    assert sparse["codec"] == "none" and "compressor" not in sparse
+    # Every other strategy as itself, at its own interval: the sites' duty cycle (how
+    # much of a round they wait) sets how many compute at once on shared cores.
+    for strategy in ("diloco", "async", "streaming"):
+        same = calibration_train(
+            {"strategy": strategy, "sync_every": 25, "fragments": 5, "overlap_steps": 2}
+        )
+        assert same["strategy"] == strategy and same["sync_every"] == 25
+        assert same["fragments"] == 5 and same["overlap_steps"] == 2
+    # ... up to ROUND_CAP steps, where sites compute nearly all the time anyway.
+    capped = calibration_train({"strategy": "diloco", "sync_every": 500})
+    assert capped["sync_every"] == ROUND_CAP
+    assert calibration_train({"strategy": "diloco"})["sync_every"] == min(50, ROUND_CAP)
+
+
+@pytest.mark.parametrize(
+    ("train", "steps", "warm_up"),
+    [
+        # Sync: the first WARM_UP_STEPS left out, MIN_STEPS in all.
+        ({"strategy": "sync"}, MIN_STEPS, WARM_UP_STEPS),
+        ({"strategy": "diloco", "sync_every": 5}, MIN_STEPS, WARM_UP_STEPS),
+        # A whole first round left out, then three rounds.
+        ({"strategy": "diloco", "sync_every": 40}, 160, 40),
+        ({"strategy": "async", "sync_every": 25}, 100, 25),
+        # Streaming synchronises a fragment every sync_every / fragments steps.
+        ({"strategy": "streaming", "sync_every": 30, "fragments": 2}, 60, 15),
+    ],
+)
+def test_the_calibration_leaves_out_its_first_round_and_measures_three(train, steps, warm_up):
+    assert calibration_steps(train) == (steps, warm_up)
+    every = steps_between_syncs(train)
+    # Whole rounds measured: the warm-up ends at a synchronisation.
+    assert (steps - warm_up) // every >= 3 and warm_up % every == 0
 
 
 def write_steps(metrics, steps: dict[str, list[float]]) -> None:
@@ -144,7 +165,7 @@ def test_windows_start_at_a_synchronisation(tmp_path):
 def test_the_steps_between_synchronisations():
     assert steps_between_syncs(calibration_train({"strategy": "sync"})) == 1
     assert steps_between_syncs({"strategy": "streaming", "sync_every": 20, "fragments": 4}) == 5
-    assert steps_between_syncs(calibration_train({"strategy": "async", "sync_every": 50})) == 10
+    assert steps_between_syncs(calibration_train({"strategy": "async", "sync_every": 30})) == 30
 
 
 def test_windows_with_a_missing_step_record_are_left_out(tmp_path):

@@ -4,19 +4,21 @@ In an emulated run the sites, the emulator, the launcher and the broker share
 this machine's cores, so a step timed alone is faster than a step in the run
 (timing only the training processes, at the job's concurrency, still came out
 10% fast; docs/performance-model.md). The calibration is therefore a short
-``isthmus run`` of the job itself, synchronising as the job does, at most
-every :data:`LOCKSTEP_EVERY` steps, so that the sites stay in step (without
-rounds they drift apart, and a site computing while another still starts up,
-or after it ended, sees other contention than in a run) and so that its
-compute runs beside the same exchanges as in the job: Sync's gradient buckets
-go out during the backward pass, Streaming's fragments during the next inner
-step, and on shared cores either slows the compute down (Sync's by 15-20%
-here: docs/performance-model.md). Async becomes Streaming with one fragment
-overlapped with all but the last step of a round: its exchange runs beside the
-compute as async's does, and the sites keep in step. It reports each site's
-compute seconds per inner step, as the run's own records count them, after
-the first round (the sites start cold and at different moments), and how
-much that varies from step to step.
+``isthmus run`` of the job itself: its strategy, its synchronisation interval
+(at most :data:`ROUND_CAP` steps) and its links, only without a lossy codec
+(the model costs codecs as host work). So its compute runs beside the same
+exchanges as in the job: Sync's gradient buckets go out during the backward
+pass, Streaming's fragments and Async's rounds during the next inner steps,
+and on shared cores either slows the compute down (Sync's by 15-20% here). And
+it keeps the job's duty cycle: where sites wait long for a slow link, they
+reach its end at different moments and compute beside fewer others, so their
+steps are faster than where they compute almost all the time (the same 3-site
+job computed 20 ms steps with a round every 10 steps and 29 ms every 25 on
+two cores; a calibration synchronising every 10 steps had under-predicted
+the runs of every job that synchronises less often, by up to 40%). It reports
+each site's compute seconds per inner step, as the run's own records count
+them, after the first round (the sites start cold and at different moments),
+and how much that varies from step to step.
 """
 
 from __future__ import annotations
@@ -36,11 +38,16 @@ import yaml
 
 from isthmus.deploy.jobfile import load_yaml
 
-LOCKSTEP_EVERY = 10
-"""Most inner steps between the calibration run's synchronisations."""
+ROUND_CAP = 50
+"""Most inner steps between the calibration run's synchronisations: a job that
+synchronises less often is calibrated at this interval, where its sites compute
+nearly all the time already, to keep the calibration short."""
 
-WARM_UP_STEPS = LOCKSTEP_EVERY
-"""Steps left out at the start: the first round starts cold, the sites one by one."""
+WARM_UP_STEPS = 10
+"""Steps left out at the start at least: the first round starts cold, the sites one
+by one (:func:`calibration_steps` leaves out a whole first round)."""
+
+MIN_STEPS = 50
 
 
 @dataclass(frozen=True)
@@ -85,37 +92,34 @@ def steps_between_syncs(train: dict[str, Any]) -> int:
 
 
 def calibration_train(train: dict[str, Any]) -> dict[str, Any]:
-    """The ``train:`` settings of the calibration run of a job with ``train``."""
-    strategy = train.get("strategy", "diloco")
-    sync_every = int(train.get("sync_every", 50))
-    fragments = int(train.get("fragments", 2))
+    """The ``train:`` settings of the calibration run of a job with ``train`` (its
+    ``steps`` and warm-up from :func:`calibration_steps`)."""
     changed: dict[str, Any] = {"codec": "none"}  # the codec is modelled as host work
-    if strategy == "sync":
-        changed["strategy"] = "sync"
-    elif strategy == "streaming":
-        # A fragment at most every LOCKSTEP_EVERY steps, as many fragments as the job.
-        changed.update(strategy="streaming", sync_every=min(sync_every, LOCKSTEP_EVERY * fragments))
-    elif strategy == "async":
-        # Async's exchange runs while the next round computes, and on shared cores
-        # slows it down; lockstep DiLoCo never computes beside an exchange (held-out
-        # async runs computed at up to 1.9x the step it measured). Streaming with one
-        # fragment overlapped with all but the last step of each round does, and still
-        # keeps the sites in step.
-        every = min(sync_every, LOCKSTEP_EVERY)
-        changed.update(
-            strategy="streaming", sync_every=every, fragments=1, overlap_steps=max(0, every - 1)
-        )
-    else:
-        changed.update(strategy="diloco", sync_every=min(sync_every, LOCKSTEP_EVERY))
-    return {**train, **changed}
+    if train.get("strategy", "diloco") != "sync":
+        changed["sync_every"] = min(int(train.get("sync_every", 50)), ROUND_CAP)
+    calibration = {**train, **changed}
+    calibration.pop("compressor", None)  # the sparse codec's settings, with its codec
+    return calibration
 
 
-def calibrate(job_path: Path, *, steps: int = 50, keep: Path | None = None) -> Calibration:
+def calibration_steps(train: dict[str, Any]) -> tuple[int, int]:
+    """Steps of the calibration run with ``train`` settings (as :func:`calibration_train`
+    gives them), and the first of them left out: a whole first round (at least
+    :data:`WARM_UP_STEPS`), then three rounds measured (at least :data:`MIN_STEPS`
+    steps in all)."""
+    every = steps_between_syncs(train)
+    warm_up = max(WARM_UP_STEPS, every)
+    return max(MIN_STEPS, warm_up + 3 * every), warm_up
+
+
+def calibrate(job_path: Path, *, keep: Path | None = None) -> Calibration:
     """Each site's compute seconds per inner step, and their variation, in a short run
     of the job that synchronises as it does (see the module's docstring); ``keep``:
     a folder for the run (else a temporary one)."""
     raw = load_yaml(job_path.read_text())
-    raw["train"] = calibration_train({**(raw.get("train") or {}), "steps": steps})
+    train = calibration_train(raw.get("train") or {})
+    steps, warm_up = calibration_steps(train)
+    raw["train"] = {**train, "steps": steps}
     raw.pop("tune", None)  # never the online controller
     with tempfile.TemporaryDirectory(prefix="isthmus-calibrate-") as scratch:
         folder = keep or Path(scratch)
@@ -137,6 +141,7 @@ def calibrate(job_path: Path, *, steps: int = 50, keep: Path | None = None) -> C
         return steady_calibration(
             out / "metrics.jsonl",
             every=steps_between_syncs(raw["train"]),
+            warm_up=warm_up,
             model_share=model_share(raw["train"]),
         )
 

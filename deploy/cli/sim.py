@@ -43,10 +43,15 @@ PEER_OVERHEAD_S = 0.0
 the last site: none measurable. Fitted to DiLoCo runs of 2 and 4 sites on a fast
 link (benchmarks/perf_model_validation.py, twice on 2026-11-24: 0 ms). Before the
 model had the wait for the last site, the same fit put 6-19 ms here: that wait."""
-GLOO_LOOPBACK_BYTES_PER_S = 60e6
-GLOO_LOOPBACK_LATENCY_S = 1e-3
-"""The in-site step here (Gloo over loopback, a 2-rank site): 18-42 ms for the tiny
-model's 1.9 MB (``python benchmarks/hierarchical_step.py``)."""
+GLOO_LOOPBACK_BYTES_PER_S = 900e6
+GLOO_LOOPBACK_LATENCY_S = 0.25e-3
+"""The in-site step here (Gloo over loopback, a 2-rank site beside two busy processes):
+2-3 ms for the tiny model's 1.9 MB, medians of four runs of ``python
+benchmarks/in_site_fabric.py`` (838-1,126 MB/s, 0.10-0.27 ms; 2026-12-02). These were
+60 MB/s and 1 ms, read from the 18-42 ms median over ranks of
+``benchmarks/hierarchical_step.py``, which includes a rank's wait for the other to
+finish its backward pass; with them the model put 33 ms of every 2-rank exchange
+in the fabric, and predicted a 2+2-rank sync run's step 19% long."""
 DEFAULT_FABRIC_GBIT = 400.0
 """In-site bandwidth per rank for real sites when not given: one 400G NIC per GPU."""
 
