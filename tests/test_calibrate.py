@@ -43,6 +43,10 @@ def test_the_calibration_synchronises_as_the_job_does():
     capped = calibration_train({"strategy": "diloco", "sync_every": 500})
     assert capped["sync_every"] == ROUND_CAP
     assert calibration_train({"strategy": "diloco"})["sync_every"] == min(50, ROUND_CAP)
+    # A job that leaves them to the defaults: written out, so the steps can be planned.
+    default = calibration_train({})
+    assert default["strategy"] == "diloco" and default["sync_every"] == 50
+    assert calibration_steps(default) == (200, 50)
 
 
 @pytest.mark.parametrize(

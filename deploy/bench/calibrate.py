@@ -37,6 +37,7 @@ from typing import Any
 import yaml
 
 from isthmus.deploy.jobfile import load_yaml
+from isthmus.job.settings import TrainSettings
 
 ROUND_CAP = 50
 """Most inner steps between the calibration run's synchronisations: a job that
@@ -94,9 +95,14 @@ def steps_between_syncs(train: dict[str, Any]) -> int:
 def calibration_train(train: dict[str, Any]) -> dict[str, Any]:
     """The ``train:`` settings of the calibration run of a job with ``train`` (its
     ``steps`` and warm-up from :func:`calibration_steps`)."""
-    changed: dict[str, Any] = {"codec": "none"}  # the codec is modelled as host work
-    if train.get("strategy", "diloco") != "sync":
-        changed["sync_every"] = min(int(train.get("sync_every", 50)), ROUND_CAP)
+    defaults = TrainSettings()
+    strategy = train.get("strategy", defaults.strategy)
+    # The codec is modelled as host work; the strategy and interval written out, so
+    # that steps_between_syncs reads them where the job left them to the defaults.
+    changed: dict[str, Any] = {"codec": "none", "strategy": strategy}
+    if strategy != "sync":
+        every = int(train.get("sync_every", defaults.sync_every))
+        changed["sync_every"] = min(every, ROUND_CAP)
     calibration = {**train, **changed}
     calibration.pop("compressor", None)  # the sparse codec's settings, with its codec
     return calibration
