@@ -208,7 +208,7 @@ def test_sim_command_for_a_job_and_for_flags(capsys):
     out = json.loads(stdout)
     assert [p["strategy"] for p in out["predictions"]] == ["sync", "diloco", "streaming", "async"]
     assert out["scenario"]["sites"] == ["us-east", "eu-west", "asia-east"]
-    assert out["scenario"]["sync_every"] == 50 and out["validated_range"] == ""
+    assert out["scenario"]["sync_every"] == 10 and out["validated_range"] == ""
     assert out["scenario"]["step_jitter_s"] == 0.0
     code, stdout, stderr = in_process(
         capsys, "sim", "deploy/examples/three-continents.yaml", "--step-ms", "100",
