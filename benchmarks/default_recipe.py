@@ -1,0 +1,142 @@
+"""The DiLoCo family's recipes on a job's links, as a user judges them: loss per hour.
+
+    python benchmarks/default_recipe.py [--job deploy/examples/three-continents.yaml]
+        [--steps 600] [--only NAME ...] [--out DIR] [--json FILE]
+
+Runs ``isthmus run JOB --no-report`` once per recipe (the job's ``train:`` with
+the recipe's settings on top, ``--steps`` steps), then prints each one's
+held-out loss (the model the sites share, after every round), WAN bytes,
+compute utilisation, wall time, and when its held-out loss first reached a
+few levels and sync's final loss. This is the measurement behind the job
+file's DiLoCo-family defaults (docs/benchmarks.md, "Default recipe"): the
+outer optimizer, the codec and H.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from isthmus.deploy.run.compare import held_out_curve
+from isthmus.deploy.run.records import read_records
+
+PLAIN = {"outer_lr": 1.0, "outer_momentum": 0.0}
+NESTEROV = {"outer_lr": 0.7, "outer_momentum": 0.9}
+TERNARY = {"codec": "int2+zstd", "error_feedback": True}
+FLOAT32 = {"codec": "none", "error_feedback": False}
+RECIPES = {
+    "sync": {"strategy": "sync", "codec": "none"},
+    "diloco-h50-nesterov-fp32": {"strategy": "diloco", "sync_every": 50, **NESTEROV, **FLOAT32},
+    "diloco-h50": {"strategy": "diloco", "sync_every": 50, **PLAIN, **TERNARY},
+    "diloco-h20": {"strategy": "diloco", "sync_every": 20, **PLAIN, **TERNARY},
+    "diloco-h10": {"strategy": "diloco", "sync_every": 10, **PLAIN, **TERNARY},
+    "diloco-h4": {"strategy": "diloco", "sync_every": 4, **PLAIN, **TERNARY},
+    "diloco-h10-fp32": {"strategy": "diloco", "sync_every": 10, **PLAIN, **FLOAT32},
+    "diloco-h10-nesterov": {"strategy": "diloco", "sync_every": 10, **NESTEROV, **TERNARY},
+    "async-h10": {"strategy": "async", "sync_every": 10, **PLAIN, **TERNARY},
+    "async-h20": {"strategy": "async", "sync_every": 20, **PLAIN, **TERNARY},
+    "async-h10-int4": {
+        "strategy": "async",
+        "sync_every": 10,
+        **PLAIN,
+        "codec": "int4",
+        "error_feedback": True,
+    },
+    "async-h10-nesterov": {"strategy": "async", "sync_every": 10, **NESTEROV, **TERNARY},
+    "overlapped-h10-eager": {
+        "strategy": "streaming",
+        "fragments": 1,
+        "overlap_steps": 9,
+        "merge": "eager",
+        "sync_every": 10,
+        **PLAIN,
+        **TERNARY,
+    },
+}
+LEVELS = (2.5, 2.4, 2.3, 2.2, 2.1)
+
+
+def run(job: dict, name: str, steps: int, root: Path) -> dict:
+    folder = root / name
+    folder.mkdir(parents=True, exist_ok=True)
+    job = {**job, "train": {**(job.get("train") or {}), **RECIPES[name], "steps": steps}}
+    (folder / "job.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
+    out = folder / "run"
+    command = [sys.executable, "-m", "isthmus", "run", str(folder / "job.yaml")]
+    done = subprocess.run(
+        [*command, "--out", str(out), "--no-report"],
+        capture_output=True,
+        text=True,
+        cwd=folder,
+    )
+    if done.returncode:
+        raise RuntimeError(f"{name}: isthmus run failed: {done.stderr[-1500:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    evals = [r for r in read_records(out / "metrics.jsonl") if r.get("kind") == "eval"]
+    first = min(r["site"] for r in evals)
+    curve = held_out_curve([r for r in evals if r["site"] == first], summary["started"])
+    return {
+        "recipe": name,
+        "settings": RECIPES[name],
+        "steps": steps,
+        "held_out_loss": min(loss for _, loss in curve),
+        "wan_bytes": summary["wan_bytes"],
+        "compute_utilization": summary["compute_utilization"],
+        "wall_seconds": summary["wall_seconds"],
+        "curve": curve,
+    }
+
+
+def reached(curve: list[tuple[float, float]], level: float) -> float | None:
+    return next((t for t, loss in curve if loss <= level), None)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--job", type=Path, default=Path("deploy/examples/three-continents.yaml"))
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--only", nargs="+", choices=sorted(RECIPES), help="these recipes only")
+    parser.add_argument("--out", type=Path, help="keep the runs here (default: a temp dir)")
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    args = parser.parse_args()
+    if args.steps < 1:
+        parser.error("--steps must be >= 1")
+    job = yaml.safe_load(args.job.read_text())
+    root = (args.out or Path(tempfile.mkdtemp(prefix="isthmus-recipes-"))).resolve()
+    rows = []
+    for name in args.only or RECIPES:
+        print(f"{name}: {args.steps} steps ...", file=sys.stderr, flush=True)
+        rows.append(run(job, name, args.steps, root))
+    sync = next((r for r in rows if r["recipe"] == "sync"), None)
+    for row in rows:
+        ratio = f"{sync['wan_bytes'] / row['wan_bytes']:.0f}x" if sync else "-"
+        times = ", ".join(
+            f"{level}: " + (f"{t:.0f} s" if (t := reached(row["curve"], level)) else "-")
+            for level in LEVELS
+        )
+        to_sync = ""
+        if sync and row is not sync:
+            t = reached(row["curve"], sync["held_out_loss"] + 1e-9)
+            ratio_t = t / reached(sync["curve"], sync["held_out_loss"] + 1e-9) if t else None
+            to_sync = f"; sync's loss at {t:.0f} s ({ratio_t:.3f} of sync's)" if t else ""
+        print(
+            f"{row['recipe']:26s} loss {row['held_out_loss']:.3f}, "
+            f"{row['wan_bytes'] / 1e6:.1f} MB ({ratio} fewer), "
+            f"utilisation {row['compute_utilization']:.0%}, wall {row['wall_seconds']:.0f} s; "
+            f"reached {times}{to_sync}",
+            flush=True,
+        )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    print(f"runs in {root}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
