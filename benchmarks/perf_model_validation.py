@@ -198,8 +198,11 @@ def job_text(case: Case) -> str:
         f"wan: {{default: {{rtt_ms: {case.rtt_ms}, bandwidth_mbit: {case.bandwidth_mbit}}}"
         + (f", links: [{links[2:]}]" if links else "")
         + "}\n"
+        # Float32 exchanges, as every run here was measured (the DiLoCo family's default
+        # became int2+zstd since): the model costs codecs as host work, from their own
+        # benchmark (isthmus bench codec).
         f"train: {{strategy: {case.strategy}, steps: {case.steps}, "
-        f"sync_every: {case.sync_every}, batch_size: {BATCH}, eval_every: 0}}\n"
+        f"sync_every: {case.sync_every}, batch_size: {BATCH}, eval_every: 0, codec: none}}\n"
     )
 
 

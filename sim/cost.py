@@ -21,6 +21,13 @@ passes it: direct pushes ``m (S - m) N / S`` through a region of m sites,
 two-level ``(K - 1) N / K`` (K regions), the ring N/S per hop that leaves the
 region.
 
+Where every site runs on one machine (an emulated job), that machine also moves
+every byte: each phase lasts at least the bytes all sites send in it over the
+machine's measured data-plane rate (``machine_bytes_per_s``; unbounded for real
+sites). Direct sends ``(S - 1) N`` in each phase, the ring ``N`` per step,
+two-level ``sum (m - 1) N`` inside the regions at each end and ``(K - 1) N`` in
+each half of the exchange across.
+
 Latency and transfer add per link, then the slowest link sets the pace: on
 uneven links the longest latency and the lowest bandwidth are often different
 links (a 20 Mbit/s link at 40 ms beside a 300 Mbit/s one at 200 ms), and
@@ -33,6 +40,7 @@ benchmarks use it for the bound they report efficiency against.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -98,6 +106,7 @@ def direct_seconds(
     link: LinkLookup,
     uplink_bytes_per_s: Mapping[str, float] | None = None,
     regions: Regions | None = None,
+    machine_bytes_per_s: float = math.inf,
 ) -> float:
     s = len(sites)
     if s < 2:
@@ -119,7 +128,7 @@ def direct_seconds(
     shared = 0.0
     if regions is not None:
         shared = regions.egress_seconds(sites, lambda m: len(m) * (s - len(m)) * share, link)
-    return 2 * max(slowest, capped, shared)
+    return 2 * max(slowest, capped, shared, (s - 1) * nbytes / machine_bytes_per_s)
 
 
 def ring_seconds(
@@ -128,6 +137,7 @@ def ring_seconds(
     link: LinkLookup,
     uplink_bytes_per_s: Mapping[str, float] | None = None,
     regions: Regions | None = None,
+    machine_bytes_per_s: float = math.inf,
 ) -> float:
     s = len(sites)
     if s < 2:
@@ -143,6 +153,7 @@ def ring_seconds(
     if regions is not None:
         hops_out = lambda m: sum(1 for a, b in hops if a in m and b not in m) * share  # noqa: E731
         step = max(step, regions.egress_seconds(sites, hops_out, link))
+    step = max(step, nbytes / machine_bytes_per_s)  # every site sends N / S a step
     return 2 * (s - 1) * step
 
 
@@ -152,15 +163,20 @@ def two_level_seconds(
     link: LinkLookup,
     uplink_bytes_per_s: Mapping[str, float] | None = None,
     regions: Regions | None = None,
+    machine_bytes_per_s: float = math.inf,
 ) -> float:
     """A reduce-scatter inside every region (at once), direct across regions among
     each piece's holders (the busiest holding the largest slice, N / the smallest
     region's size), then each member's slice to the rest of its region."""
     if regions is None or len(sites) < 2:
-        return direct_seconds(nbytes, sites, link, uplink_bytes_per_s, regions)
+        return direct_seconds(nbytes, sites, link, uplink_bytes_per_s, regions, machine_bytes_per_s)
     groups = regions.groups(sites)
+    # Inside every region at once, each member sends (m - 1) N / m: on one machine
+    # the regions' phases share it.
+    inside_bytes = sum(len(m) - 1 for m in groups.values()) * nbytes
     # The reduce-scatter is the direct algorithm's first of two equal phases.
     inside = max(direct_seconds(nbytes, m, link, uplink_bytes_per_s) for m in groups.values()) / 2
+    inside = max(inside, inside_bytes / machine_bytes_per_s)
     k, q = len(groups), max(len(m) for m in groups.values())
     across = 0.0
     if k > 1:
@@ -169,7 +185,8 @@ def two_level_seconds(
             group = [m[j * len(m) // q] for m in groups.values()]
             across = max(across, direct_seconds(busiest, group, link, uplink_bytes_per_s))
         shared = regions.egress_seconds(sites, lambda m: (k - 1) * nbytes / k, link)
-        across = max(across, 2 * shared)
+        # Each piece's k holders run the direct algorithm on it: (k - 1) N in all per half.
+        across = max(across, 2 * shared, 2 * (k - 1) * nbytes / machine_bytes_per_s)
     back = 0.0
     for members in groups.values():
         if len(members) < 2:
@@ -180,6 +197,7 @@ def two_level_seconds(
             max(link(a, b).one_way_s + part / link(a, b).bandwidth_bytes_per_s
                 for a in members for b in members if a != b),
         )  # fmt: skip
+    back = max(back, inside_bytes / machine_bytes_per_s)
     return inside + across + back
 
 
@@ -194,14 +212,16 @@ def predict(
     uplink_bytes_per_s: Mapping[str, float] | None = None,
     *,
     regions: Regions | None = None,
+    machine_bytes_per_s: float = math.inf,
 ) -> dict[str, float]:
     """Predicted seconds of every algorithm (``two_level`` too, given ``regions``
-    that group some sites together)."""
+    that group some sites together); ``machine_bytes_per_s``: the data-plane rate of
+    one machine that runs every site (an emulated job)."""
     algorithms: dict[str, Callable[..., float]] = dict(ALGORITHMS)
     if regions is not None and any(len(m) > 1 for m in regions.groups(sites).values()):
         algorithms["two_level"] = two_level_seconds
     return {
-        name: cost(nbytes, sites, link, uplink_bytes_per_s, regions)
+        name: cost(nbytes, sites, link, uplink_bytes_per_s, regions, machine_bytes_per_s)
         for name, cost in algorithms.items()
     }
 

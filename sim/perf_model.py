@@ -133,6 +133,11 @@ class Scenario:
     fabric_bytes_per_s: float = math.inf
     """In-site bandwidth per rank (NVLink or InfiniBand; Gloo over loopback here)."""
     fabric_latency_s: float = 0.0
+    machine_bytes_per_s: float = math.inf
+    """An emulated job, every site on one machine: the data-plane bytes per second that
+    machine moves at the job's number of site processes (measured by ``isthmus sim
+    --calibrate``). Each all-reduce phase lasts at least what all sites send in it at
+    this rate (:mod:`isthmus.sim.cost`); unbounded for real sites."""
     host_contention: float = 1.0
     """How much slower host work runs: processes per core on a shared machine (an
     emulated run); 1 where every process has its own cores."""
@@ -282,12 +287,9 @@ def exchange_cost(scenario: Scenario, nbytes: float, *, outer: float = 0.0) -> E
     regions = scenario.regions
     costs = predict(nbytes, sites, scenario.link, scenario.uplink_bytes_per_s, regions=regions)
     algorithm = min(costs, key=lambda name: (costs[name], name != "direct"))
-    latency = predict(0.0, sites, scenario.link, scenario.uplink_bytes_per_s, regions=regions)[
-        algorithm
-    ]
     raw_bytes = nbytes / CODEC_BYTES_PER_VALUE[scenario.codec] * 4
     codec_s = raw_bytes / scenario.codec_bytes_per_s if scenario.codec != "none" else 0.0
-    wire_s = (costs[algorithm] - latency) / scenario.efficiency + latency
+    wire_s = all_reduce_seconds(scenario, nbytes, algorithm)
     # What one site sends (and receives) in either algorithm: 2 (S-1)/S of the bytes.
     copies_s = 2 * (len(sites) - 1) / len(sites) * nbytes / scenario.host_link_bytes_per_s
     wire_s = max(wire_s, copies_s)
@@ -302,6 +304,35 @@ def exchange_cost(scenario: Scenario, nbytes: float, *, outer: float = 0.0) -> E
         + scenario.outer_step_s * outer
     )
     return ExchangeCost(wire_s, host_s * scenario.host_contention, algorithm)
+
+
+def all_reduce_seconds(scenario: Scenario, nbytes: float, algorithm: str) -> float:
+    """One all-reduce of ``nbytes`` by ``algorithm`` on the scenario's links: its
+    latency, and its transfer over the engine's efficiency. Where one machine runs
+    every site (an emulated job, ``machine_bytes_per_s``), each phase also lasts the
+    bytes every site sends in it over that machine's measured rate, which already
+    holds the engine's own losses."""
+    sites = list(scenario.sites)
+    if not math.isfinite(scenario.machine_bytes_per_s):
+        links = (scenario.link, scenario.uplink_bytes_per_s)
+        total = predict(nbytes, sites, *links, regions=scenario.regions)[algorithm]
+        latency = predict(0.0, sites, *links, regions=scenario.regions)[algorithm]
+        return (total - latency) / scenario.efficiency + latency
+    efficiency = scenario.efficiency
+
+    def link(a: str, b: str) -> LinkCost:
+        cost = scenario.link(a, b)
+        return LinkCost(cost.bandwidth_bytes_per_s * efficiency, cost.one_way_s)
+
+    uplinks = {site: rate * efficiency for site, rate in scenario.uplink_bytes_per_s.items()}
+    regions = scenario.regions
+    if regions is not None:
+        capped = {r: rate * efficiency for r, rate in regions.egress_bytes_per_s.items()}
+        regions = Regions(regions.of, capped)
+    machine = scenario.machine_bytes_per_s
+    return predict(nbytes, sites, link, uplinks, regions=regions, machine_bytes_per_s=machine)[
+        algorithm
+    ]
 
 
 def exchange_seconds(scenario: Scenario, nbytes: float) -> tuple[float, str]:

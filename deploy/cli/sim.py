@@ -129,7 +129,14 @@ def register(commands: Any) -> None:
     what.add_argument(
         "--calibrate",
         action="store_true",
-        help="measure the step time on this machine at the job's concurrency",
+        help="measure the step time on this machine at the job's concurrency (and, for an "
+        "emulated job, the machine's data-plane rate with the job's sites)",
+    )
+    what.add_argument(
+        "--machine-mbyte-s",
+        type=float,
+        help="an emulated job: the MB/s of data-plane bytes the machine running every site "
+        "moves (--calibrate measures it); bounds every all-reduce phase",
     )
 
 
@@ -170,6 +177,9 @@ def _sim(args: argparse.Namespace) -> int:
             "overlap_steps": scenario.overlap_steps,
             "codec": scenario.codec,
             "efficiency": scenario.efficiency,
+            "machine_bytes_per_s": (
+                machine if math.isfinite(machine := scenario.machine_bytes_per_s) else None
+            ),
             "chosen": scenario.strategy,
             "host_work": site_hardware(scenario.host_hardware).describe(),
             "regions": (
@@ -221,6 +231,11 @@ def _sim(args: argparse.Namespace) -> int:
         f"all-reduce of the model ({model_bytes / 1e9:.3g} GB, codec {sc['codec']}), bounds: "
         + ", ".join(f"{name} {seconds:.3g} s" for name, seconds in bounds.items())
     )
+    if sc["machine_bytes_per_s"]:
+        print(
+            f"one machine runs every site: {sc['machine_bytes_per_s'] / 1e6:.0f} MB/s of "
+            "data-plane bytes bound each all-reduce phase"
+        )
     if regions is not None and groups is not None:
         sizes = sorted({len(m) for m in groups.values()})
         print(
@@ -387,7 +402,25 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
         host_hardware=hardware.name,
         **_host_work(job, params, hardware),
         **_fabric(job, args),
+        machine_bytes_per_s=_machine(job, args),
     )
+
+
+def _machine(job: Job | None, args: argparse.Namespace) -> float:
+    """The data-plane rate of the one machine that runs an emulated job's sites:
+    given, measured (``--calibrate``), or unbounded (real sites, or not asked)."""
+    given = getattr(args, "machine_mbyte_s", None)
+    if given is not None:
+        if not (0 < given < math.inf):
+            raise ScenarioError("machine_mbyte_s", f"must be > 0 MB/s, got {given}")
+        return given * 1e6
+    if job is None or job.wan is None or not getattr(args, "calibrate", False):
+        return math.inf
+    from isthmus.deploy.bench.calibrate import machine_rate
+
+    print("calibrating: this machine's data-plane rate with the job's sites ...", file=sys.stderr)
+    rate, _ = machine_rate(Path(args.job))
+    return rate
 
 
 def _flag_regions(
