@@ -193,6 +193,10 @@ class Scenario:
             raise ScenarioError(
                 "host_contention", f"must be >= 1 (processes per core), got {self.host_contention}"
             )
+        if not (self.machine_bytes_per_s > 0):
+            raise ScenarioError(
+                "machine_mbyte_s", f"must be > 0 MB/s, got {self.machine_bytes_per_s / 1e6:g}"
+            )
         if not (0 < self.efficiency <= 1):
             raise ScenarioError("efficiency", f"must be in (0, 1], got {self.efficiency}")
         for pair, cost in self.links.items():
