@@ -32,7 +32,7 @@ from pathlib import Path
 
 from isthmus.deploy.bench.allreduce import run_allreduce_bench
 from isthmus.deploy.bench.calibrate import machine_rate
-from isthmus.deploy.cli.sim import job_scenario
+from isthmus.deploy.cli.sim_scenario import job_scenario
 from isthmus.deploy.jobfile import load_job
 from isthmus.sim.perf_model import all_reduce_seconds
 

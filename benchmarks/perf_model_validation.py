@@ -55,7 +55,7 @@ from isthmus.deploy.bench.calibrate import (
     steady_calibration,
     steps_between_syncs,
 )
-from isthmus.deploy.cli.sim import job_scenario
+from isthmus.deploy.cli.sim_scenario import job_scenario
 from isthmus.deploy.run.records import read_records
 from isthmus.deploy.run.summary import training_figures
 from isthmus.sim.perf_model import Scenario, exchange_seconds, predict_run

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from test_cli import in_process
 
-from isthmus.deploy.cli.sim import job_scenario
+from isthmus.deploy.cli.sim_scenario import job_scenario
 from isthmus.sim.cost import LinkCost, Regions, direct_seconds, predict, ring_seconds
 from isthmus.sim.perf_model import all_reduce_seconds
 
