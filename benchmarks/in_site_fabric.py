@@ -17,7 +17,7 @@ other sites and its emulator do.
 It prints the latency per collective, the bytes per second of the fit
 ``2 (d - 1) / d x bytes / rate + 2 (d - 1) x latency`` (the model's in-site
 term, ``isthmus.sim.perf_model.exchange_cost``) through the two larger sizes,
-and the constants ``deploy/cli/sim.py`` holds for them.
+and the constants ``deploy/cli/sim_scenario.py`` holds for them.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def main() -> int:
         f"{result['latency_s'] * 1e3:.3f} ms per collective, {result['bytes_per_s'] / 1e6:.0f} MB/s"
     )
     print(
-        "deploy/cli/sim.py: GLOO_LOOPBACK_BYTES_PER_S, GLOO_LOOPBACK_LATENCY_S "
+        "deploy/cli/sim_scenario.py: GLOO_LOOPBACK_BYTES_PER_S, GLOO_LOOPBACK_LATENCY_S "
         "(an emulated job's in-site step)"
     )
     return 0
