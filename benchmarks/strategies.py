@@ -67,6 +67,16 @@ CONFIGS: dict[str, list[str]] = {
     "diloco-avg-h4-int2zstd-ef": [
         *("--strategy", "diloco", "--sync-every", "4", *FEDAVG, *INT2_ZSTD_EF),
     ],
+    # The outer step beyond plain averaging at the same H and codec: a rate above 1
+    # (extrapolating each round's average), or Nesterov momentum at rate 1.
+    "diloco-lr1.3-h4-int2zstd-ef": [
+        *("--strategy", "diloco", "--sync-every", "4", "--outer-lr", "1.3"),
+        *("--outer-momentum", "0.0", *INT2_ZSTD_EF),
+    ],
+    "diloco-nesterov0.5-h4-int2zstd-ef": [
+        *("--strategy", "diloco", "--sync-every", "4", "--outer-lr", "1.0"),
+        *("--outer-momentum", "0.5", *INT2_ZSTD_EF),
+    ],
     "diloco-avg-shrinking-int2zstd-ef": [
         *("--strategy", "diloco", "--sync-every-schedule", SHRINKING_H, *FEDAVG, *INT2_ZSTD_EF),
     ],

@@ -126,6 +126,11 @@ def parse_config(message: dict[str, Any], current: TrainSettings) -> ConfigChang
     fixed = sorted(set(settings) - set(LIVE_SETTINGS))
     if fixed:
         return f"{fixed} cannot change while running; live settings: {', '.join(LIVE_SETTINGS)}"
+    unset = sorted(key for key, value in settings.items() if value is None)
+    if unset:
+        # A job file's null means "the strategy's default", filled in before the run
+        # starts; a running strategy needs a value.
+        return f"{unset} need a value while running (null is a job file's default, not a setting)"
     from_round = message.get("from_round")
     if not (isinstance(from_round, int) and not isinstance(from_round, bool) and from_round >= 0):
         return f"'from_round' must be an integer >= 0, got {from_round!r}"

@@ -23,7 +23,7 @@ MAX_CONNECTIONS_PER_PEER = 16
 STRATEGIES = ("sync", "diloco", "streaming", "async")
 SCHEDULES = ("cosine", "constant", "wsd")
 MERGES = ("mix", "eager")
-STRATEGY_DEFAULTS = ("codec", "error_feedback")
+STRATEGY_DEPENDENT = ("codec", "error_feedback")
 """Settings whose default depends on the strategy: unset in a job file, they follow a
 strategy changed on the command line (``--strategy``, ``--compare``)."""
 ALGORITHMS = ("direct", "ring", "two_level", "auto")
@@ -231,12 +231,16 @@ class TrainSettings:
 
     def _fill_strategy_defaults(self) -> None:
         """``codec`` and ``error_feedback`` left unset: what measured best for the
-        strategy (:data:`STRATEGY_DEFAULTS`)."""
+        strategy (:data:`STRATEGY_DEPENDENT`)."""
         if self.codec is None:
             object.__setattr__(self, "codec", "none" if self.strategy == "sync" else "int2+zstd")
         if self.error_feedback is None:
-            lossy = isinstance(self.codec, str) and self.codec.partition("+")[0] != "none"
-            object.__setattr__(self, "error_feedback", self.strategy != "sync" and lossy)
+            name = self.codec.partition("+")[0] if isinstance(self.codec, str) else ""
+            # The sparse codec needs it with every strategy (what it does not send
+            # would never be sent); the DiLoCo family's pseudo-gradients gain from it
+            # with any lossy codec.
+            lossy = self.strategy != "sync" and name not in ("", "none")
+            object.__setattr__(self, "error_feedback", is_sparse(name) or lossy)
 
     def _check_compressor(self) -> None:
         """``codec: topk`` with ``compressor``: check the settings and write them into

@@ -40,9 +40,10 @@ from isthmus.deploy.jobfile import load_yaml
 from isthmus.job.settings import TrainSettings
 
 ROUND_CAP = 50
-"""Most inner steps between the calibration run's synchronisations: a job that
-synchronises less often is calibrated at this interval, where its sites compute
-nearly all the time already, to keep the calibration short."""
+"""Most inner steps between the calibration run's synchronisations (Streaming's:
+between its fragments' exchanges): a job that synchronises less often is
+calibrated at this interval, where its sites compute nearly all the time already,
+to keep the calibration short."""
 
 WARM_UP_STEPS = 10
 """Steps left out at the start at least: the first round starts cold, the sites one
@@ -100,7 +101,14 @@ def calibration_train(train: dict[str, Any]) -> dict[str, Any]:
     # The codec is modelled as host work; the strategy and interval written out, so
     # that steps_between_syncs reads them where the job left them to the defaults.
     changed: dict[str, Any] = {"codec": "none", "strategy": strategy}
-    if strategy != "sync":
+    if strategy == "streaming":
+        # Its sites meet at every fragment: cap the fragments' interval, not the round,
+        # and keep each exchange's overlap within it.
+        fragments = int(train.get("fragments", defaults.fragments))
+        every = min(int(train.get("sync_every", defaults.sync_every)), ROUND_CAP * fragments)
+        overlap = int(train.get("overlap_steps", defaults.overlap_steps))
+        changed.update(sync_every=every, overlap_steps=min(overlap, every // fragments))
+    elif strategy != "sync":
         every = int(train.get("sync_every", defaults.sync_every))
         changed["sync_every"] = min(every, ROUND_CAP)
     calibration = {**train, **changed}
@@ -227,8 +235,10 @@ rounds are the machine's bytes, not its latencies."""
 
 
 def machine_rate(job_path: Path, *, repeats: int = 3) -> tuple[float, int]:
-    """The data-plane bytes per second this machine moves with the job's sites, one
-    process each as an emulated run starts them, and how many: the engine's direct
+    """The data-plane bytes per second this machine moves with the job's sites (one
+    process each: the site processes of the data plane; a multi-rank site's other
+    ranks compute beside them in a run, which this leaves out), and how many: the
+    engine's direct
     all-reduce of :data:`MACHINE_SIZE_MIB` MiB among them over unbounded links (no
     latency, 100 Gbit/s), its bytes over its median round. The model bounds every
     all-reduce phase of the emulated job by it (:mod:`isthmus.sim.cost`): with many

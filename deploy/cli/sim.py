@@ -13,6 +13,7 @@ from isthmus.deploy.cli.sim_scenario import (
     DEFAULT_GPU,
     EMULATED_ENGINE_EFFICIENCY,
     ENGINE_EFFICIENCY,
+    codec_for,
     job_scenario,
     scenario_from,
 )
@@ -120,12 +121,21 @@ def _sim(args: argparse.Namespace) -> int:
     except ScenarioError as exc:
         raise UsageError(f"--{exc.field.replace('_', '-')}: {str(exc).split(': ', 1)[1]}") from None
     rows = []
+    hardware = site_hardware(scenario.host_hardware)
     for strategy in STRATEGIES:
+        # Each strategy with its own codec where the job leaves it to the defaults.
+        codec = codec_for(args, strategy) if args.job else scenario.codec
+        row = _with(
+            scenario,
+            strategy=strategy,
+            codec=codec,
+            codec_bytes_per_s=hardware.codec_bytes_per_s(codec),
+        )
         try:
-            prediction = predict_run(_with(scenario, strategy=strategy))
+            prediction = predict_run(row)
         except ScenarioError as exc:  # e.g. fragments > sync_every for sync's H = 1
             raise UsageError(str(exc)) from None
-        rows.append(prediction.to_dict())
+        rows.append(prediction.to_dict() | {"codec": codec})
     # Every algorithm's bound for one exchange of the whole model (what ``auto`` and
     # the exchange column choose from).
     model_bytes = scenario.params * CODEC_BYTES_PER_VALUE[scenario.codec]
@@ -135,6 +145,7 @@ def _sim(args: argparse.Namespace) -> int:
         scenario.link,
         scenario.uplink_bytes_per_s,
         regions=scenario.regions,
+        machine_bytes_per_s=scenario.machine_bytes_per_s,
     )
     regions = scenario.regions
     groups = regions.groups(list(scenario.sites)) if regions is not None else None
@@ -192,14 +203,14 @@ def _sim(args: argparse.Namespace) -> int:
         + f", {sc['tokens_per_step']:,.0f} tokens per "
         f"step (all sites), H={sc['sync_every']}, codec {sc['codec']}"
     )
-    print(f"{'strategy':10s} {'step':>10s} {'round':>10s} {'exchange':>10s} "
-          f"{'all-reduce':>11s} {'utilisation':>12s} {'WAN B/token':>12s}")  # fmt: skip
+    print(f"{'strategy':10s} {'step':>10s} {'round':>10s} {'exchange':>10s} {'all-reduce':>11s} "
+          f"{'utilisation':>12s} {'WAN B/token':>12s} {'codec':>6s}")  # fmt: skip
     for row in rows:
         mark = " <" if row["strategy"] == sc["chosen"] else ""
         print(
             f"{row['strategy']:10s} {row['step_s'] * 1e3:8.1f}ms {row['round_s']:9.2f}s "
             f"{row['exchange_s']:9.2f}s {row['algorithm']:>11s} {row['utilization']:11.1%} "
-            f"{row['wan_bytes_per_token']:12.1f}{mark}"
+            f"{row['wan_bytes_per_token']:12.1f} {row['codec']:>6s}{mark}"
         )
     print(
         f"all-reduce of the model ({model_bytes / 1e9:.3g} GB, codec {sc['codec']}), bounds: "

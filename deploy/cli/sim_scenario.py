@@ -18,6 +18,7 @@ from typing import Any
 
 from isthmus.deploy.jobfile import Job, load_job
 from isthmus.job.compressor import is_sparse
+from isthmus.job.settings import TrainSettings
 from isthmus.sim.cost import LinkCost, Regions, job_costs
 from isthmus.sim.hardware import SiteHardware, site_hardware
 from isthmus.sim.perf_model import (
@@ -107,7 +108,7 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
         jitter_s = given_jitter / 1e3
     strategy = args.strategy or (train.strategy if train else "diloco")
     hardware = _hardware(job, args)
-    codec = args.codec or (train.codec.partition("+")[0] if train else "none")
+    codec = codec_for(args, strategy, job)
     if is_sparse(codec):
         # Its result carries the union of the sites' positions: more bytes down than
         # up, which the model's symmetric exchange does not describe.
@@ -141,6 +142,23 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
         **_fabric(job, args),
         machine_bytes_per_s=_machine(job, args),
     )
+
+
+def codec_for(args: argparse.Namespace, strategy: str, job: Job | None = None) -> str:
+    """The codec a prediction for ``strategy`` costs: ``--codec``; else the job file's
+    own; else, where the job file leaves it unset, that strategy's default (sync's
+    gradients cross as float32, the DiLoCo family's pseudo-gradients as int2), as
+    ``isthmus run --strategy`` would run it; ``none`` without a job file. The
+    model counts a codec's fixed size: ``+zstd``'s gain depends on the data."""
+    if args.codec:
+        return args.codec
+    if job is None and args.job:
+        job = load_job(args.job)
+    if job is None:
+        return "none"
+    given = (job.raw.get("train") or {}).get("codec")
+    settings = job.train if given is not None else TrainSettings(strategy=strategy)
+    return settings.codec.partition("+")[0]
 
 
 def _machine(job: Job | None, args: argparse.Namespace) -> float:

@@ -16,7 +16,7 @@ import yaml
 
 from isthmus.deploy.jobfile import Job, free_port_blocks, load_job, load_yaml, parse_job
 from isthmus.intra.checkpoint_files import checkpoint_number, complete_checkpoints
-from isthmus.job.settings import STRATEGY_DEFAULTS, SettingError
+from isthmus.job.settings import STRATEGY_DEPENDENT, SettingError
 
 
 class RunError(Exception):
@@ -40,12 +40,13 @@ def resolve_job(
     changes: dict[str, Any] = dict(train or {})
     if strategy is not None:
         changes["strategy"] = strategy
-    if "strategy" in changes:
-        # What the job file left to the defaults follows the new strategy (sync's
-        # gradients cross uncompressed, the DiLoCo family's pseudo-gradients do not).
-        given = job.raw.get("train") or {}
-        for key in STRATEGY_DEFAULTS:
-            if key not in given and key not in changes:
+    # What the job file left to the defaults (absent or null) follows a strategy or
+    # codec changed here: sync's gradients cross uncompressed, the DiLoCo family's
+    # pseudo-gradients do not, and error feedback goes with a lossy codec.
+    given = job.raw.get("train") or {}
+    if "strategy" in changes or "codec" in changes:
+        for key in STRATEGY_DEPENDENT:
+            if given.get(key) is None and key not in changes:
                 changes[key] = None
     if steps is not None:
         changes["steps"] = steps
