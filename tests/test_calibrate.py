@@ -39,6 +39,12 @@ def test_the_calibration_synchronises_as_the_job_does():
         )
         assert same["strategy"] == strategy and same["sync_every"] == 25
         assert same["fragments"] == 5 and same["overlap_steps"] == 2
+    # Streaming's sites meet at every fragment: its fragments' interval is capped, and
+    # each exchange's overlap stays within it.
+    long = calibration_train(
+        {"strategy": "streaming", "sync_every": 400, "fragments": 4, "overlap_steps": 80}
+    )
+    assert long["sync_every"] == 4 * ROUND_CAP and long["overlap_steps"] == ROUND_CAP
     # ... up to ROUND_CAP steps, where sites compute nearly all the time anyway.
     capped = calibration_train({"strategy": "diloco", "sync_every": 500})
     assert capped["sync_every"] == ROUND_CAP

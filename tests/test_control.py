@@ -151,6 +151,9 @@ def test_config_messages_are_checked_against_the_settings():
         ({"settings": {}, "from_round": 1}, "non-empty object"),
         ({"settings": {"sync_every": 5}, "from_round": -1}, "'from_round' must be"),
         ({"settings": {"sync_every": 5}, "from_round": 1, "protocol": 9}, "protocol 9"),
+        # null is a job file's "the strategy's default", filled in before the run: a
+        # running strategy cannot take it (it had crashed every site at once).
+        ({"settings": {"codec": None}, "from_round": 1}, "need a value while running"),
     ]:
         refused = parse_config(message, current)
         assert isinstance(refused, str) and reason in refused, (message, refused)

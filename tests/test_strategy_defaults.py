@@ -36,7 +36,7 @@ def test_given_settings_win_over_the_strategys_defaults():
 
 
 def job(tmp_path: Path, train: str) -> Path:
-    path = tmp_path / "job.yaml"
+    path = tmp_path / f"job-{len(list(tmp_path.glob('job-*.yaml')))}.yaml"
     path.write_text(
         "name: defaults\nsites: [{name: a}, {name: b}]\n"
         f"wan: {{default: {{rtt_ms: 20, bandwidth_mbit: 100}}}}\ntrain: {train}\n"
@@ -59,3 +59,24 @@ def test_a_strategy_from_the_command_line_brings_its_own_defaults(tmp_path):
     given = job(tmp_path, "{strategy: diloco, codec: int8, error_feedback: false}")
     resolved, _ = resolve_job(given, strategy="streaming")
     assert resolved.train.codec == "int8" and resolved.train.error_feedback is False
+    # A null written out (as docs/job-file.md shows the defaults) is unset too.
+    nulls = job(tmp_path, "{strategy: diloco, codec: null, error_feedback: null}")
+    resolved, _ = resolve_job(nulls, strategy="sync")
+    assert resolved.train.codec == "none" and resolved.train.error_feedback is False
+
+
+def test_a_trials_codec_brings_the_error_feedback_the_job_file_would_get(tmp_path):
+    """isthmus tune's trials change the codec of a resolved job: error feedback, left
+    unset in the job file, follows the trial's codec, as the job file that tune
+    --apply writes would get it."""
+    plain = job(tmp_path, "{strategy: diloco, codec: none}")
+    resolved, _ = resolve_job(plain, train={"codec": "int8"})
+    assert resolved.train.codec == "int8" and resolved.train.error_feedback is True
+    kept = job(tmp_path, "{strategy: diloco, codec: none, error_feedback: false}")
+    resolved, _ = resolve_job(kept, train={"codec": "int8"})
+    assert resolved.train.error_feedback is False
+
+
+def test_the_sparse_codec_gets_its_error_feedback_under_every_strategy():
+    for strategy in ("sync", "diloco", "streaming", "async"):
+        assert TrainSettings(strategy=strategy, codec="topk").error_feedback is True
