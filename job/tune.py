@@ -25,8 +25,10 @@ class TuneSettings:
     price_per_gb: float = 0.05
     """WAN egress price, per GB sent, for the cost column (inter-region transfer is
     typically 0.02-0.09 in USD)."""
-    codecs: tuple[str, ...] = ("none", "bf16", "int8", "int4")
-    """Codecs the tuner may pick."""
+    codecs: tuple[str, ...] = ("none", "bf16", "int8", "int4", "int2")
+    """Codecs the tuner may pick, the most precise that reaches the target first;
+    ``int2`` (ternary, with error feedback) is the DiLoCo family's default, and left
+    out the tuner could only ever move a job away from it."""
     min_sync_every: int = 5
     max_sync_every: int = 500
     """Bounds on H for the sweep and for the online controller."""

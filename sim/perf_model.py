@@ -311,17 +311,13 @@ def exchange_cost(scenario: Scenario, nbytes: float, *, outer: float = 0.0) -> E
 
 
 def all_reduce_seconds(scenario: Scenario, nbytes: float, algorithm: str) -> float:
-    """One all-reduce of ``nbytes`` by ``algorithm`` on the scenario's links: its
-    latency, and its transfer over the engine's efficiency. Where one machine runs
+    """One all-reduce of ``nbytes`` by ``algorithm`` on the scenario's links: every
+    link's (and shared capacity's) rate times the engine's efficiency, its latency
+    as it is. Where one machine runs
     every site (an emulated job, ``machine_bytes_per_s``), each phase also lasts the
     bytes every site sends in it over that machine's measured rate, which already
     holds the engine's own losses."""
     sites = list(scenario.sites)
-    if not math.isfinite(scenario.machine_bytes_per_s):
-        links = (scenario.link, scenario.uplink_bytes_per_s)
-        total = predict(nbytes, sites, *links, regions=scenario.regions)[algorithm]
-        latency = predict(0.0, sites, *links, regions=scenario.regions)[algorithm]
-        return (total - latency) / scenario.efficiency + latency
     efficiency = scenario.efficiency
 
     def link(a: str, b: str) -> LinkCost:

@@ -94,3 +94,13 @@ def test_the_machines_rate_is_measured_with_the_jobs_sites_over_unbounded_links(
     # 32 MiB among 3 sites: at 1 Mbit/s on the job's links a round would take minutes,
     # and the rate would read 0.1 MB/s.
     assert rate > 20e6
+
+
+def test_a_machine_too_fast_to_bind_predicts_what_the_links_alone_do():
+    """One formula for the engine's efficiency with and without a machine's rate: a
+    rate no phase reaches changes nothing."""
+    scenario = job_scenario(ROOT / "deploy/examples/three-continents.yaml", 0.1)
+    for algorithm in ("direct", "ring"):
+        alone = all_reduce_seconds(scenario, 8e6, algorithm)
+        fast = dataclasses.replace(scenario, machine_bytes_per_s=1e30)
+        assert all_reduce_seconds(fast, 8e6, algorithm) == pytest.approx(alone, rel=1e-12)
