@@ -31,7 +31,9 @@ import statistics
 import time
 import warnings
 
-SIZES = (2, 470_784, 4 * 470_784)
+SIZES = (1, 470_784, 4 * 470_784)
+"""Values per rank's shard times the ranks (so any rank count divides them): one (the
+latency), the tiny model, and four times it."""
 
 
 def _rank(rank: int, ranks: int, port: int, repeats: int, out) -> None:
@@ -43,7 +45,7 @@ def _rank(rank: int, ranks: int, port: int, repeats: int, out) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
     medians = {}
-    for size in SIZES:
+    for size in (per_rank * ranks for per_rank in _shards(ranks)):
         values = torch.randn(size)
         shard, whole = torch.empty(size // ranks), torch.empty(size)
         times = []
@@ -53,10 +55,15 @@ def _rank(rank: int, ranks: int, port: int, repeats: int, out) -> None:
             dist.reduce_scatter_tensor(shard, values)
             dist.all_gather_into_tensor(whole, shard)
             times.append(time.perf_counter() - started)
-        medians[size] = statistics.median(times[5:])  # the first calls set up buffers
+        medians[len(medians)] = statistics.median(times[5:])  # first calls set up buffers
     dist.destroy_process_group()
     if rank == 0:
         out.put(medians)
+
+
+def _shards(ranks: int) -> list[int]:
+    """Each rank's shard of every size in :data:`SIZES` (rounded up)."""
+    return [-(-size // ranks) for size in SIZES]
 
 
 def _spin(stop) -> None:
@@ -92,14 +99,14 @@ def measure(ranks: int, busy: int, repeats: int) -> dict:
             p.join()
     # Two collectives, each (d - 1) latencies: 2 (d - 1) in all, as the model counts.
     hops = 2 * (ranks - 1)
-    latency = medians[SIZES[0]] / hops
+    latency = medians[0] / hops
     share = 2 * (ranks - 1) / ranks
-    (small, large) = SIZES[1:]
-    rate = share * 4 * (large - small) / (medians[large] - medians[small])
+    sizes = [per_rank * ranks for per_rank in _shards(ranks)]
+    rate = share * 4 * (sizes[2] - sizes[1]) / (medians[2] - medians[1])
     return {
         "ranks": ranks,
         "busy_processes": busy,
-        "seconds_by_values": {str(size): medians[size] for size in SIZES},
+        "seconds_by_values": {str(size): medians[i] for i, size in enumerate(sizes)},
         "latency_s": latency,
         "bytes_per_s": rate,
     }
@@ -126,7 +133,8 @@ def main() -> int:
         )
     print(
         f"{args.ranks} ranks beside {args.busy} busy processes: latency "
-        f"{result['latency_s'] * 1e3:.3f} ms per collective, {result['bytes_per_s'] / 1e6:.0f} MB/s"
+        f"{result['latency_s'] * 1e3:.3f} ms per hop (the model counts 2 (d - 1) of them), "
+        f"{result['bytes_per_s'] / 1e6:.0f} MB/s"
     )
     print(
         "deploy/cli/sim_scenario.py: GLOO_LOOPBACK_BYTES_PER_S, GLOO_LOOPBACK_LATENCY_S "
