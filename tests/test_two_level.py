@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from isthmus.inter.allreduce import CrossSiteAllReduce
+from isthmus.inter.allreduce import CrossSiteAllReduce, two_level
+from isthmus.inter.allreduce.rounds import Round
 from isthmus.inter.allreduce.two_level import region_groups
 from isthmus.inter.codecs import parse_codec
 from isthmus.inter.peer import Identity
@@ -84,15 +85,41 @@ def _across(sent: dict[str, dict[str, int]]) -> int:
     return sum(b for s, to in sent.items() for t, b in to.items() if REGIONS[s] != REGIONS[t])
 
 
+@pytest.fixture(params=["one part", "four parts"])
+def parts(request, monkeypatch):
+    """Phase 1 in one part, or (its least part size made tiny) in MAX_PARTS parts, each
+    going across as soon as it is reduced: the same results either way."""
+    if request.param == "four parts":
+        monkeypatch.setattr(two_level, "MIN_PART_BYTES", 64)
+    return request.param
+
+
+def test_a_large_tensor_is_reduced_in_parts_and_a_small_one_whole():
+    region_of = {"a": "r", "b": "r", "c": "s"}
+
+    def parts_of(n: int) -> int:
+        plan = Round(
+            number=0, sites=["a", "b", "c"], me="a", weights={"a": 1, "b": 1, "c": 1},
+            bounds=[], codec=parse_codec("none"), max_chunk_bytes=1 << 20, started=0.0,
+            deadline=0.0, deadline_s=1.0, addresses={},
+        )  # fmt: skip
+        return two_level.TwoLevelRound(
+            plan, torch.zeros(n), region_of, None, None, None, None
+        ).parts
+
+    assert parts_of(1000) == 1  # 2 kB slices: one part
+    assert parts_of(8 << 20) == two_level.MAX_PARTS  # 16 MiB slices
+
+
 @pytest.mark.parametrize("n", [1, 2, 7, 100_003])
-def test_two_levels_give_the_weighted_average_bitwise_identical_everywhere(n):
+def test_two_levels_give_the_weighted_average_bitwise_identical_everywhere(n, parts):
     outs, _, reference, _ = _run(n)
     first = outs[NAMES[0]]
     assert all(torch.equal(first, out) for out in outs.values())
     torch.testing.assert_close(first.double(), reference, rtol=1e-6, atol=1e-5)
 
 
-def test_a_lossy_codec_stays_identical_everywhere_and_within_three_encodes():
+def test_a_lossy_codec_stays_identical_everywhere_and_within_three_encodes(parts):
     outs, _, reference, _ = _run(50_000, codec="int8")
     first = outs[NAMES[0]]
     assert all(torch.equal(first, out) for out in outs.values())
@@ -110,14 +137,14 @@ def test_across_regions_it_sends_less_than_half_what_the_flat_direct_algorithm_d
     assert _across(two_level) < 0.5 * _across(direct)
 
 
-def test_a_region_whose_sites_all_count_zero_leaves_the_others_average():
+def test_a_region_whose_sites_all_count_zero_leaves_the_others_average(parts):
     weights = {"site0": 1.0, "site1": 2.0, "site2": 3.0, "site3": 0.0, "site4": 0.0}
     outs, _, reference, _ = _run(1000, weights=weights)
     assert all(torch.equal(outs["site0"], out) for out in outs.values())
     torch.testing.assert_close(outs["site4"].double(), reference, rtol=1e-6, atol=1e-6)
 
 
-def test_error_feedback_carries_both_levels_losses_into_the_next_round():
+def test_error_feedback_carries_both_levels_losses_into_the_next_round(parts):
     # The same inputs averaged again and again: without feedback every round loses
     # the same; with it each site's loss (of its values inside the region, of its
     # share of the region's average across) is sent again, and the rounds' mean

@@ -19,14 +19,22 @@ its long-haul in each phase. In two levels a region pushes ``(K - 1) N / K``
    the others as float32, exact, over the fast links. So every site of every
    region ends with the same bytes.
 
+Phases 1 and 2 overlap: a large tensor's slices are reduced inside the region
+in up to :data:`MAX_PARTS` parts, one after another, and each part goes across
+as soon as it is reduced, while the next is reduced. On fast links inside a
+region the reduce-scatter is short, but where many sites share a machine's
+cores it was a sixth of the round, spent before the long links carried
+anything.
+
 Inside a region each site sends ``2 (m - 1) N / m``, as the flat algorithm
 would among m sites. A value is encoded three times on its way (its
 contribution inside, its region's share across, the owner's result across);
 phase 3 adds no error. Error feedback: phase 1 under the caller's key (what
 this site's own contribution lost), phase 2 under ``key/across/p`` (what its
-region's share of piece p lost). Wire shards: phase 1 uses ``[0, 2S)``, piece
-p of phase 2 ``[2S (1 + p), 2S (2 + p))``, and phase 3 ``2S (1 + P)`` (P
-pieces), so no chunk lands in another phase's buffers.
+region's share of piece p lost; phase 1 in K > 1 parts keeps part j's under
+``key/inside/j``). Wire shards: part j of phase 1 uses ``[2S j, 2S (j + 1))``,
+piece p of phase 2 ``[2S (K + p), 2S (K + p + 1))``, and phase 3 ``2S (K + P)``
+(P pieces), so no chunk lands in another phase's buffers.
 """
 
 from __future__ import annotations
@@ -43,6 +51,12 @@ from isthmus.inter.allreduce.feedback import ErrorFeedback
 from isthmus.inter.allreduce.incoming import Inbox, Incoming
 from isthmus.inter.allreduce.rounds import EXACT, Round, RoundStats, slice_bounds
 from isthmus.inter.allreduce.sending import Outgoing, unless_a_send_fails
+
+MAX_PARTS = 4
+"""Most parts phase 1 reduces a region's slices in, so that phase 2 starts early."""
+MIN_PART_BYTES = 2 << 20
+"""Least float32 bytes of a part: below it a part's own round trip inside the
+region would cost more than the overlap gains (a small tensor is one part)."""
 
 
 def region_groups(sites: list[str], region_of: Mapping[str, str]) -> dict[str, list[str]]:
@@ -98,9 +112,19 @@ class TwoLevelRound:
         self.slices = {r: slice_bounds(n, len(m)) for r, m in self.groups.items()}
         """Each region's phase-1 slices, one per member in sorted order."""
         self.a, self.b = self.slices[self.region][self.members.index(round.me)]
-        self.pieces = _refinement(list(self.slices.values()), n)
-        stride = 2 * len(round.sites)
-        self.gather_shard = stride * (1 + len(self.pieces))
+        # Every site computes the same K (from n and the largest region): the shard
+        # numbers across regions depend on it.
+        largest = max(len(m) for m in self.groups.values())
+        self.parts = max(1, min(MAX_PARTS, 4 * n // largest // MIN_PART_BYTES))
+        self.part_slices = {
+            r: [_split(bounds, self.parts) for bounds in slices]
+            for r, slices in self.slices.items()
+        }
+        """Each region's members' slices cut into K parts: part j of every member's."""
+        cuts = [parts for slices in self.part_slices.values() for parts in slices]
+        self.pieces = _refinement([list(c) for c in cuts], n)
+        self.stride = stride = 2 * len(round.sites)
+        self.gather_shard = stride * (self.parts + len(self.pieces))
         self.out = torch.empty_like(flat)
         self.sent: list[int] = []
         self.received = 0
@@ -118,11 +142,29 @@ class TwoLevelRound:
         r = self.round
         # Phase 3's buffers first: a member quicker across regions may send early.
         results = self.expect_results()
+        reduced = [asyncio.Event() for _ in range(self.parts)]
+        mine = [p for p, (lo, hi) in enumerate(self.pieces) if self.a <= lo < self.b]
+        own_parts = self.part_slices[self.region][self.members.index(r.me)]
+
+        async def across_when_reduced(p: int) -> None:
+            lo = self.pieces[p][0]
+            await reduced[next(j for j, (a, b) in enumerate(own_parts) if a <= lo < b)].wait()
+            await self.across(p)
+
+        tasks = [
+            asyncio.ensure_future(self.reduce_scatter(reduced)),
+            *(asyncio.ensure_future(across_when_reduced(p)) for p in mine),
+        ]
         try:
-            await self.reduce_scatter()
-            self.phases["inside"] = loop.time() - r.started
-            mine = [p for p, (lo, hi) in enumerate(self.pieces) if self.a <= lo < self.b]
-            await asyncio.gather(*(self.across(p) for p in mine))
+            try:
+                await asyncio.gather(*tasks)
+            except BaseException:
+                # A failure in either phase ends the other's tasks; the round fails
+                # with the first failure itself (not a group of them).
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
             self.phases["across"] = loop.time() - r.started
             await self.all_gather(results)
         except BaseException:
@@ -133,23 +175,45 @@ class TwoLevelRound:
         stats = RoundStats(sum(self.sent), self.received, loop.time() - r.started, self.phases)
         return self.out, stats
 
-    async def reduce_scatter(self) -> None:
-        """Phase 1: this site's slice of the region's weighted average, into ``out``."""
-        r = self.round
-        a, b = self.a, self.b
+    async def reduce_scatter(self, reduced: list[asyncio.Event]) -> None:
+        """Phase 1: this site's slice of the region's weighted average, into ``out``,
+        in K parts one after another, each part's event set once it is in (never on
+        a failure: the round then cancels the parts waiting to go across)."""
         if len(self.members) == 1:
             self.out.copy_(self.flat)
-            return
-        if self.weight_of[self.region] == 0:
+        elif self.weight_of[self.region] == 0:
             # Nobody here counts this round: the region takes part with weight 0.
-            self.out[a:b] = 0
-            return
-        plan = dataclasses.replace(r, sites=self.members, bounds=self.slices[self.region])
-        reduced, stats = await direct_allreduce(
-            plan, self.flat, inbox=self.inbox, outgoing=self.outgoing,
-            feedback=self.feedback, key=self.key, gather=False,
+            self.out[self.a : self.b] = 0
+        else:
+            for j in range(self.parts):
+                await self.reduce_part(j)
+                reduced[j].set()
+        for event in reduced:
+            event.set()
+        self.phases["inside"] = asyncio.get_running_loop().time() - self.round.started
+
+    async def reduce_part(self, j: int) -> None:
+        """Part j of phase 1: part j of every member's slice, packed into one vector
+        (its own error-feedback key where there are several parts)."""
+        r = self.round
+        parts = [slices[j] for slices in self.part_slices[self.region]]
+        packed = self.flat if self.parts == 1 else torch.cat([self.flat[a:b] for a, b in parts])
+        bounds, start = [], 0
+        for a, b in parts:
+            bounds.append((start, start + b - a))
+            start += b - a
+        plan = dataclasses.replace(
+            r, sites=self.members, bounds=bounds if self.parts > 1 else self.slices[self.region],
+            shard_base=self.stride * j,
         )  # fmt: skip
-        self.out[a:b] = reduced[a:b]
+        key = self.key if self.key is None or self.parts == 1 else f"{self.key}/inside/{j}"
+        result, stats = await direct_allreduce(
+            plan, packed, inbox=self.inbox, outgoing=self.outgoing,
+            feedback=self.feedback, key=key, gather=False,
+        )  # fmt: skip
+        mine = self.members.index(r.me)
+        (a, b), (pa, pb) = parts[mine], (plan.bounds[mine])
+        self.out[a:b] = result[pa:pb]
         self.count(stats)
 
     async def across(self, p: int) -> None:
@@ -167,7 +231,7 @@ class TwoLevelRound:
             sites=sites,
             weights=weights,
             bounds=slice_bounds(hi - lo, len(sites)),
-            shard_base=2 * len(r.sites) * (1 + p),
+            shard_base=self.stride * (self.parts + p),
         )
         key = None if self.key is None else f"{self.key}/across/{p}"
         result, stats = await direct_allreduce(
@@ -221,6 +285,12 @@ class TwoLevelRound:
     def count(self, stats: RoundStats) -> None:
         self.sent.append(stats.bytes_sent)
         self.received += stats.bytes_received
+
+
+def _split(bounds: tuple[int, int], parts: int) -> list[tuple[int, int]]:
+    """``bounds`` cut into ``parts`` contiguous parts (sizes differing by <= 1)."""
+    a, _ = bounds
+    return [(a + lo, a + hi) for lo, hi in slice_bounds(bounds[1] - a, parts)]
 
 
 def _refinement(partitions: list[list[tuple[int, int]]], count: int) -> list[tuple[int, int]]:
