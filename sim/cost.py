@@ -51,6 +51,21 @@ if TYPE_CHECKING:
 UNCAPPED_BYTES_PER_S = 100e9 / 8
 """What the cost model takes for a link with no rate cap."""
 
+TWO_LEVEL_MAX_PARTS = 4
+"""Most parts the two-level algorithm reduces a region's slices in, each going
+across as soon as it is reduced (:mod:`isthmus.inter.allreduce.two_level`)."""
+TWO_LEVEL_MIN_PART_BYTES = 2 << 20
+"""Least bytes of a part: below it a part's own round trip inside the region would
+cost more than the overlap gains (a small tensor is one part)."""
+
+
+def two_level_parts(nbytes: float, largest_region: int) -> int:
+    """How many parts the two-level algorithm cuts phase 1 into for ``nbytes`` (of
+    float32 values, in the engine) with regions of at most ``largest_region`` sites:
+    every site computes the same, since the wire's shard numbers depend on it."""
+    slice_bytes = nbytes / max(1, largest_region)
+    return max(1, min(TWO_LEVEL_MAX_PARTS, int(slice_bytes // TWO_LEVEL_MIN_PART_BYTES)))
+
 
 @dataclass(frozen=True)
 class LinkCost:
@@ -167,7 +182,9 @@ def two_level_seconds(
 ) -> float:
     """A reduce-scatter inside every region (at once), direct across regions among
     each piece's holders (the busiest holding the largest slice, N / the smallest
-    region's size), then each member's slice to the rest of its region."""
+    region's size), then each member's slice to the rest of its region. The first
+    two are a pipeline of K parts (:func:`two_level_parts`): each part goes across
+    once it is reduced, while the next is reduced."""
     if regions is None or len(sites) < 2:
         return direct_seconds(nbytes, sites, link, uplink_bytes_per_s, regions, machine_bytes_per_s)
     groups = regions.groups(sites)
@@ -198,7 +215,10 @@ def two_level_seconds(
                 for a in members for b in members if a != b),
         )  # fmt: skip
     back = max(back, inside_bytes / machine_bytes_per_s)
-    return inside + across + back
+    # Two stages of K equal parts: the slower stage's K parts, plus one of the other's.
+    k = two_level_parts(nbytes, q)
+    first, second = inside / k, across / k
+    return first + second + (k - 1) * max(first, second) + back
 
 
 ALGORITHMS = {"direct": direct_seconds, "ring": ring_seconds}

@@ -49,7 +49,12 @@ def test_two_levels_inside_on_the_machine_and_across_on_the_long_links():
     # Inside, at each end: (3 - 1) N per region, both regions at once: 120 MB at
     # 100 MB/s = 1.2 s. Across: each piece (N / 3) between two holders, N / 6 each
     # way at 10 MB/s, twice: 1 s, above the machine's 2 (K - 1) N = 60 MB: 0.6 s.
-    assert on_machine["two_level"] == pytest.approx(1.2 + 1.0 + 1.2)
+    # The reduce-scatter and the exchange across are a pipeline of 4 parts (10 MB
+    # slices): the slower stage's 4 quarters and one of the other's; the gather at
+    # the end is not pipelined.
+    inside, across, gather = 1.2, 1.0, 1.2
+    pipeline = inside / 4 + across / 4 + 3 * max(inside, across) / 4
+    assert on_machine["two_level"] == pytest.approx(pipeline + gather)
     assert links_only == pytest.approx(1.0, rel=1e-3)
 
 
@@ -75,8 +80,9 @@ def test_a_slow_machine_slows_the_phases_inside_the_regions():
         dataclasses.replace(scenario, machine_bytes_per_s=500e6), n, "two_level"
     )
     # Nine sites send 6 x 32 MiB inside at each end: 0.4 s each at 500 MB/s, where
-    # the 1 Gbit/s links inside take under 0.1 s.
-    assert slow > alone + 0.5
+    # the 1 Gbit/s links inside take under 0.1 s. The reduce-scatter hides behind
+    # the exchange across (but its first part), the gather at the end does not.
+    assert alone + 0.3 < slow < alone + 0.8
 
 
 @pytest.mark.slow

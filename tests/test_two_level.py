@@ -13,6 +13,7 @@ from isthmus.inter.allreduce.rounds import Round
 from isthmus.inter.allreduce.two_level import region_groups
 from isthmus.inter.codecs import parse_codec
 from isthmus.inter.peer import Identity
+from isthmus.sim import cost
 from isthmus.sim.cost import LinkCost, Regions, choose, predict
 
 JOB = "two-level-test"
@@ -90,7 +91,7 @@ def parts(request, monkeypatch):
     """Phase 1 in one part, or (its least part size made tiny) in MAX_PARTS parts, each
     going across as soon as it is reduced: the same results either way."""
     if request.param == "four parts":
-        monkeypatch.setattr(two_level, "MIN_PART_BYTES", 64)
+        monkeypatch.setattr(cost, "TWO_LEVEL_MIN_PART_BYTES", 64)
     return request.param
 
 
@@ -108,7 +109,7 @@ def test_a_large_tensor_is_reduced_in_parts_and_a_small_one_whole():
         ).parts
 
     assert parts_of(1000) == 1  # 2 kB slices: one part
-    assert parts_of(8 << 20) == two_level.MAX_PARTS  # 16 MiB slices
+    assert parts_of(8 << 20) == cost.TWO_LEVEL_MAX_PARTS  # 16 MiB slices
 
 
 @pytest.mark.parametrize("n", [1, 2, 7, 100_003])

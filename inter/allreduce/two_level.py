@@ -20,8 +20,9 @@ its long-haul in each phase. In two levels a region pushes ``(K - 1) N / K``
    region ends with the same bytes.
 
 Phases 1 and 2 overlap: a large tensor's slices are reduced inside the region
-in up to :data:`MAX_PARTS` parts, one after another, and each part goes across
-as soon as it is reduced, while the next is reduced. On fast links inside a
+in up to four parts (:func:`isthmus.sim.cost.two_level_parts`), one after
+another, and each part goes across as soon as it is reduced, while the next is
+reduced. On fast links inside a
 region the reduce-scatter is short, but where many sites share a machine's
 cores it was a sixth of the round, spent before the long links carried
 anything.
@@ -51,12 +52,7 @@ from isthmus.inter.allreduce.feedback import ErrorFeedback
 from isthmus.inter.allreduce.incoming import Inbox, Incoming
 from isthmus.inter.allreduce.rounds import EXACT, Round, RoundStats, slice_bounds
 from isthmus.inter.allreduce.sending import Outgoing, unless_a_send_fails
-
-MAX_PARTS = 4
-"""Most parts phase 1 reduces a region's slices in, so that phase 2 starts early."""
-MIN_PART_BYTES = 2 << 20
-"""Least float32 bytes of a part: below it a part's own round trip inside the
-region would cost more than the overlap gains (a small tensor is one part)."""
+from isthmus.sim.cost import two_level_parts
 
 
 def region_groups(sites: list[str], region_of: Mapping[str, str]) -> dict[str, list[str]]:
@@ -115,7 +111,7 @@ class TwoLevelRound:
         # Every site computes the same K (from n and the largest region): the shard
         # numbers across regions depend on it.
         largest = max(len(m) for m in self.groups.values())
-        self.parts = max(1, min(MAX_PARTS, 4 * n // largest // MIN_PART_BYTES))
+        self.parts = two_level_parts(4 * n, largest)  # the cost model's rule, float32
         self.part_slices = {
             r: [_split(bounds, self.parts) for bounds in slices]
             for r, slices in self.slices.items()
