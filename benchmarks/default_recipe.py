@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from isthmus.deploy.run.compare import held_out_curve
+from isthmus.deploy.run.compare import held_out_curve, seconds_to_loss
 from isthmus.deploy.run.records import read_records
 
 PLAIN = {"outer_lr": 1.0, "outer_momentum": 0.0}
@@ -78,9 +78,8 @@ def run(job: dict, name: str, steps: int, root: Path) -> dict:
     if done.returncode:
         raise RuntimeError(f"{name}: isthmus run failed: {done.stderr[-1500:]}")
     summary = json.loads((out / "summary.json").read_text())
-    evals = [r for r in read_records(out / "metrics.jsonl") if r.get("kind") == "eval"]
-    first = min(r["site"] for r in evals)
-    curve = held_out_curve([r for r in evals if r["site"] == first], summary["started"])
+    # As --compare reads it: the first site's evaluations of the shared model.
+    curve = held_out_curve(read_records(out / "metrics.jsonl"), summary["started"])
     return {
         "recipe": name,
         "settings": RECIPES[name],
@@ -91,10 +90,6 @@ def run(job: dict, name: str, steps: int, root: Path) -> dict:
         "wall_seconds": summary["wall_seconds"],
         "curve": curve,
     }
-
-
-def reached(curve: list[tuple[float, float]], level: float) -> float | None:
-    return next((t for t, loss in curve if loss <= level), None)
 
 
 def main() -> int:
@@ -117,14 +112,18 @@ def main() -> int:
     for row in rows:
         ratio = f"{sync['wan_bytes'] / row['wan_bytes']:.0f}x" if sync else "-"
         times = ", ".join(
-            f"{level}: " + (f"{t:.0f} s" if (t := reached(row["curve"], level)) else "-")
+            f"{level}: "
+            + (f"{t:.0f} s" if (t := seconds_to_loss(row["curve"], level)) is not None else "-")
             for level in LEVELS
         )
         to_sync = ""
         if sync and row is not sync:
-            t = reached(row["curve"], sync["held_out_loss"] + 1e-9)
-            ratio_t = t / reached(sync["curve"], sync["held_out_loss"] + 1e-9) if t else None
-            to_sync = f"; sync's loss at {t:.0f} s ({ratio_t:.3f} of sync's)" if t else ""
+            # As --compare times it: when the curve first reached sync's best loss.
+            target = min(loss for _, loss in sync["curve"])
+            t = seconds_to_loss(row["curve"], target)
+            if t is not None:
+                ratio_t = t / seconds_to_loss(sync["curve"], target)
+                to_sync = f"; sync's loss at {t:.0f} s ({ratio_t:.3f} of sync's)"
         print(
             f"{row['recipe']:26s} loss {row['held_out_loss']:.3f}, "
             f"{row['wan_bytes'] / 1e6:.1f} MB ({ratio} fewer), "

@@ -26,10 +26,11 @@ import argparse
 import json
 import multiprocessing
 import os
-import socket
 import statistics
 import time
 import warnings
+
+from isthmus.job.ports import free_port
 
 SIZES = (1, 470_784, 4 * 470_784)
 """Values per rank's shard times the ranks (so any rank count divides them): one (the
@@ -71,12 +72,6 @@ def _spin(stop) -> None:
         pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(ranks: int, busy: int, repeats: int) -> dict:
     context = multiprocessing.get_context("spawn")
     stop, out = context.Event(), context.Queue()
@@ -84,7 +79,7 @@ def measure(ranks: int, busy: int, repeats: int) -> dict:
     for p in spinners:
         p.start()
     try:
-        port = _free_port()
+        port = free_port("127.0.0.1")
         procs = [
             context.Process(target=_rank, args=(r, ranks, port, repeats, out)) for r in range(ranks)
         ]

@@ -223,6 +223,8 @@ def two_level_seconds(
 
 ALGORITHMS = {"direct": direct_seconds, "ring": ring_seconds}
 """Those every job can use; ``two_level`` joins them where the sites have regions."""
+ALGORITHM_COSTS: dict[str, Callable[..., float]] = {**ALGORITHMS, "two_level": two_level_seconds}
+"""Every algorithm's cost by name (two-level without regions costs as direct)."""
 
 
 def predict(

@@ -60,7 +60,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from isthmus.sim.cost import LinkCost, LinkLookup, Regions, predict
+from isthmus.sim.cost import ALGORITHM_COSTS, LinkCost, LinkLookup, Regions, predict
 
 STRATEGIES = ("sync", "diloco", "streaming", "async")
 
@@ -313,10 +313,9 @@ def exchange_cost(scenario: Scenario, nbytes: float, *, outer: float = 0.0) -> E
 def all_reduce_seconds(scenario: Scenario, nbytes: float, algorithm: str) -> float:
     """One all-reduce of ``nbytes`` by ``algorithm`` on the scenario's links: every
     link's (and shared capacity's) rate times the engine's efficiency, its latency
-    as it is. Where one machine runs
-    every site (an emulated job, ``machine_bytes_per_s``), each phase also lasts the
-    bytes every site sends in it over that machine's measured rate, which already
-    holds the engine's own losses."""
+    as it is. Where one machine runs every site (an emulated job,
+    ``machine_bytes_per_s``), each phase also lasts the bytes every site sends in it
+    over that machine's measured rate, which already holds the engine's own losses."""
     sites = list(scenario.sites)
     efficiency = scenario.efficiency
 
@@ -329,10 +328,8 @@ def all_reduce_seconds(scenario: Scenario, nbytes: float, algorithm: str) -> flo
     if regions is not None:
         capped = {r: rate * efficiency for r, rate in regions.egress_bytes_per_s.items()}
         regions = Regions(regions.of, capped)
-    machine = scenario.machine_bytes_per_s
-    return predict(nbytes, sites, link, uplinks, regions=regions, machine_bytes_per_s=machine)[
-        algorithm
-    ]
+    cost = ALGORITHM_COSTS[algorithm]
+    return cost(nbytes, sites, link, uplinks, regions, scenario.machine_bytes_per_s)
 
 
 def exchange_seconds(scenario: Scenario, nbytes: float) -> tuple[float, str]:

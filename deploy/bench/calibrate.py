@@ -50,6 +50,7 @@ WARM_UP_STEPS = 10
 by one (:func:`calibration_steps` leaves out a whole first round)."""
 
 MIN_STEPS = 50
+"""Fewest steps of a calibration run: enough rounds to see how late the last site is."""
 
 
 @dataclass(frozen=True)
@@ -238,12 +239,12 @@ def machine_rate(job_path: Path, *, repeats: int = 3) -> tuple[float, int]:
     """The data-plane bytes per second this machine moves with the job's sites (one
     process each: the site processes of the data plane; a multi-rank site's other
     ranks compute beside them in a run, which this leaves out), and how many: the
-    engine's direct
-    all-reduce of :data:`MACHINE_SIZE_MIB` MiB among them over unbounded links (no
-    latency, 100 Gbit/s), its bytes over its median round. The model bounds every
-    all-reduce phase of the emulated job by it (:mod:`isthmus.sim.cost`): with many
-    sites on few cores the phases on fast links take the machine's time, not the
-    link's (nine sites: 0.27 s against a link bound of 0.09 s)."""
+    engine's direct all-reduce of :data:`MACHINE_SIZE_MIB` MiB among them over
+    unbounded links (no latency, 100 Gbit/s), its bytes over its median round. The
+    model bounds every all-reduce phase of the emulated job by it
+    (:mod:`isthmus.sim.cost`): with many sites on few cores the phases on fast links
+    take the machine's time, not the link's (nine sites: 0.27 s against a link bound
+    of 0.09 s)."""
     from isthmus.deploy.bench.allreduce import run_allreduce_bench
     from isthmus.deploy.jobfile import parse_job
 

@@ -17,6 +17,7 @@ from isthmus.deploy.cli.sim_scenario import (
     job_scenario,
     scenario_from,
 )
+from isthmus.deploy.jobfile import load_job
 from isthmus.sim.cost import predict
 from isthmus.sim.hardware import site_hardware
 from isthmus.sim.perf_model import (
@@ -122,9 +123,10 @@ def _sim(args: argparse.Namespace) -> int:
         raise UsageError(f"--{exc.field.replace('_', '-')}: {str(exc).split(': ', 1)[1]}") from None
     rows = []
     hardware = site_hardware(scenario.host_hardware)
+    job = load_job(args.job) if args.job else None
     for strategy in STRATEGIES:
         # Each strategy with its own codec where the job leaves it to the defaults.
-        codec = codec_for(args, strategy) if args.job else scenario.codec
+        codec = codec_for(args, strategy, job) if job is not None else scenario.codec
         row = _with(
             scenario,
             strategy=strategy,

@@ -22,10 +22,9 @@ its long-haul in each phase. In two levels a region pushes ``(K - 1) N / K``
 Phases 1 and 2 overlap: a large tensor's slices are reduced inside the region
 in up to four parts (:func:`isthmus.sim.cost.two_level_parts`), one after
 another, and each part goes across as soon as it is reduced, while the next is
-reduced. On fast links inside a
-region the reduce-scatter is short, but where many sites share a machine's
-cores it was a sixth of the round, spent before the long links carried
-anything.
+reduced. On fast links inside a region the reduce-scatter is short, but where
+many sites share a machine's cores it was a sixth of the round, spent before the
+long links carried anything.
 
 Inside a region each site sends ``2 (m - 1) N / m``, as the flat algorithm
 would among m sites. A value is encoded three times on its way (its
@@ -193,22 +192,22 @@ class TwoLevelRound:
         (its own error-feedback key where there are several parts)."""
         r = self.round
         parts = [slices[j] for slices in self.part_slices[self.region]]
+        # One part is every slice whole, which is ``flat`` itself: no copy.
         packed = self.flat if self.parts == 1 else torch.cat([self.flat[a:b] for a, b in parts])
         bounds, start = [], 0
         for a, b in parts:
             bounds.append((start, start + b - a))
             start += b - a
         plan = dataclasses.replace(
-            r, sites=self.members, bounds=bounds if self.parts > 1 else self.slices[self.region],
-            shard_base=self.stride * j,
-        )  # fmt: skip
+            r, sites=self.members, bounds=bounds, shard_base=self.stride * j
+        )
         key = self.key if self.key is None or self.parts == 1 else f"{self.key}/inside/{j}"
         result, stats = await direct_allreduce(
             plan, packed, inbox=self.inbox, outgoing=self.outgoing,
             feedback=self.feedback, key=key, gather=False,
         )  # fmt: skip
         mine = self.members.index(r.me)
-        (a, b), (pa, pb) = parts[mine], (plan.bounds[mine])
+        (a, b), (pa, pb) = parts[mine], bounds[mine]
         self.out[a:b] = result[pa:pb]
         self.count(stats)
 
