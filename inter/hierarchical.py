@@ -158,13 +158,17 @@ class HierarchicalStep:
         algorithm: str | None = None,
         feedback: str | None = None,
         exact: bool = False,
+        scale: float = 1.0,
     ) -> PendingAverage:
         """:meth:`average` in two halves, for exchanges that overlap training: the
         in-site reduce-scatter runs now and the WAN part in the background; the
         returned :meth:`PendingAverage.wait` finishes it (every rank of the group
         calls it at the same point). ``tensors`` must not change until then.
         ``feedback``: the engine's error-feedback key for this vector (None: off).
-        ``exact``: float32 across the WAN whatever the codec (a seal's vote)."""
+        ``exact``: float32 across the WAN whatever the codec (a seal's vote).
+        ``scale``: this rank's values are multiplied by it before they leave (a
+        contribution weighted by its site, see :func:`~isthmus.inter.commit.start_seal`);
+        the tensors themselves are not touched until the result is written."""
         device = self.device
         local = [_dp_replicated(t) if isinstance(t, DTensor) else t for t in tensors]
         numel = sum(t.numel() for t in local)
@@ -177,6 +181,8 @@ class HierarchicalStep:
             # and brings a tensor kept elsewhere, e.g. outer state on the host, over).
             padded[offset : offset + t.numel()].view(t.shape).copy_(t.detach())
             offset += t.numel()
+        if scale != 1.0:
+            padded.mul_(scale)
 
         started = time.perf_counter()
         if self.dp_size > 1 and in_site_reduce:

@@ -434,3 +434,51 @@ def test_time_budgeted_rounds_let_a_slow_site_take_fewer_steps(tmp_path):
     assert all(w["a"] >= 2 * w["b"] > 0 for w in full), full
     assert sum(w["a"] for w in a["seals"]) == 150
     assert sum(w["b"] for w in a["seals"]) == b["inner_steps"]
+
+
+def _weighted(rounds: dict[str, dict], r: int) -> list:
+    """Round r's token-weighted average of the sites' local models (outer lr 1, no
+    momentum: the new global model)."""
+    weights = rounds[next(iter(rounds))]["rounds"][r]["weights"]
+    total = sum(weights.values())
+    befores = {s: report["rounds"][r]["before"] for s, report in rounds.items()}
+    return [
+        (sum(weights[s] * torch.tensor(befores[s][k]) for s in befores) / total).tolist()
+        for k in range(len(befores["a"]))
+    ]
+
+
+def test_after_the_first_round_the_data_go_beside_the_vote_weighted_by_tokens(tmp_path):
+    """The first round votes, then averages; from then on the sites share a scale
+    (the participants' mean count) and send their data beside the vote, each
+    scaled by its own count over it: the result is still the token-weighted
+    average, identical on every site."""
+    reports = _scripted_rounds(tmp_path, {"a": [], "b": ["--steps-in", "1=6", "--steps-in", "2=3"]})
+    a, b = reports["a"], reports["b"]
+    assert a["rounds"][0]["scale_tokens"] == {"a": 0, "b": 0}  # the vote went first
+    assert a["rounds"][1]["scale_tokens"] == {"a": 2, "b": 2}  # beside: round 0's mean
+    assert a["rounds"][1]["weights"] == {"a": 2.0, "b": 6.0}
+    assert a["rounds"][2]["scale_tokens"] == {"a": 4, "b": 4}
+    assert a["rounds"][2]["weights"] == {"a": 2.0, "b": 3.0}
+    for r in range(3):
+        assert a["rounds"][r]["after"] == b["rounds"][r]["after"], f"round {r}: sites differ"
+        assert _close(a["rounds"][r]["after"], _weighted(reports, r)), f"round {r}"
+    assert "averaging the round again" not in a["log"] + b["log"]
+
+
+def test_a_site_that_sent_its_data_at_another_scale_is_caught_by_the_seal(tmp_path):
+    """Sites share their scale through the rounds they completed; one that used
+    another (a bug, or state from elsewhere) must not be averaged in at the wrong
+    weight: the seal shows the scales differ, and every site averages the round
+    again with the seal's weights."""
+    reports = _scripted_rounds(
+        tmp_path, {"a": ["--scale-tokens", "1=7"], "b": ["--steps-in", "1=6"]}
+    )
+    a, b = reports["a"], reports["b"]
+    assert a["rounds"][1]["scale_tokens"] == {"a": 7, "b": 2}
+    for r in range(3):
+        assert a["rounds"][r]["after"] == b["rounds"][r]["after"], f"round {r}: sites differ"
+        assert _close(a["rounds"][r]["after"], _weighted(reports, r)), f"round {r}"
+    for site in (a, b):
+        assert "sent their data at different scales" in site["log"]
+    assert a["rounds"][2]["scale_tokens"] == {"a": 4, "b": 4}  # in step again

@@ -211,3 +211,44 @@ def test_a_diloco_site_that_caught_up_gives_the_next_puller_the_others_step():
     assert member.rounds == 5
     assert strategy.inner_steps == 15
     assert strategy._global_state()["inner_steps"] == 15
+
+
+class RecordingSite(OneSite):
+    """:class:`OneSite` that records when each average starts and is waited for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def start(self, tensors: list[torch.Tensor], **kwargs: Any) -> Any:
+        what = "vote" if kwargs.get("exact") else "data"
+        self.calls.append(f"start {what}")
+        calls = self.calls
+
+        class Pending:
+            def wait(self, abort: Callable[[], bool] | None = None) -> StepReport:
+                calls.append(f"wait {what}")
+                return REPORT
+
+            def discard(self) -> None:
+                calls.append(f"discard {what}")
+
+        return Pending()
+
+
+def test_diloco_sends_its_data_beside_the_vote_once_the_sites_share_a_scale():
+    """A round's vote and its data each take a round trip of the longest link: the
+    first round votes before its data leave (the sites share no scale yet), every
+    later one sends both at once and waits for the vote while the data travel."""
+    torch.manual_seed(0)
+    model = Blocks()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    site = RecordingSite()
+    diloco = DiLoCo(site, model, optimizer, sync_every=2)
+    _train(model, optimizer, range(4))
+    assert site.calls == [
+        *("start vote", "wait vote", "start data", "wait data"),
+        *("start vote", "start data", "wait vote", "wait data"),
+    ]
+    assert diloco.outer_steps == 2
+    assert diloco.last_seal.scale_tokens == {"a": 2}

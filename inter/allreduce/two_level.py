@@ -198,9 +198,7 @@ class TwoLevelRound:
         for a, b in parts:
             bounds.append((start, start + b - a))
             start += b - a
-        plan = dataclasses.replace(
-            r, sites=self.members, bounds=bounds, shard_base=self.stride * j
-        )
+        plan = dataclasses.replace(r, sites=self.members, bounds=bounds, shard_base=self.stride * j)
         key = self.key if self.key is None or self.parts == 1 else f"{self.key}/inside/{j}"
         result, stats = await direct_allreduce(
             plan, packed, inbox=self.inbox, outgoing=self.outgoing,

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from isthmus.inter.codecs import Codec
-from isthmus.inter.commit import Seal, seal_round
+from isthmus.inter.commit import PendingSeal, Seal, start_seal
+from isthmus.inter.hierarchical import PendingAverage
 from isthmus.inter.join import SiteRuntime, runtime_of
 from isthmus.inter.membership import View
 from isthmus.inter.strategies.base import validated
@@ -81,6 +82,9 @@ class DiLoCo(LocalSteps):
         self.training_over = False
         """True once a site has said, in a round's seal, that it stopped training."""
         self.last_seal: Seal | None = None
+        self._scale_tokens: int | None = None
+        """The scale the sites send their data at beside the round's vote; None
+        until a round has completed (that round's vote goes first)."""
         self._steps_at_round = 0
         self._tokens = 0
         self._round_clock = time.perf_counter()
@@ -135,11 +139,13 @@ class DiLoCo(LocalSteps):
         self._tokens += count
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "tokens": self._tokens}
+        return {**super().state_dict(), "tokens": self._tokens, "scale_tokens": self._scale_tokens}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self._tokens = int(state["tokens"])
+        # A checkpoint from before the scale was kept: the first round votes alone.
+        self._scale_tokens = state.get("scale_tokens")
         # What a catching-up site pulls from this one: the step count at the last
         # round. Left at 0, a site resumed from a checkpoint and asked to give the
         # state before completing a round here sent step 0, and its puller went on
@@ -194,20 +200,90 @@ class DiLoCo(LocalSteps):
         """One round among ``members``: seal, average, outer step. With ``abort``,
         raises :class:`RoundAborted` when it says so, before anything is applied.
         ``caught_up``: this site pulled the global state for this round and takes
-        part with nothing (see :meth:`_count_round`)."""
+        part with nothing (see :meth:`_count_round`).
+
+        Once the sites share a scale (from the first round on, see
+        :meth:`_count_round`), the data go beside the vote instead of after it: each
+        site sends its pseudo-gradient times its tokens over the scale, and the
+        mean the engine returns becomes the token-weighted average once the seal
+        says the total. On long links that saves a round trip a round: the vote and
+        the data each take one."""
+        site = self.site
+        scale = self._scale_tokens  # the same on every member: global state
+        if scale is None:
+            seal = self._seal(members, tokens, bad, last, abort)
+            self._apply(members, seal, deltas, None, abort, caught_up)
+            return
+        site_tokens, refusing = self._site_counts(tokens, bad > 0)
+        contributes = site_tokens > 0 and not refusing
+        vote = start_seal(
+            site.step,
+            round=site.next_round(),
+            sites=members,
+            me=site.name,
+            tokens=tokens,
+            dp_size=site.layout.dp,
+            refuse=bad > 0,
+            last=last,
+            scale_tokens=scale,
+        )
+        # Left out: zeros, and no error feedback (what the codec lost last time
+        # waits for a round the site counts in).
+        sent = deltas if contributes else [torch.zeros_like(d) for d in deltas]
+        data = site.step.start(
+            sent,
+            round=site.next_round(),
+            participants=list(members),
+            weights={s: 1.0 for s in members},
+            feedback="model" if self.error_feedback and contributes else None,
+            scale=site_tokens / scale if contributes else 1.0,
+        )
+        try:
+            seal = self._seal_waited(vote, bad, abort)
+        except BaseException:
+            data.discard()
+            raise
+        self._apply(members, seal, sent, data, abort, caught_up)
+
+    def _site_counts(self, tokens: int, refuse: bool) -> tuple[int, bool]:
+        """The site's tokens since the last round and whether any of its ranks
+        refuses, on every rank of the site (what the vote will say of it)."""
+        if self.site.layout.dp == 1:
+            return tokens, refuse
+        counts = collectives.all_reduce_values(
+            [float(tokens), 1.0 if refuse else 0.0],
+            group=self.site.step.dp_group,
+            device=self.site.device,
+            where="diloco.site_counts",
+        )
+        return int(counts[0].item()), counts[1].item() > 0
+
+    def _seal(
+        self,
+        members: Sequence[str],
+        tokens: int,
+        bad: int,
+        last: bool,
+        abort: Callable[[], bool] | None,
+    ) -> Seal:
+        """The vote alone, waited for, before any data leave."""
+        site = self.site
+        vote = start_seal(
+            site.step,
+            round=site.next_round(),
+            sites=members,
+            me=site.name,
+            tokens=tokens,
+            dp_size=site.layout.dp,
+            refuse=bad > 0,
+            last=last,
+        )
+        return self._seal_waited(vote, bad, abort)
+
+    def _seal_waited(self, vote: PendingSeal, bad: int, abort: Callable[[], bool] | None) -> Seal:
         site = self.site
         with self._blocking("waiting"):
-            seal = seal_round(
-                site.step,
-                round=site.next_round(),
-                sites=members,
-                me=site.name,
-                tokens=tokens,
-                dp_size=site.layout.dp,
-                refuse=bad > 0,
-                last=last,
-                abort=abort,
-            )
+            seal = vote.wait(abort)
         self._account(seal.report)
         self.last_seal = seal
         self.training_over = bool(seal.finished)
@@ -221,34 +297,72 @@ class DiLoCo(LocalSteps):
             )
         left_out = {
             s: "refused its contribution (NaN/Inf)" if s in seal.refused else "trained no tokens"
-            for s in members
+            for s in seal.weights
             if s not in seal.participants
         }
         if left_out:
             log.warning(
                 "site %s: seal %d: left out of the round: %s", site.name, seal.round, left_out
             )
+        return seal
+
+    def _apply(
+        self,
+        members: Sequence[str],
+        seal: Seal,
+        sent: list[torch.Tensor],
+        beside: PendingAverage | None,
+        abort: Callable[[], bool] | None,
+        caught_up: bool,
+    ) -> None:
+        """Finish the round the seal decided: the data round ``beside`` the vote
+        (values scaled by the shared scale), or, where there was none or the
+        participants' scales differ, a data round of its own weighted by the seal;
+        then the outer step."""
+        site = self.site
+        if beside is not None:
+            with self._blocking("syncing"):
+                report = beside.wait(abort=abort)
+            self._account(report)
         if not seal.participants:
             # Nothing to average (every site took the same decision): start the
             # next round from the global parameters as they were.
             with self.member.lock:
                 self.outer.reset_model()
-                self._count_round(stepped=False, caught_up=caught_up)
+                self._count_round(seal, stepped=False, caught_up=caught_up)
             return
-        with self._blocking("syncing"):
+        shared = seal.shared_scale()
+        if beside is not None and shared is not None:
+            # The engine's mean over the members of tokens/scale times the values:
+            # times the members' count and the scale over the total, the weighted
+            # average (the same arithmetic on every site: bitwise-identical results).
+            factor = len(members) * shared / seal.total
+            for t in sent:
+                t.mul_(factor)
+        else:
+            if beside is not None:
+                log.warning(
+                    "site %s: seal %d: the sites sent their data at different scales "
+                    "(%s); averaging the round again with the seal's weights",
+                    site.name,
+                    seal.round,
+                    seal.scale_tokens,
+                )
             # Left out: sent, but not counted (weight 0). Zeros in place of the
             # values, which a round run again may still need.
+            deltas = self.outer.pseudo_gradients()
             sent = (
                 deltas if site.name in seal.participants else [torch.zeros_like(d) for d in deltas]
             )
-            pending = self._exchange(sent, seal.weights, vector="model", participants=members)
-            report = pending.wait(abort=abort)
-            with self.member.lock:
-                self.outer.step(sent)
-                self._count_round(stepped=True, caught_up=caught_up)
-        self._account(report)
+            with self._blocking("syncing"):
+                pending = self._exchange(sent, seal.weights, vector="model", participants=members)
+                report = pending.wait(abort=abort)
+            self._account(report)
+        with self.member.lock:
+            self.outer.step(sent)
+            self._count_round(seal, stepped=True, caught_up=caught_up)
 
-    def _count_round(self, *, stepped: bool, caught_up: bool) -> None:
+    def _count_round(self, seal: Seal, *, stepped: bool, caught_up: bool) -> None:
         """Under the state lock: a round is complete. A site that caught up for it took
         part with nothing while the others trained the round's steps: it goes on from
         their step. That step is counted here, under the lock, with the round: a site
@@ -259,6 +373,12 @@ class DiLoCo(LocalSteps):
         and waited alone for it at the end."""
         if caught_up:
             self.inner_steps += self.sync_every
+        if seal.participants:
+            # The scale the next round's data go at, beside its vote: the
+            # participants' mean count, which every member reads from this seal
+            # (and a site that catches up pulls with the state), so the sites'
+            # values leave near their own size (fp16 keeps its range) and share it.
+            self._scale_tokens = max(1, round(seal.total / len(seal.participants)))
         self.outer_steps += stepped
         self.member.rounds += 1
         self._steps_at_round = self.inner_steps
@@ -293,6 +413,7 @@ class DiLoCo(LocalSteps):
             "inner_steps": self._steps_at_round,
             "sync_every": self.sync_every,
             "outer": self.outer.state_dict(),
+            "scale_tokens": self._scale_tokens,
         }
 
     def _load_global_state(self, state: dict[str, Any], donor: str) -> None:
@@ -300,6 +421,7 @@ class DiLoCo(LocalSteps):
         self.inner_steps = int(state["inner_steps"])
         self._steps_at_round = self.inner_steps
         self.sync_every = int(state["sync_every"])
+        self._scale_tokens = state.get("scale_tokens")
         self._tokens = 0
 
     def rejoin(self) -> int:

@@ -1,13 +1,15 @@
 """One site of a DiLoCo job whose rounds the test scripts, through the public API.
 
     python tests/workers/diloco_rounds.py JOB SITE OUT.json --rounds 3 [--steps-in ROUND=N]
-        [--poison ROUND]
+        [--poison ROUND] [--scale-tokens ROUND=N]
     python tests/workers/diloco_rounds.py JOB SITE OUT.json --round-seconds T --steps N
         [--step-sleep S]
 
 Scripted rounds: every round the site takes a number of inner steps (default 2; ``--steps-in 1=0``
 makes it idle in round 1), then calls ``DiLoCo.sync()``. ``--poison R`` puts a NaN
-into the model just before round R's sync, as a diverged step would. The report
+into the model just before round R's sync, as a diverged step would.
+``--scale-tokens R=N`` makes the site send round R's data at scale N whatever
+the others use (a site out of step with them, which the seal must catch). The report
 holds, per round, the local parameters just before the sync and the model after
 it, so the test can check what the round averaged.
 
@@ -32,6 +34,7 @@ import isthmus
 
 def scripted(args, site, model, inner, inner_step) -> dict:
     steps_in = {int(r): int(n) for r, n in (item.split("=") for item in args.steps_in)}
+    scales = {int(r): int(n) for r, n in (item.split("=") for item in args.scale_tokens)}
     rounds = []
     with (
         site,
@@ -46,6 +49,8 @@ def scripted(args, site, model, inner, inner_step) -> dict:
                 with torch.no_grad():
                     model.weight[0, 0] = float("nan")
             before = [p.detach().clone().tolist() for p in model.parameters()]
+            if r in scales:
+                diloco._scale_tokens = scales[r]
             diloco.sync()
             seal = diloco.last_seal
             rounds.append(
@@ -55,6 +60,7 @@ def scripted(args, site, model, inner, inner_step) -> dict:
                     "participants": seal.participants,
                     "refused": seal.refused,
                     "weights": seal.weights,
+                    "scale_tokens": seal.scale_tokens,
                 }
             )
     return {"rounds": rounds, "outer_steps": diloco.outer_steps}
@@ -68,6 +74,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps-in", action="append", default=[], help="ROUND=STEPS")
     parser.add_argument("--poison", type=int, default=-1)
+    parser.add_argument("--scale-tokens", action="append", default=[], help="ROUND=N")
     parser.add_argument("--round-seconds", type=float)
     parser.add_argument("--steps", type=int, default=0)
     parser.add_argument("--step-sleep", type=float, default=0.0)
