@@ -98,3 +98,17 @@ def test_the_report_tables_the_times_and_plots_loss_against_wall_time(tmp_path):
     assert not (tmp_path / "compare.png").exists()
     assert "compare.png" not in bare and "STRATEGY/report.md" not in bare
     assert "isthmus report OUT/STRATEGY" in bare
+
+
+def test_the_report_states_the_settings_that_differ_by_strategy(tmp_path):
+    """A job file that leaves the codec unset gives sync float32 and the DiLoCo
+    family int2+zstd: the report must not state the first run's codec for all."""
+    summaries = {}
+    for strategy, codec in (("sync", "none"), ("diloco", "int2+zstd")):
+        (tmp_path / strategy).mkdir()
+        (tmp_path / strategy / "metrics.jsonl").write_text("")
+        summaries[strategy] = _summary(strategy, 10**6)
+        summaries[strategy]["settings"]["codec"] = codec
+    report = write_comparison(tmp_path, summaries, plot=False).read_text()
+    assert "Settings: steps=8\n" in report
+    assert "Where they differ: sync codec=none; diloco codec=int2+zstd" in report

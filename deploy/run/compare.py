@@ -112,7 +112,7 @@ def write_comparison(out: Path, summaries: dict[str, dict[str, Any]], *, plot: b
                 else f" {reached:.0f}" + (f" ({ratio:.2f}x sync) |" if ratio else " |")
             )
         lines.append(line + f" {row['status']} |")
-    settings = {k: v for k, v in first["settings"].items() if k != "strategy"}
+    settings = _shared_settings(summaries)
     lines += [
         "",
         "Same job, data and tokens for every strategy; each run's own report is in its "
@@ -131,10 +131,33 @@ def write_comparison(out: Path, summaries: dict[str, dict[str, Any]], *, plot: b
         ]
     if image:
         lines += ["", f"![held-out loss against tokens and wall time, and WAN bytes]({image})"]
-    lines += ["", "Settings: " + ", ".join(f"{k}={v}" for k, v in settings.items())]
+    shared, own = settings
+    lines += ["", "Settings: " + ", ".join(f"{k}={v}" for k, v in shared.items())]
+    if any(own.values()):
+        lines += [
+            "Where they differ: "
+            + "; ".join(
+                f"{strategy} " + ", ".join(f"{k}={v}" for k, v in differing.items())
+                for strategy, differing in own.items()
+            )
+        ]
     report = out / "compare.md"
     report.write_text("\n".join(lines) + "\n")
     return report
+
+
+def _shared_settings(
+    summaries: dict[str, dict[str, Any]],
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """The settings every run had, and each run's own where they differ: a job file
+    that leaves ``codec`` unset gives the DiLoCo family ``int2+zstd`` and sync none,
+    and one line of the first run's settings would state sync's for all."""
+    runs = {strategy: summary["settings"] for strategy, summary in summaries.items()}
+    first = next(iter(runs.values()))
+    keys = [k for k in first if k != "strategy"]
+    shared = {k: first[k] for k in keys if all(r.get(k) == first[k] for r in runs.values())}
+    own = {s: {k: r.get(k) for k in keys if k not in shared} for s, r in runs.items()}
+    return shared, own
 
 
 def _plot(
