@@ -30,8 +30,9 @@ interval, and ``W(n)`` and ``C(n)`` the wire and host parts:
   (a fraction ``b`` of ``t``) produces them; all but the last bucket's share
   of the backward pass can hide the wire: step = t + max(0, W(N) - h) + C(N)
   with h = b t (1 - bucket / N) (no overlap, or one bucket: h = 0);
-* ``diloco``: a round is H steps, a vote (a tiny exchange) and the exchange:
-  round = H t + late(H) + X(0) + X(N), X = W + C;
+* ``diloco``: a round is H steps, then a vote (a tiny exchange) and the
+  exchange, which cross together (the first round's vote goes first):
+  round = H t + late(H) + max(X(0), X(N)), X = W + C;
 * ``streaming``: P fragments each exchange N / P, the wire overlapping tau
   inner steps: round = H t + P (max(0, late(H / P) + W(N / P) - tau t) + C(N / P));
 * ``async``: the exchange overlaps the whole next round:
@@ -397,9 +398,11 @@ def predict_run(scenario: Scenario) -> Prediction:
     left = (s.steps or 0) % h  # steps after the last whole round
     if s.strategy == "diloco":
         vote = exchange_cost(s, 64.0).seconds
-        exposed = s.late_s(h) + vote + _overlapped(full, backward)
-        # A last round for the steps since the previous one, if any.
-        final = s.late_s(left) + vote + full.seconds if left else 0.0
+        # The data cross beside the vote: each takes its own round trip, at once.
+        exposed = s.late_s(h) + max(vote, _overlapped(full, backward))
+        # A last round for the steps since the previous one, if any; and the
+        # first round's vote, which goes before its data (no shared scale yet).
+        final = (s.late_s(left) + max(vote, full.seconds) if left else 0.0) + vote
         whole = _whole_run(s, pace, h, exposed, final)
     elif s.strategy == "async":
         exposed = _overlapped(full, compute + backward, s.late_s(h))
