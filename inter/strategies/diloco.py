@@ -348,12 +348,14 @@ class DiLoCo(LocalSteps):
                     seal.round,
                     seal.scale_tokens,
                 )
-            # Left out: sent, but not counted (weight 0). Zeros in place of the
-            # values, which a round run again may still need.
-            deltas = self.outer.pseudo_gradients()
-            sent = (
-                deltas if site.name in seal.participants else [torch.zeros_like(d) for d in deltas]
-            )
+                # The round beside the vote wrote its mean over the values: take
+                # them again (nothing was applied; the model is as it was). What
+                # the codec lost in that round is already kept for error feedback.
+                sent = self.outer.pseudo_gradients()
+            if site.name not in seal.participants:
+                # Left out: sent, but not counted (weight 0). Zeros in place of the
+                # values, which a round run again may still need.
+                sent = [torch.zeros_like(d) for d in sent]
             with self._blocking("syncing"):
                 pending = self._exchange(sent, seal.weights, vector="model", participants=members)
                 report = pending.wait(abort=abort)
