@@ -219,10 +219,13 @@ class RecordingSite(OneSite):
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[str] = []
+        self.data_rounds: list[dict[str, Any]] = []
 
     def start(self, tensors: list[torch.Tensor], **kwargs: Any) -> Any:
         what = "vote" if kwargs.get("exact") else "data"
         self.calls.append(f"start {what}")
+        if what == "data":
+            self.data_rounds.append(kwargs)
         calls = self.calls
 
         class Pending:
@@ -252,3 +255,30 @@ def test_diloco_sends_its_data_beside_the_vote_once_the_sites_share_a_scale():
     ]
     assert diloco.outer_steps == 2
     assert diloco.last_seal.scale_tokens == {"a": 2}
+    # The first round's data weighted by the seal; the second's at weight 1, each
+    # site's values scaled by its tokens over the scale (2 over 2), and, as every
+    # DiLoCo exchange, nothing averaged inside the site (its ranks hold one model).
+    first, second = site.data_rounds
+    assert first["weights"] == {"a": 2.0} and first.get("scale", 1.0) == 1.0
+    assert second["weights"] == {"a": 1.0} and second["scale"] == 1.0
+    assert not first.get("in_site_reduce", False) and second["in_site_reduce"] is False
+
+
+class OutOfStepSite(OneSite):
+    """:class:`OneSite` whose vote comes back with a scale, as if the other sites had
+    sent the round's data beside it while this one holds none."""
+
+    def start(self, tensors: list[torch.Tensor], **kwargs: Any) -> _Exchanged:
+        if kwargs.get("exact"):
+            tensors[0][6] = 5.0  # the first digit of the scale (inter/commit.py)
+        return _Exchanged()
+
+
+def test_a_site_without_the_scale_the_others_sent_at_stops_with_one_line():
+    """Averaging apart would part the models silently; the site says why instead."""
+    torch.manual_seed(0)
+    model = Blocks()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    DiLoCo(OutOfStepSite(), model, optimizer, sync_every=2)
+    with pytest.raises(RuntimeError, match=r"data beside the vote \(scales \{'a': 5\}\)"):
+        _train(model, optimizer, range(2))

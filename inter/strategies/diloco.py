@@ -235,6 +235,8 @@ class DiLoCo(LocalSteps):
             round=site.next_round(),
             participants=list(members),
             weights={s: 1.0 for s in members},
+            # As _exchange: the ranks of a site hold one model, each sends its lanes.
+            in_site_reduce=False,
             feedback="model" if self.error_feedback and contributes else None,
             scale=site_tokens / scale if contributes else 1.0,
         )
@@ -324,6 +326,15 @@ class DiLoCo(LocalSteps):
             with self._blocking("syncing"):
                 report = beside.wait(abort=abort)
             self._account(report)
+        if beside is None and any(seal.scale_tokens.values()):
+            # The others sent the round's data beside the vote, which this site
+            # cannot join: its state came without their scale (from an older
+            # Isthmus, or a bug). Averaging apart would part the models silently.
+            raise RuntimeError(
+                f"site {site.name}: seal {seal.round}: the other sites sent the round's "
+                f"data beside the vote (scales {seal.scale_tokens}) but this site holds "
+                "no scale; restart every site from the same checkpoint or version"
+            )
         if not seal.participants:
             # Nothing to average (every site took the same decision): start the
             # next round from the global parameters as they were.
@@ -349,9 +360,12 @@ class DiLoCo(LocalSteps):
                     seal.scale_tokens,
                 )
                 # The round beside the vote wrote its mean over the values: take
-                # them again (nothing was applied; the model is as it was). What
-                # the codec lost in that round is already kept for error feedback.
-                sent = self.outer.pseudo_gradients()
+                # them again, in place (nothing was applied; the model is as it
+                # was), so that a round run again after this one fails sends them
+                # and not that mean. (What the codec lost in the discarded round
+                # stays kept for error feedback: one round's rounding, once.)
+                for t, fresh in zip(sent, self.outer.pseudo_gradients(), strict=True):
+                    t.copy_(fresh)
             if site.name not in seal.participants:
                 # Left out: sent, but not counted (weight 0). Zeros in place of the
                 # values, which a round run again may still need.
