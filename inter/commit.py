@@ -78,33 +78,6 @@ class Seal:
         return scale or None
 
 
-def seal_round(
-    step: HierarchicalStep,
-    *,
-    round: int,
-    sites: Sequence[str],
-    me: str,
-    tokens: int,
-    dp_size: int = 1,
-    refuse: bool = False,
-    last: bool = False,
-    abort: Callable[[], bool] | None = None,
-) -> Seal:
-    """The round's participants and weights, identical on every site: the vote of
-    :func:`start_seal`, waited for. ``abort``: polled while waiting (see
-    :meth:`PendingAverage.wait`)."""
-    return start_seal(
-        step,
-        round=round,
-        sites=sites,
-        me=me,
-        tokens=tokens,
-        dp_size=dp_size,
-        refuse=refuse,
-        last=last,
-    ).wait(abort)
-
-
 def start_seal(
     step: HierarchicalStep,
     *,

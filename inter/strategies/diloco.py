@@ -211,22 +211,13 @@ class DiLoCo(LocalSteps):
         site = self.site
         scale = self._scale_tokens  # the same on every member: global state
         if scale is None:
-            seal = self._seal(members, tokens, bad, last, abort)
+            # No scale shared yet: the vote alone, waited for, before any data leave.
+            seal = self._seal_waited(self._start_vote(members, tokens, bad, last), bad, abort)
             self._apply(members, seal, deltas, None, abort, caught_up)
             return
         site_tokens, refusing = self._site_counts(tokens, bad > 0)
         contributes = site_tokens > 0 and not refusing
-        vote = start_seal(
-            site.step,
-            round=site.next_round(),
-            sites=members,
-            me=site.name,
-            tokens=tokens,
-            dp_size=site.layout.dp,
-            refuse=bad > 0,
-            last=last,
-            scale_tokens=scale,
-        )
+        vote = self._start_vote(members, tokens, bad, last, scale)
         # Left out: zeros, and no error feedback (what the codec lost last time
         # waits for a round the site counts in).
         sent = deltas if contributes else [torch.zeros_like(d) for d in deltas]
@@ -260,17 +251,12 @@ class DiLoCo(LocalSteps):
         )
         return int(counts[0].item()), counts[1].item() > 0
 
-    def _seal(
-        self,
-        members: Sequence[str],
-        tokens: int,
-        bad: int,
-        last: bool,
-        abort: Callable[[], bool] | None,
-    ) -> Seal:
-        """The vote alone, waited for, before any data leave."""
+    def _start_vote(
+        self, members: Sequence[str], tokens: int, bad: int, last: bool, scale: int = 0
+    ) -> PendingSeal:
+        """Start the round's vote (``scale``: the data's, when they go beside it)."""
         site = self.site
-        vote = start_seal(
+        return start_seal(
             site.step,
             round=site.next_round(),
             sites=members,
@@ -279,8 +265,8 @@ class DiLoCo(LocalSteps):
             dp_size=site.layout.dp,
             refuse=bad > 0,
             last=last,
+            scale_tokens=scale,
         )
-        return self._seal_waited(vote, bad, abort)
 
     def _seal_waited(self, vote: PendingSeal, bad: int, abort: Callable[[], bool] | None) -> Seal:
         site = self.site
