@@ -80,6 +80,22 @@ CONFIGS: dict[str, list[str]] = {
     "diloco-avg-shrinking-int2zstd-ef": [
         *("--strategy", "diloco", "--sync-every-schedule", SHRINKING_H, *FEDAVG, *INT2_ZSTD_EF),
     ],
+    # The inner rate beside sync's: local AdamW steps on a quarter of sync's batch,
+    # averaged, may move less per step than one step on the averaged gradient. Each
+    # is held against sync at the same rate (argparse takes the last --lr).
+    "sync-lr4.5e-3": ["--strategy", "sync", "--lr", "4.5e-3"],
+    "diloco-avg-shrinking-int2zstd-ef-lr4.5e-3": [
+        *("--strategy", "diloco", "--sync-every-schedule", SHRINKING_H, *FEDAVG, *INT2_ZSTD_EF),
+        *("--lr", "4.5e-3"),
+    ],
+    "sync-lr6e-3": ["--strategy", "sync", "--lr", "6e-3"],
+    "diloco-avg-shrinking-int2zstd-ef-lr6e-3": [
+        *("--strategy", "diloco", "--sync-every-schedule", SHRINKING_H, *FEDAVG, *INT2_ZSTD_EF),
+        *("--lr", "6e-3"),
+    ],
+    "diloco-avg-h34-int2zstd-ef-lr4.5e-3": [
+        *("--strategy", "diloco", "--sync-every", "34", *FEDAVG, *INT2_ZSTD_EF, "--lr", "4.5e-3"),
+    ],
     "diloco-avg-h34-int2zstd-ef": [
         *("--strategy", "diloco", "--sync-every", "34", *FEDAVG, *INT2_ZSTD_EF),
     ],
