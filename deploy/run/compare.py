@@ -112,7 +112,7 @@ def write_comparison(out: Path, summaries: dict[str, dict[str, Any]], *, plot: b
                 else f" {reached:.0f}" + (f" ({ratio:.2f}x sync) |" if ratio else " |")
             )
         lines.append(line + f" {row['status']} |")
-    settings = _shared_settings(summaries)
+    shared, own = _shared_settings(summaries)
     lines += [
         "",
         "Same job, data and tokens for every strategy; each run's own report is in its "
@@ -131,7 +131,6 @@ def write_comparison(out: Path, summaries: dict[str, dict[str, Any]], *, plot: b
         ]
     if image:
         lines += ["", f"![held-out loss against tokens and wall time, and WAN bytes]({image})"]
-    shared, own = settings
     lines += ["", "Settings: " + ", ".join(f"{k}={v}" for k, v in shared.items())]
     if any(own.values()):
         lines += [

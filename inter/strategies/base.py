@@ -191,16 +191,19 @@ class Strategy:
         tensors: Sequence[torch.Tensor],
         weights: dict[str, float],
         *,
-        vector: str,
+        vector: str | None,
         in_site_reduce: bool = False,
         participants: Sequence[str] | None = None,
+        scale: float = 1.0,
     ) -> PendingAverage:
         """Start averaging ``tensors`` over every site, in the site's next round.
         The DiLoCo family's ranks hold one model per site (FSDP, or one rank), so
         by default nothing is averaged inside the site first. ``vector`` names what
         is sent (the same name for the same values every round): error feedback
-        is kept per vector. ``participants``: the round's members (default: every
-        site of the job)."""
+        is kept per vector; None sends without it (a site whose values do not
+        count this round: what the codec lost last time waits for one that does).
+        ``participants``: the round's members (default: every site of the job).
+        ``scale``: see :meth:`HierarchicalStep.start`."""
         return self.site.step.start(
             tensors,
             round=self.site.next_round(),
@@ -208,6 +211,7 @@ class Strategy:
             weights=weights,
             in_site_reduce=in_site_reduce,
             feedback=vector if self.error_feedback else None,
+            scale=scale,
         )
 
     def _exchange_in_view(

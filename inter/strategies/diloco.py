@@ -208,7 +208,6 @@ class DiLoCo(LocalSteps):
         mean the engine returns becomes the token-weighted average once the seal
         says the total. On long links that saves a round trip a round: the vote and
         the data each take one."""
-        site = self.site
         scale = self._scale_tokens  # the same on every member: global state
         if scale is None:
             # No scale shared yet: the vote alone, waited for, before any data leave.
@@ -221,14 +220,11 @@ class DiLoCo(LocalSteps):
         # Left out: zeros, and no error feedback (what the codec lost last time
         # waits for a round the site counts in).
         sent = deltas if contributes else [torch.zeros_like(d) for d in deltas]
-        data = site.step.start(
+        data = self._exchange(
             sent,
-            round=site.next_round(),
-            participants=list(members),
-            weights={s: 1.0 for s in members},
-            # As _exchange: the ranks of a site hold one model, each sends its lanes.
-            in_site_reduce=False,
-            feedback="model" if self.error_feedback and contributes else None,
+            {s: 1.0 for s in members},
+            vector="model" if contributes else None,
+            participants=members,
             scale=site_tokens / scale if contributes else 1.0,
         )
         try:
