@@ -123,6 +123,132 @@ def load_flat(tensors: Iterable[torch.Tensor], values: torch.Tensor) -> None:
         offset += t.numel()
 
 
+def orthonormal(columns: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.qr(columns.double()).Q.float()
+
+
+def low_rank_round(
+    deltas: list[torch.Tensor],
+    residuals: list[torch.Tensor],
+    shapes: list[tuple[int, ...]],
+    factors: list[torch.Tensor | None],
+    args: argparse.Namespace,
+) -> tuple[torch.Tensor, float]:
+    """One PowerSGD step (Vogels et al., 2019) on every matrix of the pseudo-gradient,
+    error feedback per site: returns the average every site applies and the bytes each
+    all-reduced vector would take, counted once for the reduce-scatter and once for
+    the all-gather. ``factors`` holds each matrix's Q, warm-started round to round."""
+    corrected = [d + r for d, r in zip(deltas, residuals, strict=True)]
+    average = torch.zeros_like(deltas[0])
+    sent = 0.0
+    offset = 0
+    levels = args.low_rank_levels
+    for index, shape in enumerate(shapes):
+        count = 1
+        for n in shape:
+            count *= n
+        parts = [c[offset : offset + count] for c in corrected]
+        if factors[index] is None:  # a vector: the quantiser, as the dense rounds
+            sent_parts = [quantise(p, args.levels, args.block, args.sign) for p in parts]
+            mean = quantise(sum(sent_parts) / WORKERS, args.levels, args.block, args.sign)
+            sent += 2 * encoded_bytes(count, args)
+        else:
+            rows, columns = shape
+            matrices = [p.view(rows, columns) for p in parts]
+            q = factors[index]
+            p_mean = sum(quantise((m @ q).reshape(-1), levels, args.block, False) for m in matrices)
+            p_mean = quantise(p_mean / WORKERS, levels, args.block, False).view(rows, -1)
+            p_hat = orthonormal(p_mean)
+            q_mean = sum(quantise((m.T @ p_hat).reshape(-1), levels, args.block, False) for m in matrices)
+            q_mean = quantise(q_mean / WORKERS, levels, args.block, False).view(columns, -1)
+            factors[index] = q_mean
+            mean = (p_hat @ q_mean.T).reshape(-1)
+            bits = (2 * levels + 1).bit_length()
+            for length in (rows * q.shape[1], columns * q.shape[1]):
+                sent += 2 * (length * bits / 8 + length / args.block * SCALE_BYTES)
+        average[offset : offset + count] = mean
+        offset += count
+    if args.error_feedback:
+        for w, c in enumerate(corrected):
+            residuals[w] = c - average
+    return average, sent
+
+
+class FrozenVarianceAdamW:
+    """AdamW with its second moment fixed (as 1-bit Adam freezes it after its warm-up):
+    its step is then linear in the gradient, so averaging sites' steps is a step on
+    their averaged gradient. Takes the moments of ``optimizer`` with ``variance``, a
+    flat bias-corrected second moment, in place of its own."""
+
+    def __init__(self, optimizer: torch.optim.AdamW, variance: torch.Tensor) -> None:
+        group = optimizer.param_groups[0]
+        self.param_groups = [group]
+        self.params = list(group["params"])
+        self.exp_avgs = [optimizer.state[p]["exp_avg"] for p in self.params]
+        self.count = int(optimizer.state[self.params[0]]["step"])
+        self.denominators = []
+        offset = 0
+        for p in self.params:
+            part = variance[offset : offset + p.numel()].view_as(p)
+            self.denominators.append(part.sqrt() + group["eps"])
+            offset += p.numel()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        group = self.param_groups[0]
+        beta1 = group["betas"][0]
+        self.count += 1
+        rate = group["lr"] / (1 - beta1**self.count)
+        for p, m, d in zip(self.params, self.exp_avgs, self.denominators, strict=True):
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
+            p.addcdiv_(m, d, value=-rate)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+class NoiseCorrectedAdamW:
+    """AdamW whose second moment is corrected to the batch of the averaged update.
+
+    A site's AdamW divides by the square root of its second moment, which carries
+    the gradient noise of the site's own batch: ``sites`` times the noise of the
+    batch the averaged update stands for. Its steps are smaller than sync's once
+    noise dominates. Each step here gets the noise of the site's gradient too
+    (``noise``: per element, from two half-batch gradients), keeps a moving average
+    of it like the second moment's, and takes ``(sites - 1) / sites`` of it out
+    (never below ``1 / sites`` of the second moment)."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float, betas, weight_decay: float, sites: int) -> None:
+        self.param_groups = [{"lr": lr, "betas": betas, "weight_decay": weight_decay, "eps": 1e-8}]
+        self.params = list(params)
+        self.sites = sites
+        self.moments = [(torch.zeros_like(p), torch.zeros_like(p), torch.zeros_like(p)) for p in self.params]
+        self.count = 0
+        self.noise: list[torch.Tensor] = []
+
+    @torch.no_grad()
+    def step(self) -> None:
+        group = self.param_groups[0]
+        beta1, beta2 = group["betas"]
+        self.count += 1
+        first = 1 - beta1**self.count
+        second = 1 - beta2**self.count
+        keep = 1 - 1 / self.sites
+        for p, (m, v, n), noise in zip(self.params, self.moments, self.noise, strict=True):
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
+            v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+            n.mul_(beta2).add_(noise, alpha=1 - beta2)
+            corrected = torch.maximum(v - keep * n, v / self.sites) / second
+            p.addcdiv_(m, corrected.sqrt().add_(group["eps"]), value=-group["lr"] / first)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=("diloco", "sync"), default="diloco")
@@ -153,6 +279,29 @@ def main() -> int:
         help="DES-LOC-style (arXiv 2505.22549): also average AdamW's first moment every "
         "KU rounds and its second every KV rounds (float32), e.g. 3,6",
     )
+    parser.add_argument(
+        "--low-rank",
+        type=int,
+        default=0,
+        metavar="R",
+        help="diloco: PowerSGD-style rank-R pseudo-gradients for every matrix (one power "
+        "step a round, Q warm-started, error feedback), vectors through the quantiser",
+    )
+    parser.add_argument("--low-rank-levels", type=int, default=127, help="P and Q: 127 int8")
+    parser.add_argument(
+        "--freeze-variance",
+        type=int,
+        default=0,
+        metavar="STEP",
+        help="diloco: after STEP, average AdamW's second moment over the sites once "
+        "(int8, counted) and freeze it",
+    )
+    parser.add_argument(
+        "--noise-corrected",
+        action="store_true",
+        help="diloco: each site's AdamW takes the extra noise of its smaller batch out of "
+        "its second moment (two half-batch gradients a step)",
+    )
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -169,13 +318,24 @@ def main() -> int:
     streams = [
         data.batches(ShardSpec(w, (1,) * WORKERS, 0, seed=args.seed), BATCH) for w in range(WORKERS)
     ]
-    optimizers = [
+    optimizers: list = [
+        NoiseCorrectedAdamW(
+            m.parameters(), args.lr, (0.9, args.beta2), args.weight_decay, WORKERS
+        )
+        for m in models
+    ] if args.noise_corrected and args.mode == "diloco" else [
         torch.optim.AdamW(
             m.parameters(), lr=args.lr, betas=(0.9, args.beta2), weight_decay=args.weight_decay
         )
         for m in models
     ]
     size = flat(models[0]).numel()
+    shapes = [tuple(p.shape) for p in models[0].parameters()]
+    generator = torch.Generator().manual_seed(1234)
+    factors = [
+        torch.randn(shape[1], args.low_rank, generator=generator) if len(shape) == 2 else None
+        for shape in shapes
+    ]
     global_params = flat(models[0]).clone()
     momentum = torch.zeros(size)
     residuals = [torch.zeros(size) for _ in range(WORKERS)]
@@ -197,7 +357,19 @@ def main() -> int:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             x, y = next(stream)
-            lm_loss(model(x), y).backward()
+            if isinstance(optimizer, NoiseCorrectedAdamW):
+                half = len(x) // 2
+                lm_loss(model(x[:half]), y[:half]).backward()
+                first_half = [p.grad.clone() for p in model.parameters()]
+                optimizer.zero_grad()
+                lm_loss(model(x[half:]), y[half:]).backward()
+                with torch.no_grad():
+                    optimizer.noise = []
+                    for p, a in zip(model.parameters(), first_half, strict=True):
+                        optimizer.noise.append(((a - p.grad) / 2) ** 2)
+                        p.grad.add_(a).div_(2)
+            else:
+                lm_loss(model(x), y).backward()
         if args.mode == "sync":
             grads = [torch.cat([p.grad.reshape(-1) for p in m.parameters()]) for m in models]
             if args.top_k:
@@ -219,17 +391,37 @@ def main() -> int:
                 load_flat((p.grad for p in model.parameters()), average)
         for model, optimizer in zip(models, optimizers, strict=True):
             if args.grad_clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+                if isinstance(optimizer, NoiseCorrectedAdamW):  # the noise scales with it
+                    factor = min(1.0, args.grad_clip / (float(norm) + 1e-6)) ** 2
+                    optimizer.noise = [n * factor for n in optimizer.noise]
             optimizer.step()
             optimizer.zero_grad()
         if args.mode == "sync":
             continue
+        if args.freeze_variance and step + 1 == args.freeze_variance:
+            beta2 = args.beta2
+            corrected = []
+            for o in optimizers:
+                t = int(o.state[o.param_groups[0]["params"][0]]["step"])
+                moments = flat_of(o.state[p]["exp_avg_sq"] for p in o.param_groups[0]["params"])
+                corrected.append(moments / (1 - beta2**t))
+            variance = sum(corrected) / WORKERS
+            wan_bytes += share * 2 * (size + size / args.block * SCALE_BYTES)
+            optimizers = [FrozenVarianceAdamW(o, variance) for o in optimizers]
         since += 1
         if since < sync_every_at(schedule, step) and step != args.steps - 1:
             continue
         since = 0
-        deltas = []
-        for w, model in enumerate(models):
+        if args.low_rank:
+            average, sent_bytes = low_rank_round(
+                [global_params - flat(m) for m in models], residuals, shapes, factors, args
+            )
+            wan_bytes += share * sent_bytes
+            deltas = None
+        else:
+            deltas = []
+        for w, model in enumerate(models if deltas is not None else ()):
             delta = global_params - flat(model)
             if args.error_feedback:
                 delta += residuals[w]
@@ -242,7 +434,9 @@ def main() -> int:
             if args.error_feedback:
                 residuals[w] = delta - sent
             deltas.append(sent)
-        if codec is not None:
+        if deltas is None:
+            pass
+        elif codec is not None:
             encoded = codec.encode(sum(deltas) / WORKERS)
             average = codec.decode(encoded)
             wan_bytes += share * len(encoded.payload)
