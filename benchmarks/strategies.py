@@ -99,6 +99,22 @@ CONFIGS: dict[str, list[str]] = {
     "diloco-avg-h34-int2zstd-ef": [
         *("--strategy", "diloco", "--sync-every", "34", *FEDAVG, *INT2_ZSTD_EF),
     ],
+    # The inner AdamW's second moment corrected to the sites' averaged batch
+    # (isthmus.SiteAdamW, each batch taken as two halves): a site's gradient carries
+    # four times the noise of the batch the averaged step stands for, and plain
+    # AdamW's steps shrink by it.
+    "diloco-avg-shrinking-int2zstd-ef-site": [
+        *("--strategy", "diloco", "--sync-every-schedule", SHRINKING_H, *FEDAVG, *INT2_ZSTD_EF),
+        *("--inner", "site-adamw"),
+    ],
+    "diloco-avg-h4-int2zstd-ef-site": [
+        *("--strategy", "diloco", "--sync-every", "4", *FEDAVG, *INT2_ZSTD_EF),
+        *("--inner", "site-adamw"),
+    ],
+    "diloco-avg-h34-int2zstd-ef-site": [
+        *("--strategy", "diloco", "--sync-every", "34", *FEDAVG, *INT2_ZSTD_EF),
+        *("--inner", "site-adamw"),
+    ],
     # Sparse pseudo-gradients (codec topk): the largest 2% (or 1%) of every 4,096
     # values, 2-bit, with error feedback; an owner sends the union of the sites'
     # positions back. "-decay": SparseLoCo's form, the residual decaying by 0.95 a

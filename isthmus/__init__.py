@@ -28,9 +28,18 @@ _LAZY = {
     "DiLoCo": "isthmus.inter.strategies",
     "StreamingDiLoCo": "isthmus.inter.strategies",
     "AsyncDiLoCo": "isthmus.inter.strategies",
+    "SiteAdamW": "isthmus.intra.site_adamw",
 }
 
-__all__ = ["AsyncDiLoCo", "DiLoCo", "StreamingDiLoCo", "Sync", "__version__", "join"]
+__all__ = [
+    "AsyncDiLoCo",
+    "DiLoCo",
+    "SiteAdamW",
+    "StreamingDiLoCo",
+    "Sync",
+    "__version__",
+    "join",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -153,6 +153,17 @@ def _beta(text: str) -> float:
     return value
 
 
+def backward_in_halves(
+    model: torch.nn.Module, inner: isthmus.SiteAdamW, x: torch.Tensor, y: torch.Tensor
+) -> None:
+    """The batch's gradient as two halves' mean, each half recorded: what tells
+    SiteAdamW the gradient's noise."""
+    half = len(x) // 2
+    for part in (slice(0, half), slice(half, None)):
+        (lm_loss(model(x[part]), y[part]) / 2).backward()
+        inner.record_micro_batch()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m isthmus.deploy.examples.diloco_train")
     parser.add_argument("job")
@@ -186,7 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--outer-momentum", type=float, default=0.9, help="Nesterov; 0: none")
     parser.add_argument("--codec", default="none")
     parser.add_argument("--error-feedback", action="store_true", help="with a lossy codec")
-    parser.add_argument("--inner", choices=("adamw", "sgd"), default="adamw")
+    parser.add_argument(
+        "--inner",
+        choices=("adamw", "site-adamw", "sgd"),
+        default="adamw",
+        help="site-adamw: AdamW with its second moment corrected to the sites' averaged "
+        "batch (isthmus.SiteAdamW), each batch taken as two halves",
+    )
     parser.add_argument("--lr", type=float, default=3e-3, help="inner learning rate")
     parser.add_argument(
         "--grad-clip",
@@ -220,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         inner: torch.optim.Optimizer = torch.optim.AdamW(
             model.parameters(), lr=args.lr, betas=(0.9, args.beta2)
         )
+    elif args.inner == "site-adamw":
+        inner = isthmus.SiteAdamW(model.parameters(), lr=args.lr, betas=(0.9, args.beta2))
     else:
         inner = torch.optim.SGD(model.parameters(), lr=args.lr)
     tokens = args.batch * model.config.seq_len
@@ -253,7 +272,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.sync_every_schedule:
                 strategy.sync_every = sync_every_at(args.sync_every_schedule, step)
             x, y = next(batches)
-            lm_loss(model(x), y).backward()
+            if isinstance(inner, isthmus.SiteAdamW):
+                backward_in_halves(model, inner, x, y)
+            else:
+                lm_loss(model(x), y).backward()
             if args.grad_clip and args.strategy != "sync":  # Sync clips the average
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             inner.step()  # every sync_every steps the round runs here

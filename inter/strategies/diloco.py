@@ -377,6 +377,8 @@ class DiLoCo(LocalSteps):
             # (and a site that catches up pulls with the state), so the sites'
             # values leave near their own size (fp16 keeps its range) and share it.
             self._scale_tokens = max(1, round(seal.total / len(seal.participants)))
+            if self.site.name in seal.participants:
+                self._set_batch_share(seal.weights[self.site.name] / seal.total)
         self.outer_steps += stepped
         self.member.rounds += 1
         self._steps_at_round = self.inner_steps

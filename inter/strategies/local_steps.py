@@ -23,7 +23,7 @@ from isthmus.inter.join import SiteRuntime, runtime_of
 from isthmus.inter.member_rounds import EarlyExchange, shapes_match
 from isthmus.inter.membership import View
 from isthmus.inter.outer import OuterOptimizer
-from isthmus.inter.strategies.base import Strategy
+from isthmus.inter.strategies.base import Strategy, static_weights
 
 
 class LocalSteps(Strategy):
@@ -63,6 +63,16 @@ class LocalSteps(Strategy):
             self.params, lr=outer_lr, momentum=outer_momentum, device=outer_device
         )
         self._hooks.append(inner_optimizer.register_step_post_hook(self._after_step))
+        # Until a round says otherwise, every site takes its data-parallel share.
+        weights = static_weights(self.layouts, tokens_per_step)
+        self._set_batch_share(weights[self.site.name] / sum(weights.values()))
+
+    def _set_batch_share(self, share: float) -> None:
+        """Tell an inner optimizer that corrects its second moment to the sites'
+        averaged batch (:class:`~isthmus.intra.site_adamw.SiteAdamW`) this site's
+        share of that batch; other optimizers have nothing to be told."""
+        if hasattr(self.optimizer, "batch_share") and 0.0 < share <= 1.0:
+            self.optimizer.batch_share = share
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         raise NotImplementedError

@@ -1,0 +1,153 @@
+"""AdamW for a site whose steps are averaged with other sites' steps.
+
+In the DiLoCo family every site runs its own AdamW on its own batch, and the
+sites' steps are averaged. AdamW divides each step by the root of its second
+moment, the running mean of the squared gradient: the square of the signal plus
+the gradient's noise. A site's batch is a share of the batch the averaged step
+stands for, so its gradient carries 1/share times that batch's noise, its second
+moment is larger than sync's, and once noise dominates the averaged step is
+smaller than sync's would be. On the four-site convergence protocol that is
+most of DiLoCo's gap to sync: averaging the sites' AdamW steps after every
+single step ends +1.45% above sync; with this correction, at or below it (see
+docs/benchmarks.md, "Convergence").
+
+:class:`SiteAdamW` is AdamW that also estimates its gradient's noise, from the
+micro-batches the gradient was accumulated over (two at least: the training
+loop calls :meth:`SiteAdamW.record_micro_batch` after each one's backward pass),
+keeps a running mean of it beside the second moment, and takes out the part of
+it the averaged step does not carry, ``1 - batch_share`` of it, never going
+below ``batch_share`` of the second moment (what pure noise would leave). The
+DiLoCo-family strategies set :attr:`SiteAdamW.batch_share` (the site's tokens
+over every participant's); left at 1, or fed no micro-batches, it is AdamW.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+
+class SiteAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, bias-corrected moments) whose second moment
+    is corrected to the batch the sites' averaged step stands for (see the module).
+
+    ``batch_share``: this site's share of that batch, in (0, 1]; 1 (the default,
+    and what a lone site or sync gets) leaves AdamW as it is.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        batch_share: float = 1.0,
+    ) -> None:
+        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"SiteAdamW: betas must be in [0, 1), got {betas!r}")
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self.batch_share = batch_share
+        # Within one step: each parameter's gradient as last recorded, and the sum
+        # of the squares of what each micro-batch added to it.
+        self._recorded: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._micro_batches = 0
+
+    @property
+    def batch_share(self) -> float:
+        return self._batch_share
+
+    @batch_share.setter
+    def batch_share(self, share: float) -> None:
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"SiteAdamW.batch_share must be in (0, 1], got {share!r}")
+        self._batch_share = float(share)
+
+    @torch.no_grad()
+    def record_micro_batch(self) -> None:
+        """Call after each micro-batch's backward pass (two or more a step, each
+        adding its gradient into ``.grad``, scaled or not): what it added is one
+        sample of the gradient's noise."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                recorded = self._recorded.get(p)
+                if recorded is None:
+                    last, squares = p.grad.clone(), p.grad.square()
+                    self._recorded[p] = (last, squares)
+                    continue
+                last, squares = recorded
+                if self._micro_batches == 0:  # the first micro-batch of a new step
+                    last.copy_(p.grad)
+                    torch.mul(p.grad, p.grad, out=squares)
+                    continue
+                added = p.grad - last
+                squares.addcmul_(added, added)
+                last.copy_(p.grad)
+        self._micro_batches += 1
+
+    def _noise(self) -> dict[torch.Tensor, torch.Tensor]:
+        """Each parameter's estimated noise (variance, per element) of the gradient
+        the step takes; empty where fewer than two micro-batches were recorded.
+
+        With k micro-batches adding c_j to G = sum c_j, the sample variance of
+        k c_j is (k sum c_j^2 - G^2) / (k - 1) over k, which is also the variance
+        of G (scaled or not, the same form). The step may take a gradient scaled
+        after the last record (clipping, or a mean taken of the sum): the noise
+        scales by the square of that ratio, one for the whole model."""
+        count, self._micro_batches = self._micro_batches, 0
+        if count < 2:
+            return {}
+        k = float(count)
+        noise, taken, recorded = {}, [], []
+        for p, (last, squares) in self._recorded.items():
+            if p.grad is None:
+                continue
+            noise[p] = (squares * k - last.square()).div_(k - 1).clamp_(min=0)
+            taken.append(p.grad.square().sum())
+            recorded.append(last.square().sum())
+        if not noise:
+            return {}
+        ratio = torch.stack(taken).sum() / torch.stack(recorded).sum().clamp(min=1e-30)
+        for value in noise.values():
+            value.mul_(ratio.to(value.device))
+        return noise
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        noise = self._noise()
+        share = self._batch_share
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr = group["lr"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                    state["exp_noise"] = torch.zeros_like(p)
+                state["step"] += 1
+                step = float(state["step"])
+                m, v, n = state["exp_avg"], state["exp_avg_sq"], state["exp_noise"]
+                p.mul_(1 - lr * group["weight_decay"])
+                m.lerp_(grad, 1 - beta1)
+                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                if p in noise:
+                    n.mul_(beta2).add_(noise[p], alpha=1 - beta2)
+                second = v
+                if share < 1.0:
+                    second = torch.maximum(v - (1 - share) * n, v * share)
+                denominator = (second / (1 - beta2**step)).sqrt_().add_(group["eps"])
+                p.addcdiv_(m, denominator, value=-lr / (1 - beta1**step))
+        return loss
