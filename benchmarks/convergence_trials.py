@@ -159,7 +159,9 @@ def low_rank_round(
             p_mean = sum(quantise((m @ q).reshape(-1), levels, args.block, False) for m in matrices)
             p_mean = quantise(p_mean / WORKERS, levels, args.block, False).view(rows, -1)
             p_hat = orthonormal(p_mean)
-            q_mean = sum(quantise((m.T @ p_hat).reshape(-1), levels, args.block, False) for m in matrices)
+            q_mean = sum(
+                quantise((m.T @ p_hat).reshape(-1), levels, args.block, False) for m in matrices
+            )
             q_mean = quantise(q_mean / WORKERS, levels, args.block, False).view(columns, -1)
             factors[index] = q_mean
             mean = (p_hat @ q_mean.T).reshape(-1)
@@ -220,11 +222,20 @@ class NoiseCorrectedAdamW:
     of it like the second moment's, and takes ``(sites - 1) / sites`` of it out
     (never below ``1 / sites`` of the second moment)."""
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float, betas, weight_decay: float, sites: int) -> None:
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        lr: float,
+        betas,
+        weight_decay: float,
+        sites: int,
+    ) -> None:
         self.param_groups = [{"lr": lr, "betas": betas, "weight_decay": weight_decay, "eps": 1e-8}]
         self.params = list(params)
         self.sites = sites
-        self.moments = [(torch.zeros_like(p), torch.zeros_like(p), torch.zeros_like(p)) for p in self.params]
+        self.moments = [
+            (torch.zeros_like(p), torch.zeros_like(p), torch.zeros_like(p)) for p in self.params
+        ]
         self.count = 0
         self.noise: list[torch.Tensor] = []
 
@@ -318,17 +329,21 @@ def main() -> int:
     streams = [
         data.batches(ShardSpec(w, (1,) * WORKERS, 0, seed=args.seed), BATCH) for w in range(WORKERS)
     ]
-    optimizers: list = [
-        NoiseCorrectedAdamW(
-            m.parameters(), args.lr, (0.9, args.beta2), args.weight_decay, WORKERS
-        )
-        for m in models
-    ] if args.noise_corrected and args.mode == "diloco" else [
-        torch.optim.AdamW(
-            m.parameters(), lr=args.lr, betas=(0.9, args.beta2), weight_decay=args.weight_decay
-        )
-        for m in models
-    ]
+    optimizers: list = (
+        [
+            NoiseCorrectedAdamW(
+                m.parameters(), args.lr, (0.9, args.beta2), args.weight_decay, WORKERS
+            )
+            for m in models
+        ]
+        if args.noise_corrected and args.mode == "diloco"
+        else [
+            torch.optim.AdamW(
+                m.parameters(), lr=args.lr, betas=(0.9, args.beta2), weight_decay=args.weight_decay
+            )
+            for m in models
+        ]
+    )
     size = flat(models[0]).numel()
     shapes = [tuple(p.shape) for p in models[0].parameters()]
     generator = torch.Generator().manual_seed(1234)

@@ -48,7 +48,9 @@ class SiteAdamW(torch.optim.Optimizer):
     ) -> None:
         if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
             raise ValueError(f"SiteAdamW: betas must be in [0, 1), got {betas!r}")
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        super().__init__(
+            params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        )
         self.batch_share = batch_share
         # Within one step: each parameter's gradient as last recorded, and the sum
         # of the squares of what each micro-batch added to it.
