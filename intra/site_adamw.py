@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 class SiteAdamW(torch.optim.Optimizer):
@@ -99,23 +100,22 @@ class SiteAdamW(torch.optim.Optimizer):
         k c_j is (k sum c_j^2 - G^2) / (k - 1) over k, which is also the variance
         of G (scaled or not, the same form). The step may take a gradient scaled
         after the last record (clipping, or a mean taken of the sum): the noise
-        scales by the square of that ratio, one for the whole model."""
+        scales by the square of that ratio, taken per tensor on this rank's part
+        of it (a shard or a replica: the same ratio wherever the tensor is whole,
+        and no collective)."""
         count, self._micro_batches = self._micro_batches, 0
         if count < 2:
             return {}
         k = float(count)
-        noise, taken, recorded = {}, [], []
+        noise = {}
         for p, (last, squares) in self._recorded.items():
             if p.grad is None:
                 continue
-            noise[p] = (squares * k - last.square()).div_(k - 1).clamp_(min=0)
-            taken.append(p.grad.square().sum())
-            recorded.append(last.square().sum())
-        if not noise:
-            return {}
-        ratio = torch.stack(taken).sum() / torch.stack(recorded).sum().clamp(min=1e-30)
-        for value in noise.values():
-            value.mul_(ratio.to(value.device))
+            value = (squares * k - last.square()).div_(k - 1).clamp_(min=0)
+            taken, recorded = _local(p.grad), _local(last)
+            ratio = taken.square().sum() / recorded.square().sum().clamp(min=1e-30)
+            _local(value).mul_(ratio)
+            noise[p] = value
         return noise
 
     @torch.no_grad()
@@ -127,29 +127,61 @@ class SiteAdamW(torch.optim.Optimizer):
         noise = self._noise()
         share = self._batch_share
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            lr = group["lr"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = p.grad
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                    state["exp_noise"] = torch.zeros_like(p)
-                state["step"] += 1
-                step = float(state["step"])
-                m, v, n = state["exp_avg"], state["exp_avg_sq"], state["exp_noise"]
-                p.mul_(1 - lr * group["weight_decay"])
-                m.lerp_(grad, 1 - beta1)
-                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                if p in noise:
-                    n.mul_(beta2).add_(noise[p], alpha=1 - beta2)
-                second = v
-                if share < 1.0:
-                    second = torch.maximum(v - (1 - share) * n, v * share)
-                denominator = (second / (1 - beta2**step)).sqrt_().add_(group["eps"])
-                p.addcdiv_(m, denominator, value=-lr / (1 - beta1**step))
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                self._group_step(group, params, noise, share)
         return loss
+
+    def _group_step(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        noise: dict[torch.Tensor, torch.Tensor],
+        share: float,
+    ) -> None:
+        """One AdamW step of a parameter group, multi-tensor (a few kernels for the
+        whole group, as torch's own AdamW does on a GPU)."""
+        beta1, beta2 = group["betas"]
+        lr = group["lr"]
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+                state["exp_noise"] = torch.zeros_like(p)
+        states = [self.state[p] for p in params]
+        steps = [s["step"] for s in states]
+        torch._foreach_add_(steps, 1)
+        step = float(steps[0])  # the group's parameters step together
+        grads = [p.grad for p in params]
+        m = [s["exp_avg"] for s in states]
+        v = [s["exp_avg_sq"] for s in states]
+        torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+        torch._foreach_lerp_(m, grads, 1 - beta1)
+        torch._foreach_mul_(v, beta2)
+        torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
+        fed = [
+            (s["exp_noise"], noise[p]) for p, s in zip(params, states, strict=True) if p in noise
+        ]
+        if fed:
+            n = [pair[0] for pair in fed]
+            torch._foreach_mul_(n, beta2)
+            torch._foreach_add_(n, [pair[1] for pair in fed], alpha=1 - beta2)
+        if share < 1.0:
+            # The second moment less (1 - share) of the noise, at least share of it.
+            n = [s["exp_noise"] for s in states]
+            second = torch._foreach_sub(v, torch._foreach_mul(n, 1 - share))
+            torch._foreach_maximum_(second, torch._foreach_mul(v, share))
+            torch._foreach_div_(second, 1 - beta2**step)
+        else:
+            second = torch._foreach_div(v, 1 - beta2**step)
+        torch._foreach_sqrt_(second)
+        torch._foreach_add_(second, group["eps"])
+        torch._foreach_addcdiv_(params, m, second, value=-lr / (1 - beta1**step))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (FSDP, tensor parallel; in place, a view of
+    it), or the tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

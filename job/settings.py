@@ -23,7 +23,8 @@ MAX_CONNECTIONS_PER_PEER = 16
 STRATEGIES = ("sync", "diloco", "streaming", "async")
 SCHEDULES = ("cosine", "constant", "wsd")
 MERGES = ("mix", "eager")
-STRATEGY_DEPENDENT = ("codec", "error_feedback")
+INNER_OPTIMIZERS = ("adamw", "site_adamw")
+STRATEGY_DEPENDENT = ("codec", "error_feedback", "inner_optimizer")
 """Settings whose default depends on the strategy: unset in a job file, they follow a
 strategy changed on the command line (``--strategy``, ``--compare``)."""
 ALGORITHMS = ("direct", "ring", "two_level", "auto")
@@ -131,6 +132,14 @@ class TrainSettings:
     ones by ``alpha``. ``eager``: the new global parameters plus the progress this
     site made while the exchange was on the wire; the site trained those steps on
     from its own result, the stand-in for the average until it arrives."""
+
+    inner_optimizer: str | None = None
+    """``isthmus run``: ``adamw``, or ``site_adamw``: AdamW whose second moment is
+    corrected to the batch the sites' averaged step stands for
+    (:class:`~isthmus.intra.site_adamw.SiteAdamW`; each rank's batch is taken as two
+    halves, whose difference measures the gradient's noise). Default: ``site_adamw``
+    for the DiLoCo family, whose sites average steps each took on a share of the
+    batch, ``adamw`` for sync, whose one step already sees the whole batch."""
 
     inner_lr: float = 3e-3
     """``isthmus run``: peak learning rate of the inner optimizer (AdamW)."""
@@ -241,6 +250,9 @@ class TrainSettings:
             # with any lossy codec.
             lossy = self.strategy != "sync" and name not in ("", "none")
             object.__setattr__(self, "error_feedback", is_sparse(name) or lossy)
+        if self.inner_optimizer is None:
+            chosen = "adamw" if self.strategy == "sync" else "site_adamw"
+            object.__setattr__(self, "inner_optimizer", chosen)
 
     def _check_compressor(self) -> None:
         """``codec: topk`` with ``compressor``: check the settings and write them into
@@ -344,6 +356,12 @@ class TrainSettings:
         if self.merge not in MERGES:
             raise SettingError(
                 "merge", f"unknown merge {self.merge!r}; use one of {', '.join(MERGES)}"
+            )
+        if self.inner_optimizer not in INNER_OPTIMIZERS:
+            raise SettingError(
+                "inner_optimizer",
+                f"unknown inner optimizer {self.inner_optimizer!r}; use one of "
+                f"{', '.join(INNER_OPTIMIZERS)}",
             )
         if not (is_number(self.inner_lr) and self.inner_lr > 0):
             raise SettingError("inner_lr", f"must be a number > 0, got {self.inner_lr!r}")

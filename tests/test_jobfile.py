@@ -292,6 +292,10 @@ def test_egress_overrides_one_direction():
             "train.inner_beta2: must be in [0, 1), got 1",
         ),
         (
+            "name: x\nsites: [{name: a}]\ntrain: {inner_optimizer: lamb}\n",
+            "train.inner_optimizer: unknown inner optimizer 'lamb'; use one of adamw, site_adamw",
+        ),
+        (
             "name: x\nsites: [{name: a}]\ntrain: {inner_weight_decay: -0.1}\n",
             "train.inner_weight_decay: must be a number >= 0, got -0.1",
         ),

@@ -499,9 +499,15 @@ def test_the_inner_optimizer_takes_the_job_files_adamw_settings():
         "name: j\nsites: [{name: a}]\ntrain: {inner_lr: 0.002, warmup_steps: 0, "
         "inner_beta1: 0.8, inner_beta2: 0.95, inner_weight_decay: 0.1}\n"
     )
-    group = inner_optimizer(job.train, torch.nn.Linear(2, 2).parameters()).param_groups[0]
+    optimizer = inner_optimizer(job.train, torch.nn.Linear(2, 2).parameters())
+    group = optimizer.param_groups[0]
     assert group["lr"] == 0.002
     assert group["betas"] == (0.8, 0.95) and group["weight_decay"] == 0.1
+    # The DiLoCo family's default; sync's, and the job file's choice, plain AdamW.
+    assert type(optimizer).__name__ == "SiteAdamW"
+    for train in ("{strategy: sync}", "{inner_optimizer: adamw}"):
+        job = parse_job(f"name: j\nsites: [{{name: a}}]\ntrain: {train}\n")
+        assert type(inner_optimizer(job.train, [torch.zeros(1)])) is torch.optim.AdamW
 
 
 def test_live_progress_renders_every_site_and_link(tmp_path):

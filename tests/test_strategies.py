@@ -466,6 +466,20 @@ def test_after_the_first_round_the_data_go_beside_the_vote_weighted_by_tokens(tm
     assert "averaging the round again" not in a["log"] + b["log"]
 
 
+def test_diloco_tells_a_site_adamw_its_share_of_every_rounds_tokens(tmp_path):
+    """SiteAdamW corrects its second moment to the batch the sites' averaged step
+    stands for: DiLoCo starts it at the site's share of the layout and then
+    gives it the share of the tokens each seal counted; the sites stay identical."""
+    extra = ["--site-adamw"]
+    reports = _scripted_rounds(tmp_path, {"a": extra, "b": [*extra, "--steps-in", "1=6"]})
+    a, b = reports["a"], reports["b"]
+    assert a["first_share"] == b["first_share"] == 0.5
+    assert [r["batch_share"] for r in a["rounds"]] == [0.5, 0.25, 0.5]
+    assert [r["batch_share"] for r in b["rounds"]] == [0.5, 0.75, 0.5]
+    for r in range(3):
+        assert a["rounds"][r]["after"] == b["rounds"][r]["after"], f"round {r}: sites differ"
+
+
 def test_a_site_that_sent_its_data_at_another_scale_is_caught_by_the_seal(tmp_path):
     """Sites share their scale through the rounds they completed; one that used
     another (a bug, or state from elsewhere) must not be averaged in at the wrong

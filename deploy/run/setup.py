@@ -23,6 +23,7 @@ from isthmus.intra.model import GPT, config_for, lm_loss
 from isthmus.intra.parallelize import GPT_PLAN, ModelPlan, autocast, materialise
 from isthmus.intra.plugins import DataContext, load_callable, load_model
 from isthmus.intra.schedule import learning_rate_at
+from isthmus.intra.site_adamw import SiteAdamW
 from isthmus.job.settings import TrainSettings
 
 EVAL_BATCHES = 8
@@ -91,14 +92,18 @@ def learning_rate(settings: TrainSettings, step: int) -> float:
 
 def inner_optimizer(
     settings: TrainSettings, parameters: Iterable[torch.Tensor]
-) -> torch.optim.AdamW:
-    """The inner optimizer of ``isthmus run``: AdamW as the job's ``train:`` sets it."""
-    return torch.optim.AdamW(
-        parameters,
-        lr=learning_rate(settings, 0),
-        betas=(settings.inner_beta1, settings.inner_beta2),
-        weight_decay=settings.inner_weight_decay,
-    )
+) -> torch.optim.Optimizer:
+    """The inner optimizer of ``isthmus run``: AdamW as the job's ``train:`` sets it,
+    or with ``inner_optimizer: site_adamw`` SiteAdamW (the DiLoCo family's default;
+    its strategy tells it the site's share of the batch)."""
+    settings_of = {
+        "lr": learning_rate(settings, 0),
+        "betas": (settings.inner_beta1, settings.inner_beta2),
+        "weight_decay": settings.inner_weight_decay,
+    }
+    if settings.inner_optimizer == "site_adamw":
+        return SiteAdamW(parameters, **settings_of)
+    return torch.optim.AdamW(parameters, **settings_of)
 
 
 def train_batches(

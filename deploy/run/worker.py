@@ -48,6 +48,7 @@ from isthmus.deploy.session.site import Site, Stopped
 from isthmus.inter.allocator import keep_freed_memory
 from isthmus.intra.gradients import average_replica_gradients, clip_gradients
 from isthmus.intra.parallelize import SiteModel
+from isthmus.intra.site_adamw import SiteAdamW
 from isthmus.job.settings import TrainSettings
 from isthmus.job.tune import LIVE_SYNC_EVERY
 
@@ -139,12 +140,45 @@ def _forward_backward(
     for group in optimizer.param_groups:
         group["lr"] = learning_rate(settings, step)
     optimizer.zero_grad()
-    rank_loss = part.forward_backward(x, y)
-    if replicas is not None:  # DDP-style buckets: one all-reduce per ~25 MB, not per tensor
-        average_replica_gradients(part.parameters(), replicas, device=site.device)
+    # SiteAdamW needs the gradient's noise only where its site's batch is a share
+    # of the averaged step's (the strategy said so): a lone site takes it whole.
+    halves = isinstance(optimizer, SiteAdamW) and optimizer.batch_share < 1.0
+    if halves and site.layout.pp == 1 and len(x) >= 2:
+        rank_loss = _halves_forward_backward(part, optimizer, site, x, y, replicas)
+    else:
+        rank_loss = part.forward_backward(x, y)
+        if replicas is not None:  # DDP-style buckets: one all-reduce per ~25 MB, not per tensor
+            average_replica_gradients(part.parameters(), replicas, device=site.device)
     if settings.grad_clip and settings.strategy != "sync":  # sync clips the average
         clip_gradients(part.parameters(), settings.grad_clip, part.stage_group)
     return rank_loss
+
+
+def _halves_forward_backward(
+    part: SiteModel,
+    optimizer: SiteAdamW,
+    site: Site,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    replicas: dist.ProcessGroup | None,
+) -> torch.Tensor | None:
+    """The batch's gradient as the mean of its two halves', each recorded by
+    SiteAdamW: their difference is its measure of the gradient's noise. Replicas
+    average after each half, so that every replica records the same gradients and
+    their optimizers stay identical (twice the in-site all-reduces of one pass).
+    A pipeline's stages run their own micro-batches: they take the batch whole."""
+    half = len(x) // 2
+    losses = []
+    for part_of in (slice(0, half), slice(half, None)):
+        losses.append(part.forward_backward(x[part_of], y[part_of]))
+        if replicas is not None:
+            average_replica_gradients(part.parameters(), replicas, device=site.device)
+        optimizer.record_micro_batch()
+    for p in part.parameters():
+        if p.grad is not None:
+            p.grad.div_(2)  # the two halves' sum: their mean
+    first, second = losses
+    return None if first is None or second is None else (first + second) / 2
 
 
 def _eval_due(settings: TrainSettings, steps: int, round_ended: bool) -> bool:

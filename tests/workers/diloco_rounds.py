@@ -1,7 +1,7 @@
 """One site of a DiLoCo job whose rounds the test scripts, through the public API.
 
     python tests/workers/diloco_rounds.py JOB SITE OUT.json --rounds 3 [--steps-in ROUND=N]
-        [--poison ROUND] [--scale-tokens ROUND=N]
+        [--poison ROUND] [--scale-tokens ROUND=N] [--site-adamw]
     python tests/workers/diloco_rounds.py JOB SITE OUT.json --round-seconds T --steps N
         [--step-sleep S]
 
@@ -9,7 +9,8 @@ Scripted rounds: every round the site takes a number of inner steps (default 2; 
 makes it idle in round 1), then calls ``DiLoCo.sync()``. ``--poison R`` puts a NaN
 into the model just before round R's sync, as a diverged step would.
 ``--scale-tokens R=N`` makes the site send round R's data at scale N whatever
-the others use (a site out of step with them, which the seal must catch). The report
+the others use (a site out of step with them, which the seal must catch). ``--site-adamw``: the
+inner optimizer is SiteAdamW (each batch in two halves), not SGD. The report
 holds, per round, the local parameters just before the sync and the model after
 it, so the test can check what the round averaged.
 
@@ -42,6 +43,7 @@ def scripted(args, site, model, inner, inner_step) -> dict:
             site, model, inner, sync_every=10_000, outer_lr=1.0, outer_momentum=0.0
         ) as diloco,
     ):
+        first_share = getattr(inner, "batch_share", None)
         for r in range(args.rounds):
             for _ in range(steps_in.get(r, 2)):
                 inner_step()
@@ -61,9 +63,10 @@ def scripted(args, site, model, inner, inner_step) -> dict:
                     "refused": seal.refused,
                     "weights": seal.weights,
                     "scale_tokens": seal.scale_tokens,
+                    "batch_share": getattr(inner, "batch_share", None),
                 }
             )
-    return {"rounds": rounds, "outer_steps": diloco.outer_steps}
+    return {"rounds": rounds, "outer_steps": diloco.outer_steps, "first_share": first_share}
 
 
 def main() -> int:
@@ -78,17 +81,25 @@ def main() -> int:
     parser.add_argument("--round-seconds", type=float)
     parser.add_argument("--steps", type=int, default=0)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--site-adamw", action="store_true", help="the inner optimizer")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     torch.manual_seed(0)  # the same initial model everywhere
     model = torch.nn.Linear(8, 4)
-    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    inner: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if args.site_adamw:
+        inner = isthmus.SiteAdamW(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(sum(map(ord, args.site)))  # each site its own data
     site = isthmus.join(args.job, site=args.site)
 
     def inner_step() -> None:
         x = torch.randn(16, 8, generator=gen)
-        model(x).pow(2).mean().backward()
+        if isinstance(inner, isthmus.SiteAdamW):  # two halves: the noise it corrects for
+            for half in (x[:8], x[8:]):
+                (model(half).pow(2).mean() / 2).backward()
+                inner.record_micro_batch()
+        else:
+            model(x).pow(2).mean().backward()
         time.sleep(args.step_sleep)
         inner.step()
         inner.zero_grad()
