@@ -30,6 +30,7 @@ PLAIN = {"outer_lr": 1.0, "outer_momentum": 0.0}
 NESTEROV = {"outer_lr": 0.7, "outer_momentum": 0.9}
 TERNARY = {"codec": "int2+zstd", "error_feedback": True}
 FLOAT32 = {"codec": "none", "error_feedback": False}
+ADAMW = {"inner_optimizer": "adamw"}
 RECIPES = {
     "sync": {"strategy": "sync", "codec": "none"},
     "diloco-h50-nesterov-fp32": {"strategy": "diloco", "sync_every": 50, **NESTEROV, **FLOAT32},
@@ -37,6 +38,10 @@ RECIPES = {
     "diloco-h20": {"strategy": "diloco", "sync_every": 20, **PLAIN, **TERNARY},
     "diloco-h10": {"strategy": "diloco", "sync_every": 10, **PLAIN, **TERNARY},
     "diloco-h4": {"strategy": "diloco", "sync_every": 4, **PLAIN, **TERNARY},
+    # The DiLoCo family's inner optimizer is SiteAdamW unless the job says otherwise:
+    # these are the same recipes with plain AdamW.
+    "diloco-h10-adamw": {"strategy": "diloco", "sync_every": 10, **PLAIN, **TERNARY, **ADAMW},
+    "diloco-h4-adamw": {"strategy": "diloco", "sync_every": 4, **PLAIN, **TERNARY, **ADAMW},
     "diloco-h10-fp32": {"strategy": "diloco", "sync_every": 10, **PLAIN, **FLOAT32},
     "diloco-h10-nesterov": {"strategy": "diloco", "sync_every": 10, **NESTEROV, **TERNARY},
     "async-h10": {"strategy": "async", "sync_every": 10, **PLAIN, **TERNARY},
