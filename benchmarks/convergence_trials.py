@@ -96,6 +96,28 @@ def quantise(values: torch.Tensor, levels: int, block: int, sign: bool) -> torch
     return decoded.view(-1)[: values.numel()]
 
 
+def sparse_ternary(values: torch.Tensor, keep: float, block: int) -> tuple[torch.Tensor, int]:
+    """The largest ``keep`` of each block's values as sign x their mean magnitude,
+    the rest zero; and the bytes it takes: 2-bit codes packed four to a byte,
+    zstd-compressed (most codes are zero, the position costs what entropy says),
+    plus a float32 magnitude per block."""
+    import zstandard
+
+    pad = (-values.numel()) % block
+    blocks = torch.cat([values, values.new_zeros(pad)]).view(-1, block)
+    k = max(1, round(keep * block))
+    index = blocks.abs().topk(k, dim=1).indices
+    chosen = torch.zeros_like(blocks, dtype=torch.bool).scatter_(1, index, True)
+    magnitude = (blocks.abs() * chosen).sum(1, keepdim=True) / k
+    decoded = torch.sign(blocks) * magnitude * chosen
+    codes = (torch.sign(blocks) * chosen).to(torch.int64) + 1  # 0, 1 (zero), 2
+    codes = codes.view(-1)
+    codes = torch.cat([codes, codes.new_ones((-codes.numel()) % 4)]).view(-1, 4)
+    packed = (codes[:, 0] | codes[:, 1] << 2 | codes[:, 2] << 4 | codes[:, 3] << 6).to(torch.uint8)
+    size = len(zstandard.ZstdCompressor(level=3).compress(packed.numpy().tobytes()))
+    return decoded.view(-1)[: values.numel()], size + 4 * blocks.shape[0]
+
+
 def encoded_bytes(count: int, args: argparse.Namespace) -> float:
     if args.sign:
         bits = 1
@@ -313,6 +335,14 @@ def main() -> int:
         help="diloco: each site's AdamW takes the extra noise of its smaller batch out of "
         "its second moment (two half-batch gradients a step)",
     )
+    parser.add_argument(
+        "--sparse-ternary",
+        type=float,
+        default=0.0,
+        metavar="KEEP",
+        help="diloco: the largest KEEP of each block as sign x their mean magnitude, "
+        "packed 2-bit codes zstd-compressed (bytes counted as sent)",
+    )
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -440,7 +470,10 @@ def main() -> int:
             delta = global_params - flat(model)
             if args.error_feedback:
                 delta += residuals[w]
-            if codec is not None:  # the engine's own codec: its bytes, counted
+            if args.sparse_ternary:
+                sent, size = sparse_ternary(delta, args.sparse_ternary, args.block)
+                wan_bytes += (WORKERS - 1) / WORKERS * size
+            elif codec is not None:  # the engine's own codec: its bytes, counted
                 encoded = codec.encode(delta)
                 sent = codec.decode(encoded)
                 wan_bytes += (WORKERS - 1) / WORKERS * len(encoded.payload)
@@ -451,6 +484,9 @@ def main() -> int:
             deltas.append(sent)
         if deltas is None:
             pass
+        elif args.sparse_ternary:
+            average, size = sparse_ternary(sum(deltas) / WORKERS, args.sparse_ternary, args.block)
+            wan_bytes += share * size
         elif codec is not None:
             encoded = codec.encode(sum(deltas) / WORKERS)
             average = codec.decode(encoded)
