@@ -54,6 +54,35 @@ RECIPES = {
         "error_feedback": True,
     },
     "async-h10-nesterov": {"strategy": "async", "sync_every": 10, **NESTEROV, **TERNARY},
+    # Streaming's own defaults (2 fragments, overlap 1 step, mixing 0.5) at H=10.
+    "streaming-h10": {"strategy": "streaming", "sync_every": 10, **PLAIN, **TERNARY},
+    "streaming-h10-adamw": {
+        "strategy": "streaming",
+        "sync_every": 10,
+        **PLAIN,
+        **TERNARY,
+        **ADAMW,
+    },
+    # Overlapping part of a round: the exchange in flight for about one round trip
+    # of compute, not a whole round, so what each average misses is a few steps.
+    "overlapped-h10-eager-o3": {
+        "strategy": "streaming",
+        "fragments": 1,
+        "overlap_steps": 3,
+        "merge": "eager",
+        "sync_every": 10,
+        **PLAIN,
+        **TERNARY,
+    },
+    "overlapped-h10-eager-o5": {
+        "strategy": "streaming",
+        "fragments": 1,
+        "overlap_steps": 5,
+        "merge": "eager",
+        "sync_every": 10,
+        **PLAIN,
+        **TERNARY,
+    },
     "overlapped-h10-eager": {
         "strategy": "streaming",
         "fragments": 1,
