@@ -137,9 +137,12 @@ class TrainSettings:
     """``isthmus run``: ``adamw``, or ``site_adamw``: AdamW whose second moment is
     corrected to the batch the sites' averaged step stands for
     (:class:`~isthmus.intra.site_adamw.SiteAdamW`; each rank's batch is taken as two
-    halves, whose difference measures the gradient's noise). Default: ``site_adamw``
-    for the DiLoCo family, whose sites average steps each took on a share of the
-    batch, ``adamw`` for sync, whose one step already sees the whole batch."""
+    halves, whose difference measures the gradient's noise). Default: what
+    measured best on the three-continents job (docs/benchmarks.md, "Default
+    recipe"): ``site_adamw`` for ``diloco``, whose sites average steps each took on
+    a share of the batch; ``adamw`` for sync (its one step sees the whole batch),
+    for ``streaming`` (with its mixing merge SiteAdamW's larger local steps ended
+    worse) and for ``async`` (the same loss, for the extra compute)."""
 
     inner_lr: float = 3e-3
     """``isthmus run``: peak learning rate of the inner optimizer (AdamW)."""
@@ -251,7 +254,7 @@ class TrainSettings:
             lossy = self.strategy != "sync" and name not in ("", "none")
             object.__setattr__(self, "error_feedback", is_sparse(name) or lossy)
         if self.inner_optimizer is None:
-            chosen = "adamw" if self.strategy == "sync" else "site_adamw"
+            chosen = "site_adamw" if self.strategy == "diloco" else "adamw"
             object.__setattr__(self, "inner_optimizer", chosen)
 
     def _check_compressor(self) -> None:

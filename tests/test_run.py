@@ -503,9 +503,9 @@ def test_the_inner_optimizer_takes_the_job_files_adamw_settings():
     group = optimizer.param_groups[0]
     assert group["lr"] == 0.002
     assert group["betas"] == (0.8, 0.95) and group["weight_decay"] == 0.1
-    # The DiLoCo family's default; sync's, and the job file's choice, plain AdamW.
+    # DiLoCo's default; the other strategies', and the job file's choice, AdamW.
     assert type(optimizer).__name__ == "SiteAdamW"
-    for train in ("{strategy: sync}", "{inner_optimizer: adamw}"):
+    for train in ("{strategy: sync}", "{strategy: streaming}", "{inner_optimizer: adamw}"):
         job = parse_job(f"name: j\nsites: [{{name: a}}]\ntrain: {train}\n")
         assert type(inner_optimizer(job.train, [torch.zeros(1)])) is torch.optim.AdamW
 

@@ -94,7 +94,7 @@ def inner_optimizer(
     settings: TrainSettings, parameters: Iterable[torch.Tensor]
 ) -> torch.optim.Optimizer:
     """The inner optimizer of ``isthmus run``: AdamW as the job's ``train:`` sets it,
-    or with ``inner_optimizer: site_adamw`` SiteAdamW (the DiLoCo family's default;
+    or with ``inner_optimizer: site_adamw`` SiteAdamW (diloco's default;
     its strategy tells it the site's share of the batch)."""
     settings_of = {
         "lr": learning_rate(settings, 0),
