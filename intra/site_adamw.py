@@ -149,6 +149,9 @@ class SiteAdamW(torch.optim.Optimizer):
                 state["step"] = torch.zeros((), dtype=torch.float32)
                 state["exp_avg"] = torch.zeros_like(p)
                 state["exp_avg_sq"] = torch.zeros_like(p)
+            if share < 1.0 and "exp_noise" not in state:
+                # Only where there is something to correct: a lone site (share 1)
+                # keeps AdamW's memory.
                 state["exp_noise"] = torch.zeros_like(p)
         states = [self.state[p] for p in params]
         steps = [s["step"] for s in states]
@@ -162,7 +165,9 @@ class SiteAdamW(torch.optim.Optimizer):
         torch._foreach_mul_(v, beta2)
         torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
         fed = [
-            (s["exp_noise"], noise[p]) for p, s in zip(params, states, strict=True) if p in noise
+            (s["exp_noise"], noise[p])
+            for p, s in zip(params, states, strict=True)
+            if p in noise and "exp_noise" in s
         ]
         if fed:
             n = [pair[0] for pair in fed]

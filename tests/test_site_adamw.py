@@ -124,3 +124,12 @@ def test_state_round_trips_through_a_checkpoint() -> None:
 def test_a_share_outside_zero_to_one_is_refused(share: float) -> None:
     with pytest.raises(ValueError, match=r"batch_share must be in \(0, 1\]"):
         SiteAdamW([torch.nn.Parameter(torch.zeros(1))], batch_share=share)
+
+
+def test_a_lone_site_keeps_adamws_memory() -> None:
+    """At share 1 there is nothing to correct: no third state is kept."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    optimizer = SiteAdamW([p])
+    _accumulate(p, [torch.ones(3), torch.zeros(3)], optimizer)
+    optimizer.step()
+    assert set(optimizer.state[p]) == {"step", "exp_avg", "exp_avg_sq"}
