@@ -72,29 +72,36 @@ class SiteAdamW(torch.optim.Optimizer):
     def record_micro_batch(self) -> None:
         """Call after each micro-batch's backward pass (two or more a step, each
         adding its gradient into ``.grad``, scaled or not): what it added is one
-        sample of the gradient's noise."""
+        sample of the gradient's noise. A step's records start over after
+        :meth:`zero_grad` or :meth:`step`."""
+        if self._micro_batches == 0:
+            # A new step: what each parameter held before it is nothing (one that
+            # first gets a gradient in a later micro-batch added nothing before).
+            for last, squares in self._recorded.values():
+                last.zero_()
+                squares.zero_()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                recorded = self._recorded.get(p)
-                if recorded is None:
-                    last, squares = p.grad.clone(), p.grad.square()
-                    self._recorded[p] = (last, squares)
-                    continue
-                last, squares = recorded
-                if self._micro_batches == 0:  # the first micro-batch of a new step
-                    last.copy_(p.grad)
-                    torch.mul(p.grad, p.grad, out=squares)
-                    continue
+                if p not in self._recorded:
+                    self._recorded[p] = (torch.zeros_like(p.grad), torch.zeros_like(p.grad))
+                last, squares = self._recorded[p]
                 added = p.grad - last
                 squares.addcmul_(added, added)
                 last.copy_(p.grad)
         self._micro_batches += 1
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # A step skipped (a scaler that found inf, a loop that skips a spike) must
+        # not lend its records to the next one.
+        self._micro_batches = 0
+        super().zero_grad(set_to_none=set_to_none)
+
     def _noise(self) -> dict[torch.Tensor, torch.Tensor]:
         """Each parameter's estimated noise (variance, per element) of the gradient
-        the step takes; empty where fewer than two micro-batches were recorded.
+        the step takes, written over its buffer of squares; empty where fewer than
+        two micro-batches were recorded.
 
         With k micro-batches adding c_j to G = sum c_j, the sample variance of
         k c_j is (k sum c_j^2 - G^2) / (k - 1) over k, which is also the variance
@@ -102,7 +109,8 @@ class SiteAdamW(torch.optim.Optimizer):
         after the last record (clipping, or a mean taken of the sum): the noise
         scales by the square of that ratio, taken per tensor on this rank's part
         of it (a shard or a replica: the same ratio wherever the tensor is whole,
-        and no collective)."""
+        and no collective). What is not finite (a gradient that overflowed) adds
+        nothing."""
         count, self._micro_batches = self._micro_batches, 0
         if count < 2:
             return {}
@@ -111,10 +119,10 @@ class SiteAdamW(torch.optim.Optimizer):
         for p, (last, squares) in self._recorded.items():
             if p.grad is None:
                 continue
-            value = (squares * k - last.square()).div_(k - 1).clamp_(min=0)
             taken, recorded = _local(p.grad), _local(last)
             ratio = taken.square().sum() / recorded.square().sum().clamp(min=1e-30)
-            _local(value).mul_(ratio)
+            value = squares.mul_(k).sub_(last.square()).div_(k - 1).clamp_(min=0)
+            _local(value).mul_(ratio).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
             noise[p] = value
         return noise
 
@@ -127,63 +135,68 @@ class SiteAdamW(torch.optim.Optimizer):
         noise = self._noise()
         share = self._batch_share
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if params:
-                self._group_step(group, params, noise, share)
+            for p in group["params"]:
+                if p.grad is not None and not self.state[p]:
+                    self.state[p].update(
+                        step=torch.zeros((), dtype=torch.float32),
+                        exp_avg=torch.zeros_like(p),
+                        exp_avg_sq=torch.zeros_like(p),
+                        # Always, so a checkpoint's layout does not depend on the
+                        # share at the time (a resumed run loads into it).
+                        exp_noise=torch.zeros_like(p),
+                    )
+            # Parameters that took different numbers of steps (one without a
+            # gradient on some) each get their own bias correction.
+            by_step: dict[float, list[torch.Tensor]] = {}
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["step"] += 1
+                    by_step.setdefault(float(self.state[p]["step"]), []).append(p)
+            for count, params in by_step.items():
+                self._group_step(group, params, count, noise, share)
         return loss
 
     def _group_step(
         self,
         group: dict[str, Any],
         params: list[torch.Tensor],
+        count: float,
         noise: dict[torch.Tensor, torch.Tensor],
         share: float,
     ) -> None:
-        """One AdamW step of a parameter group, multi-tensor (a few kernels for the
-        whole group, as torch's own AdamW does on a GPU)."""
+        """One AdamW step of parameters of a group at the same step ``count``,
+        multi-tensor (a few kernels for them all, as torch's own AdamW does on a
+        GPU), with one tensor per parameter of scratch, as torch's."""
         beta1, beta2 = group["betas"]
         lr = group["lr"]
-        for p in params:
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p)
-                state["exp_avg_sq"] = torch.zeros_like(p)
-            if share < 1.0 and "exp_noise" not in state:
-                # Only where there is something to correct: a lone site (share 1)
-                # keeps AdamW's memory.
-                state["exp_noise"] = torch.zeros_like(p)
         states = [self.state[p] for p in params]
-        steps = [s["step"] for s in states]
-        torch._foreach_add_(steps, 1)
-        step = float(steps[0])  # the group's parameters step together
         grads = [p.grad for p in params]
         m = [s["exp_avg"] for s in states]
         v = [s["exp_avg_sq"] for s in states]
+        n = [s["exp_noise"] for s in states]
         torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
         torch._foreach_lerp_(m, grads, 1 - beta1)
         torch._foreach_mul_(v, beta2)
         torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
         fed = [
-            (s["exp_noise"], noise[p])
-            for p, s in zip(params, states, strict=True)
-            if p in noise and "exp_noise" in s
+            (s["exp_noise"], noise[p]) for p, s in zip(params, states, strict=True) if p in noise
         ]
         if fed:
-            n = [pair[0] for pair in fed]
-            torch._foreach_mul_(n, beta2)
-            torch._foreach_add_(n, [pair[1] for pair in fed], alpha=1 - beta2)
+            torch._foreach_mul_([pair[0] for pair in fed], beta2)
+            torch._foreach_add_(
+                [pair[0] for pair in fed], [pair[1] for pair in fed], alpha=1 - beta2
+            )
         if share < 1.0:
-            # The second moment less (1 - share) of the noise, at least share of it.
-            n = [s["exp_noise"] for s in states]
-            second = torch._foreach_sub(v, torch._foreach_mul(n, 1 - share))
-            torch._foreach_maximum_(second, torch._foreach_mul(v, share))
-            torch._foreach_div_(second, 1 - beta2**step)
+            # max(v - (1 - share) n, share v) = v - (1 - share) min(n, v).
+            second = torch._foreach_minimum(n, v)
+            torch._foreach_mul_(second, -(1 - share))
+            torch._foreach_add_(second, v)
         else:
-            second = torch._foreach_div(v, 1 - beta2**step)
+            second = torch._foreach_mul(v, 1.0)
+        torch._foreach_div_(second, 1 - beta2**count)
         torch._foreach_sqrt_(second)
         torch._foreach_add_(second, group["eps"])
-        torch._foreach_addcdiv_(params, m, second, value=-lr / (1 - beta1**step))
+        torch._foreach_addcdiv_(params, m, second, value=-lr / (1 - beta1**count))
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

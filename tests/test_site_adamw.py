@@ -126,10 +126,46 @@ def test_a_share_outside_zero_to_one_is_refused(share: float) -> None:
         SiteAdamW([torch.nn.Parameter(torch.zeros(1))], batch_share=share)
 
 
-def test_a_lone_site_keeps_adamws_memory() -> None:
-    """At share 1 there is nothing to correct: no third state is kept."""
-    p = torch.nn.Parameter(torch.zeros(3))
-    optimizer = SiteAdamW([p])
-    _accumulate(p, [torch.ones(3), torch.zeros(3)], optimizer)
+def test_parameters_that_skip_steps_keep_their_own_bias_correction() -> None:
+    """As torch's AdamW: a parameter without a gradient on a step takes no step
+    and its moments' correction counts only its own steps."""
+    torch.manual_seed(5)
+    ours = [torch.nn.Parameter(torch.randn(3)) for _ in range(2)]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    optimizer = SiteAdamW(ours, lr=0.1)
+    reference = torch.optim.AdamW(theirs, lr=0.1)
+    for step in range(4):
+        for group in (ours, theirs):
+            group[0].grad = None if step == 0 else torch.full((3,), 0.5)
+            group[1].grad = torch.full((3,), -1.0)
+        optimizer.step()
+        reference.step()
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_a_parameter_first_given_a_gradient_in_a_later_micro_batch() -> None:
+    """What it held before the step is nothing, not the last step's gradient."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    optimizer = SiteAdamW([p], batch_share=0.5)
+    _accumulate(p, [torch.tensor([5.0, 5.0]), torch.tensor([7.0, 7.0])], optimizer)
     optimizer.step()
-    assert set(optimizer.state[p]) == {"step", "exp_avg", "exp_avg_sq"}
+    p.grad = None
+    optimizer.record_micro_batch()  # no gradient yet in the first micro-batch
+    p.grad = torch.tensor([1.0, -1.0])
+    optimizer.record_micro_batch()
+    # Samples 0 and 2x: their mean's variance is ((0 - 2x) / 2)^2 = x^2.
+    torch.testing.assert_close(optimizer._noise()[p], torch.tensor([1.0, 1.0]))
+
+
+def test_a_skipped_step_lends_nothing_to_the_next() -> None:
+    """A step a scaler skipped (inf gradients) was recorded, then zero_grad: the
+    next step's noise is its own, and what is not finite adds nothing."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    optimizer = SiteAdamW([p], batch_share=0.5)
+    _accumulate(p, [torch.tensor([float("inf"), 1.0]), torch.tensor([3.0, 1.0])], optimizer)
+    optimizer.zero_grad()  # no step
+    _accumulate(p, [torch.tensor([1.0, 2.0]) / 2, torch.tensor([3.0, 2.0]) / 2], optimizer)
+    torch.testing.assert_close(optimizer._noise()[p], torch.tensor([1.0, 0.0]))
+    _accumulate(p, [torch.tensor([float("inf"), 1.0]), torch.tensor([3.0, 1.0])], optimizer)
+    assert torch.isfinite(optimizer._noise()[p]).all()

@@ -476,6 +476,8 @@ def test_diloco_tells_a_site_adamw_its_share_of_every_rounds_tokens(tmp_path):
     assert a["first_share"] == b["first_share"] == 0.5
     assert [r["batch_share"] for r in a["rounds"]] == [0.5, 0.25, 0.5]
     assert [r["batch_share"] for r in b["rounds"]] == [0.5, 0.75, 0.5]
+    # Checkpointed with the strategy's state; given back as it came on closing.
+    assert a["saved_share"] == 0.5 and a["share_after_close"] == 1.0
     for r in range(3):
         assert a["rounds"][r]["after"] == b["rounds"][r]["after"], f"round {r}: sites differ"
 

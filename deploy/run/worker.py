@@ -143,7 +143,9 @@ def _forward_backward(
     # SiteAdamW needs the gradient's noise only where its site's batch is a share
     # of the averaged step's (the strategy said so): a lone site takes it whole.
     halves = isinstance(optimizer, SiteAdamW) and optimizer.batch_share < 1.0
-    if halves and site.layout.pp == 1 and len(x) >= 2:
+    # Halves of equal size, so that the mean of their means is the batch's mean
+    # (an odd batch goes whole, and that step keeps the noise measured before).
+    if halves and site.layout.pp == 1 and len(x) >= 2 and len(x) % 2 == 0:
         rank_loss = _halves_forward_backward(part, optimizer, site, x, y, replicas)
     else:
         rank_loss = part.forward_backward(x, y)

@@ -63,9 +63,16 @@ class LocalSteps(Strategy):
             self.params, lr=outer_lr, momentum=outer_momentum, device=outer_device
         )
         self._hooks.append(inner_optimizer.register_step_post_hook(self._after_step))
-        # Until a round says otherwise, every site takes its data-parallel share.
+        # Until a round says otherwise, every site takes its data-parallel share;
+        # closing gives the optimizer back as it came (another strategy may follow).
+        self._share_before = getattr(inner_optimizer, "batch_share", None)
         weights = static_weights(self.layouts, tokens_per_step)
         self._set_batch_share(weights[self.site.name] / sum(weights.values()))
+
+    def close(self) -> None:
+        if self._share_before is not None:
+            self._set_batch_share(self._share_before)
+        super().close()
 
     def _set_batch_share(self, share: float) -> None:
         """Tell an inner optimizer that corrects its second moment to the sites'
@@ -109,18 +116,24 @@ class LocalSteps(Strategy):
         return sum(g.numel() for g in self.outer.global_params) * 4 * 2
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             **super().state_dict(),
             "outer": self.outer.state_dict(),
             "round_steps": self.round_steps,
             "sync_every": self.sync_every,
         }
+        share = getattr(self.optimizer, "batch_share", None)
+        if share is not None:  # the last seal's, which a resumed run goes on with
+            state["batch_share"] = share
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.outer.load_state_dict(state["outer"])
         self.round_steps = int(state["round_steps"])
         self.sync_every = int(state["sync_every"])
+        if "batch_share" in state:
+            self._set_batch_share(float(state["batch_share"]))
 
     # -- for the overlapped two (streaming, async) -------------------------------------
     def _final_round(

@@ -66,7 +66,14 @@ def scripted(args, site, model, inner, inner_step) -> dict:
                     "batch_share": getattr(inner, "batch_share", None),
                 }
             )
-    return {"rounds": rounds, "outer_steps": diloco.outer_steps, "first_share": first_share}
+        saved_share = diloco.state_dict().get("batch_share")
+    return {
+        "rounds": rounds,
+        "outer_steps": diloco.outer_steps,
+        "first_share": first_share,
+        "share_after_close": getattr(inner, "batch_share", None),
+        "saved_share": saved_share,
+    }
 
 
 def main() -> int:
