@@ -68,10 +68,11 @@ from isthmus.deploy.examples.diloco_train import (
     parse_schedule,
     sync_every_at,
 )
-from isthmus.inter.codecs import CodecError, parse_codec
+from isthmus.inter.codecs import Codec, CodecError, parse_codec
 from isthmus.intra.data import Dataset, ShardSpec, stdlib_corpus
 from isthmus.intra.model import GPT, config_for, lm_loss
 from isthmus.intra.schedule import learning_rate_at
+from isthmus.intra.site_adamw import SiteAdamW
 
 WORKERS = 4
 BATCH = 16
@@ -198,88 +199,40 @@ def low_rank_round(
     return average, sent
 
 
-class FrozenVarianceAdamW:
-    """AdamW with its second moment fixed (as 1-bit Adam freezes it after its warm-up):
-    its step is then linear in the gradient, so averaging sites' steps is a step on
-    their averaged gradient. Takes the moments of ``optimizer`` with ``variance``, a
-    flat bias-corrected second moment, in place of its own."""
-
-    def __init__(self, optimizer: torch.optim.AdamW, variance: torch.Tensor) -> None:
-        group = optimizer.param_groups[0]
-        self.param_groups = [group]
-        self.params = list(group["params"])
-        self.exp_avgs = [optimizer.state[p]["exp_avg"] for p in self.params]
-        self.count = int(optimizer.state[self.params[0]]["step"])
-        self.denominators = []
-        offset = 0
-        for p in self.params:
-            part = variance[offset : offset + p.numel()].view_as(p)
-            self.denominators.append(part.sqrt() + group["eps"])
-            offset += p.numel()
-
-    @torch.no_grad()
-    def step(self) -> None:
-        group = self.param_groups[0]
-        beta1 = group["betas"][0]
-        self.count += 1
-        rate = group["lr"] / (1 - beta1**self.count)
-        for p, m, d in zip(self.params, self.exp_avgs, self.denominators, strict=True):
-            p.mul_(1 - group["lr"] * group["weight_decay"])
-            m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
-            p.addcdiv_(m, d, value=-rate)
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
+def dense_round(
+    deltas: list[torch.Tensor],
+    residuals: list[torch.Tensor],
+    codec: Codec | None,
+    args: argparse.Namespace,
+) -> tuple[torch.Tensor, float]:
+    """Each site's pseudo-gradient through the chosen compression (error feedback
+    per site), and their mean through it again, as an owner re-encodes it: the
+    average every site applies, and the bytes of one vector sent and one received
+    (the sites' mean payload, and the mean's), as :func:`low_rank_round` counts
+    them; the caller multiplies by the direct all-reduce's share."""
+    sent_parts, sent_bytes = [], 0.0
+    for w, delta in enumerate(deltas):
+        if args.error_feedback:
+            delta = delta + residuals[w]
+        sent, nbytes = compress(delta, codec, args)
+        if args.error_feedback:
+            residuals[w] = delta - sent
+        sent_parts.append(sent)
+        sent_bytes += nbytes / WORKERS
+    average, nbytes = compress(sum(sent_parts) / WORKERS, codec, args)
+    return average, sent_bytes + nbytes
 
 
-class NoiseCorrectedAdamW:
-    """AdamW whose second moment is corrected to the batch of the averaged update.
-
-    A site's AdamW divides by the square root of its second moment, which carries
-    the gradient noise of the site's own batch: ``sites`` times the noise of the
-    batch the averaged update stands for. Its steps are smaller than sync's once
-    noise dominates. Each step here gets the noise of the site's gradient too
-    (``noise``: per element, from two half-batch gradients), keeps a moving average
-    of it like the second moment's, and takes ``(sites - 1) / sites`` of it out
-    (never below ``1 / sites`` of the second moment)."""
-
-    def __init__(
-        self,
-        params: Iterable[torch.nn.Parameter],
-        lr: float,
-        betas,
-        weight_decay: float,
-        sites: int,
-    ) -> None:
-        self.param_groups = [{"lr": lr, "betas": betas, "weight_decay": weight_decay, "eps": 1e-8}]
-        self.params = list(params)
-        self.sites = sites
-        self.moments = [
-            (torch.zeros_like(p), torch.zeros_like(p), torch.zeros_like(p)) for p in self.params
-        ]
-        self.count = 0
-        self.noise: list[torch.Tensor] = []
-
-    @torch.no_grad()
-    def step(self) -> None:
-        group = self.param_groups[0]
-        beta1, beta2 = group["betas"]
-        self.count += 1
-        first = 1 - beta1**self.count
-        second = 1 - beta2**self.count
-        keep = 1 - 1 / self.sites
-        for p, (m, v, n), noise in zip(self.params, self.moments, self.noise, strict=True):
-            p.mul_(1 - group["lr"] * group["weight_decay"])
-            m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
-            v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-            n.mul_(beta2).add_(noise, alpha=1 - beta2)
-            corrected = torch.maximum(v - keep * n, v / self.sites) / second
-            p.addcdiv_(m, corrected.sqrt().add_(group["eps"]), value=-group["lr"] / first)
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
+def compress(
+    values: torch.Tensor, codec: Codec | None, args: argparse.Namespace
+) -> tuple[torch.Tensor, float]:
+    """``values`` as the receiver decodes them, and their encoded bytes."""
+    if args.sparse_ternary:
+        return sparse_ternary(values, args.sparse_ternary, args.block)
+    if codec is not None:  # the engine's own codec: its bytes, counted
+        encoded = codec.encode(values)
+        return codec.decode(encoded), float(len(encoded.payload))
+    return quantise(values, args.levels, args.block, args.sign), encoded_bytes(values.numel(), args)
 
 
 def main() -> int:
@@ -322,17 +275,10 @@ def main() -> int:
     )
     parser.add_argument("--low-rank-levels", type=int, default=127, help="P and Q: 127 int8")
     parser.add_argument(
-        "--freeze-variance",
-        type=int,
-        default=0,
-        metavar="STEP",
-        help="diloco: after STEP, average AdamW's second moment over the sites once "
-        "(int8, counted) and freeze it",
-    )
-    parser.add_argument(
         "--noise-corrected",
         action="store_true",
-        help="diloco: each site's AdamW takes the extra noise of its smaller batch out of "
+        help="diloco: each site's optimizer is isthmus.SiteAdamW (the extra noise of its "
+        "smaller batch taken out of AdamW's second moment; "
         "its second moment (two half-batch gradients a step)",
     )
     parser.add_argument(
@@ -359,21 +305,24 @@ def main() -> int:
     streams = [
         data.batches(ShardSpec(w, (1,) * WORKERS, 0, seed=args.seed), BATCH) for w in range(WORKERS)
     ]
-    optimizers: list = (
-        [
-            NoiseCorrectedAdamW(
-                m.parameters(), args.lr, (0.9, args.beta2), args.weight_decay, WORKERS
+    if args.noise_corrected and args.mode == "diloco":
+        optimizers: list[torch.optim.Optimizer] = [
+            SiteAdamW(
+                m.parameters(),
+                lr=args.lr,
+                betas=(0.9, args.beta2),
+                weight_decay=args.weight_decay,
+                batch_share=1 / WORKERS,
             )
             for m in models
         ]
-        if args.noise_corrected and args.mode == "diloco"
-        else [
+    else:
+        optimizers = [
             torch.optim.AdamW(
                 m.parameters(), lr=args.lr, betas=(0.9, args.beta2), weight_decay=args.weight_decay
             )
             for m in models
         ]
-    )
     size = flat(models[0]).numel()
     shapes = [tuple(p.shape) for p in models[0].parameters()]
     generator = torch.Generator().manual_seed(1234)
@@ -402,17 +351,11 @@ def main() -> int:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             x, y = next(stream)
-            if isinstance(optimizer, NoiseCorrectedAdamW):
+            if isinstance(optimizer, SiteAdamW):  # two halves, each recorded
                 half = len(x) // 2
-                lm_loss(model(x[:half]), y[:half]).backward()
-                first_half = [p.grad.clone() for p in model.parameters()]
-                optimizer.zero_grad()
-                lm_loss(model(x[half:]), y[half:]).backward()
-                with torch.no_grad():
-                    optimizer.noise = []
-                    for p, a in zip(model.parameters(), first_half, strict=True):
-                        optimizer.noise.append(((a - p.grad) / 2) ** 2)
-                        p.grad.add_(a).div_(2)
+                for part in (slice(0, half), slice(half, None)):
+                    (lm_loss(model(x[part]), y[part]) / 2).backward()
+                    optimizer.record_micro_batch()
             else:
                 lm_loss(model(x), y).backward()
         if args.mode == "sync":
@@ -436,64 +379,21 @@ def main() -> int:
                 load_flat((p.grad for p in model.parameters()), average)
         for model, optimizer in zip(models, optimizers, strict=True):
             if args.grad_clip:
-                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-                if isinstance(optimizer, NoiseCorrectedAdamW):  # the noise scales with it
-                    factor = min(1.0, args.grad_clip / (float(norm) + 1e-6)) ** 2
-                    optimizer.noise = [n * factor for n in optimizer.noise]
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             optimizer.step()
             optimizer.zero_grad()
         if args.mode == "sync":
             continue
-        if args.freeze_variance and step + 1 == args.freeze_variance:
-            beta2 = args.beta2
-            corrected = []
-            for o in optimizers:
-                t = int(o.state[o.param_groups[0]["params"][0]]["step"])
-                moments = flat_of(o.state[p]["exp_avg_sq"] for p in o.param_groups[0]["params"])
-                corrected.append(moments / (1 - beta2**t))
-            variance = sum(corrected) / WORKERS
-            wan_bytes += share * 2 * (size + size / args.block * SCALE_BYTES)
-            optimizers = [FrozenVarianceAdamW(o, variance) for o in optimizers]
         since += 1
         if since < sync_every_at(schedule, step) and step != args.steps - 1:
             continue
         since = 0
+        deltas = [global_params - flat(m) for m in models]
         if args.low_rank:
-            average, sent_bytes = low_rank_round(
-                [global_params - flat(m) for m in models], residuals, shapes, factors, args
-            )
-            wan_bytes += share * sent_bytes
-            deltas = None
+            average, sent_bytes = low_rank_round(deltas, residuals, shapes, factors, args)
         else:
-            deltas = []
-        for w, model in enumerate(models if deltas is not None else ()):
-            delta = global_params - flat(model)
-            if args.error_feedback:
-                delta += residuals[w]
-            if args.sparse_ternary:
-                sent, size = sparse_ternary(delta, args.sparse_ternary, args.block)
-                wan_bytes += (WORKERS - 1) / WORKERS * size
-            elif codec is not None:  # the engine's own codec: its bytes, counted
-                encoded = codec.encode(delta)
-                sent = codec.decode(encoded)
-                wan_bytes += (WORKERS - 1) / WORKERS * len(encoded.payload)
-            else:
-                sent = quantise(delta, args.levels, args.block, args.sign)
-            if args.error_feedback:
-                residuals[w] = delta - sent
-            deltas.append(sent)
-        if deltas is None:
-            pass
-        elif args.sparse_ternary:
-            average, size = sparse_ternary(sum(deltas) / WORKERS, args.sparse_ternary, args.block)
-            wan_bytes += share * size
-        elif codec is not None:
-            encoded = codec.encode(sum(deltas) / WORKERS)
-            average = codec.decode(encoded)
-            wan_bytes += share * len(encoded.payload)
-        else:
-            average = quantise(sum(deltas) / WORKERS, args.levels, args.block, args.sign)
-            wan_bytes += share * 2 * encoded_bytes(size, args)
+            average, sent_bytes = dense_round(deltas, residuals, codec, args)
+        wan_bytes += share * sent_bytes
         exchanges += 1
         update = average
         if args.outer_momentum:

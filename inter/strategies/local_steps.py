@@ -78,7 +78,7 @@ class LocalSteps(Strategy):
         """Tell an inner optimizer that corrects its second moment to the sites'
         averaged batch (:class:`~isthmus.intra.site_adamw.SiteAdamW`) this site's
         share of that batch; other optimizers have nothing to be told."""
-        if hasattr(self.optimizer, "batch_share") and 0.0 < share <= 1.0:
+        if hasattr(self.optimizer, "batch_share"):
             self.optimizer.batch_share = share
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
