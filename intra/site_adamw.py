@@ -74,22 +74,20 @@ class SiteAdamW(torch.optim.Optimizer):
         adding its gradient into ``.grad``, scaled or not): what it added is one
         sample of the gradient's noise. A step's records start over after
         :meth:`zero_grad` or :meth:`step`."""
-        if self._micro_batches == 0:
+        if self._micro_batches == 0 and self._recorded:
             # A new step: what each parameter held before it is nothing (one that
             # first gets a gradient in a later micro-batch added nothing before).
-            for last, squares in self._recorded.values():
-                last.zero_()
-                squares.zero_()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p not in self._recorded:
-                    self._recorded[p] = (torch.zeros_like(p.grad), torch.zeros_like(p.grad))
-                last, squares = self._recorded[p]
-                added = p.grad - last
-                squares.addcmul_(added, added)
-                last.copy_(p.grad)
+            torch._foreach_zero_([t for pair in self._recorded.values() for t in pair])
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        for p in params:
+            if p not in self._recorded:
+                self._recorded[p] = (torch.zeros_like(p.grad), torch.zeros_like(p.grad))
+        if params:
+            grads = [p.grad for p in params]
+            lasts = [self._recorded[p][0] for p in params]
+            added = torch._foreach_sub(grads, lasts)
+            torch._foreach_addcmul_([self._recorded[p][1] for p in params], added, added)
+            torch._foreach_copy_(lasts, grads)
         self._micro_batches += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -115,15 +113,22 @@ class SiteAdamW(torch.optim.Optimizer):
         if count < 2:
             return {}
         k = float(count)
-        noise = {}
-        for p, (last, squares) in self._recorded.items():
-            if p.grad is None:
-                continue
-            taken, recorded = _local(p.grad), _local(last)
-            ratio = taken.square().sum() / recorded.square().sum().clamp(min=1e-30)
-            value = squares.mul_(k).sub_(last.square()).div_(k - 1).clamp_(min=0)
+        pairs = [(p, pair) for p, pair in self._recorded.items() if p.grad is not None]
+        if not pairs:
+            return {}
+        lasts = [last for _, (last, _) in pairs]
+        values = [squares for _, (_, squares) in pairs]
+        # (k sum c_j^2 - G^2) / (k - 1), over the squares' own buffers.
+        torch._foreach_mul_(values, k)
+        torch._foreach_sub_(values, torch._foreach_mul(lasts, lasts))
+        torch._foreach_div_(values, k - 1)
+        torch._foreach_clamp_min_(values, 0.0)
+        taken = torch._foreach_norm([_local(p.grad) for p, _ in pairs])
+        recorded = torch._foreach_norm([_local(last) for last in lasts])
+        for value, now, then in zip(values, taken, recorded, strict=True):
+            ratio = (now / then.clamp(min=1e-30)).square()
             _local(value).mul_(ratio).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-            noise[p] = value
+        noise = {p: value for (p, _), value in zip(pairs, values, strict=True)}
         return noise
 
     @torch.no_grad()
