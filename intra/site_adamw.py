@@ -87,7 +87,8 @@ class SiteAdamW(torch.optim.Optimizer):
             lasts = [self._recorded[p][0] for p in params]
             added = torch._foreach_sub(grads, lasts)
             torch._foreach_addcmul_([self._recorded[p][1] for p in params], added, added)
-            torch._foreach_copy_(lasts, grads)
+            for last, grad in zip(lasts, grads, strict=True):
+                last.copy_(grad)  # DTensor has no multi-tensor copy
         self._micro_batches += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
