@@ -289,6 +289,14 @@ def main() -> int:
         help="diloco: the largest KEEP of each block as sign x their mean magnitude, "
         "packed 2-bit codes zstd-compressed (bytes counted as sent)",
     )
+    parser.add_argument(
+        "--overlap",
+        type=int,
+        default=0,
+        metavar="T",
+        help="diloco: each round's average is applied T inner steps after it was sent "
+        "(the sites train on meanwhile), merged eagerly: global + (local - sent)",
+    )
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -342,6 +350,8 @@ def main() -> int:
     # The direct all-reduce: every site sends (S-1)/S of the vector in each phase.
     share = (WORKERS - 1) / WORKERS * WORKERS
     wan_bytes, exchanges, since = 0.0, 0, 0
+    # An overlapped round in flight: (steps until it lands, new global, what each sent).
+    in_flight: tuple[int, torch.Tensor, list[torch.Tensor]] | None = None
     started = time.monotonic()
     for step in range(args.steps):
         lr = learning_rate_at(args.lr_schedule, args.lr, step, WARMUP_STEPS, args.steps)
@@ -384,6 +394,17 @@ def main() -> int:
             optimizer.zero_grad()
         if args.mode == "sync":
             continue
+        if in_flight is not None:
+            due, landed, sent = in_flight
+            if due == 1 or step == args.steps - 1:
+                # Eager merge: the new global parameters plus what each site trained
+                # while the average was on the wire.
+                global_params = landed
+                for model, before in zip(models, sent, strict=True):
+                    load_flat(model.parameters(), landed + (flat(model) - before))
+                in_flight = None
+            else:
+                in_flight = (due - 1, landed, sent)
         since += 1
         if since < sync_every_at(schedule, step) and step != args.steps - 1:
             continue
@@ -399,6 +420,12 @@ def main() -> int:
         if args.outer_momentum:
             momentum = args.outer_momentum * momentum + average
             update = average + args.outer_momentum * momentum
+        if args.overlap and step != args.steps - 1:
+            if in_flight is not None:
+                parser.error("--overlap must be at most H: a round is still in flight")
+            sent = [flat(m) for m in models]
+            in_flight = (args.overlap, global_params - args.outer_lr * update, sent)
+            continue
         global_params -= args.outer_lr * update
         for model in models:
             load_flat(model.parameters(), global_params)

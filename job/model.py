@@ -212,10 +212,14 @@ class Job:
     @property
     def algorithm(self) -> str:
         """The cross-site all-reduce the job's rounds use (``train.algorithm``, or
-        its default: ``two_level`` with regions, else ``direct``)."""
+        its default: ``two_level`` with regions; ``auto`` on emulated links, whose
+        costs the cost model knows, so each round takes one trip or two by its
+        encoded size; else ``direct``)."""
         if self.train.algorithm is not None:
             return self.train.algorithm
-        return "two_level" if self.regions else "direct"
+        if self.regions:
+            return "two_level"
+        return "auto" if self.wan is not None else "direct"
 
     def region_of(self) -> dict[str, str]:
         """Each site's region, by name (empty without ``regions:``)."""

@@ -27,7 +27,7 @@ INNER_OPTIMIZERS = ("adamw", "site_adamw")
 STRATEGY_DEPENDENT = ("codec", "error_feedback", "inner_optimizer")
 """Settings whose default depends on the strategy: unset in a job file, they follow a
 strategy changed on the command line (``--strategy``, ``--compare``)."""
-ALGORITHMS = ("direct", "ring", "two_level", "auto")
+ALGORITHMS = ("direct", "gather", "ring", "two_level", "auto")
 DEVICES = ("auto", "cuda", "cpu")
 PRECISIONS = ("fp32", "bf16")
 OUTER_STATES = ("device", "host")

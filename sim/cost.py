@@ -8,6 +8,11 @@ sites (``DESIGN.md``, "Performance model"):
   in each of two phases every site sends N/S to each other site at once, so a
   phase lasts as long as the slowest pair: its link's latency plus N/S at its
   bandwidth, or a site's latency plus (S-1)N/S through its uplink;
+* ``gather`` (every site sends all N to every other site, full mesh, and each
+  reduces them itself): one phase as long as the slowest pair, its latency plus
+  N at its bandwidth, or a site's latency plus (S-1)N through its uplink. One
+  trip instead of direct's two, for (S-1)N sent instead of 2(S-1)N/S: the
+  faster on long links with small payloads;
 * ``ring`` (sorted order, chunk-pipelined): 2(S-1) steps of N/S on each ring
   link, each as long as the slowest hop (its latency plus N/S at its rate).
 * ``two_level`` (with regions): direct inside each region, direct across
@@ -146,6 +151,36 @@ def direct_seconds(
     return 2 * max(slowest, capped, shared, (s - 1) * nbytes / machine_bytes_per_s)
 
 
+def gather_seconds(
+    nbytes: float,
+    sites: Sequence[str],
+    link: LinkLookup,
+    uplink_bytes_per_s: Mapping[str, float] | None = None,
+    regions: Regions | None = None,
+    machine_bytes_per_s: float = math.inf,
+) -> float:
+    s = len(sites)
+    if s < 2:
+        return 0.0
+    uplinks = uplink_bytes_per_s or {}
+    slowest = 0.0
+    farthest: dict[str, float] = {}
+    for a in sites:
+        for b in sites:
+            if a != b:
+                cost = link(a, b)
+                slowest = max(slowest, cost.one_way_s + nbytes / cost.bandwidth_bytes_per_s)
+                farthest[a] = max(farthest.get(a, 0.0), cost.one_way_s)
+    capped = max(
+        ((s - 1) * nbytes / uplinks[x] + farthest[x] for x in sites if x in uplinks),
+        default=0.0,
+    )
+    shared = 0.0
+    if regions is not None:
+        shared = regions.egress_seconds(sites, lambda m: len(m) * (s - len(m)) * nbytes, link)
+    return max(slowest, capped, shared, s * (s - 1) * nbytes / machine_bytes_per_s)
+
+
 def ring_seconds(
     nbytes: float,
     sites: Sequence[str],
@@ -221,10 +256,19 @@ def two_level_seconds(
     return first + second + (k - 1) * max(first, second) + back
 
 
-ALGORITHMS = {"direct": direct_seconds, "ring": ring_seconds}
+ALGORITHMS = {"direct": direct_seconds, "gather": gather_seconds, "ring": ring_seconds}
 """Those every job can use; ``two_level`` joins them where the sites have regions."""
 ALGORITHM_COSTS: dict[str, Callable[..., float]] = {**ALGORITHMS, "two_level": two_level_seconds}
 """Every algorithm's cost by name (two-level without regions costs as direct)."""
+
+
+def sent_share(algorithm: str, sites: int) -> float:
+    """How many times the vector's bytes each site sends in one all-reduce: the whole
+    vector to every other site with ``gather``, 2 (S - 1) / S with the others (two
+    levels: about that, counted as that)."""
+    if sites < 2:
+        return 0.0
+    return sites - 1.0 if algorithm == "gather" else 2 * (sites - 1) / sites
 
 
 def predict(
@@ -256,10 +300,14 @@ def choose(
     *,
     regions: Mapping[str, str] | None = None,
     region_egress_bytes_per_s: Mapping[str, float] | None = None,
+    among: Sequence[str] | None = None,
 ) -> str:
-    """The algorithm with the smallest predicted time (direct on ties)."""
+    """The algorithm with the smallest predicted time (direct on ties), ``among``
+    those named (default: every one the sites can use)."""
     grouped = None if not regions else Regions(regions, dict(region_egress_bytes_per_s or {}))
     predicted = predict(nbytes, sites, link, uplink_bytes_per_s, regions=grouped)
+    if among is not None:
+        predicted = {name: t for name, t in predicted.items() if name in among}
     return min(predicted, key=lambda name: (predicted[name], name != "direct"))
 
 

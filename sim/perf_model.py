@@ -61,7 +61,14 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from isthmus.sim.cost import ALGORITHM_COSTS, LinkCost, LinkLookup, Regions, predict
+from isthmus.sim.cost import (
+    ALGORITHM_COSTS,
+    LinkCost,
+    LinkLookup,
+    Regions,
+    predict,
+    sent_share,
+)
 
 STRATEGIES = ("sync", "diloco", "streaming", "async")
 
@@ -295,8 +302,8 @@ def exchange_cost(scenario: Scenario, nbytes: float, *, outer: float = 0.0) -> E
     raw_bytes = nbytes / CODEC_BYTES_PER_VALUE[scenario.codec] * 4
     codec_s = raw_bytes / scenario.codec_bytes_per_s if scenario.codec != "none" else 0.0
     wire_s = all_reduce_seconds(scenario, nbytes, algorithm)
-    # What one site sends (and receives) in either algorithm: 2 (S-1)/S of the bytes.
-    copies_s = 2 * (len(sites) - 1) / len(sites) * nbytes / scenario.host_link_bytes_per_s
+    # What one site sends (and receives): 2 (S-1)/S of the bytes, (S-1) with gather.
+    copies_s = sent_share(algorithm, len(sites)) * nbytes / scenario.host_link_bytes_per_s
     wire_s = max(wire_s, copies_s)
     d = scenario.site_ranks
     if d > 1:
@@ -367,8 +374,11 @@ def predict_run(scenario: Scenario) -> Prediction:
     s, t, h = scenario, scenario.step_s, scenario.sync_every
     pace = s.pace_s
     sites = len(s.sites)
-    # What one site sends in one exchange of n bytes: 2 (S-1)/S n, both algorithms.
-    sent_per_exchange = 2 * (sites - 1) / sites * s.wan_bytes * sites if sites > 1 else 0.0
+
+    def sent_per_exchange(algorithm: str) -> float:
+        """What every site together sends in one exchange of the whole model."""
+        return sent_share(algorithm, sites) * s.wan_bytes * sites
+
     if s.strategy == "sync":
         full = exchange_cost(s, s.wan_bytes)
         model_bytes = 4 * s.params
@@ -388,7 +398,7 @@ def predict_run(scenario: Scenario) -> Prediction:
             full.seconds,
             exposed,
             utilization,
-            sent_per_exchange / s.tokens_per_step,
+            sent_per_exchange(full.algorithm) / s.tokens_per_step,
             full.algorithm,
         )
     compute = h * pace
@@ -428,7 +438,7 @@ def predict_run(scenario: Scenario) -> Prediction:
         full.seconds,
         exposed,
         utilization,
-        sent_per_exchange / (h * s.tokens_per_step),
+        sent_per_exchange(algorithm) / (h * s.tokens_per_step),
         algorithm,
     )
 

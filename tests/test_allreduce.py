@@ -385,9 +385,14 @@ def test_ring_with_a_lossy_codec_stays_identical_and_within_s_encodes():
 
 
 @pytest.mark.parametrize(
-    ("slow_pair", "expected"), [(None, "direct"), (("site0", "site2"), "ring")]
+    ("slow_pair", "n", "expected"),
+    [
+        (None, 500_000, "direct"),  # 2 MB: two trips of a third each beat one of it all
+        (None, 5000, "gather"),  # 20 kB: the latency decides, and gather has one trip
+        (("site0", "site2"), 5000, "ring"),
+    ],
 )
-def test_auto_picks_the_algorithm_the_cost_model_predicts(slow_pair, expected):
+def test_auto_picks_the_algorithm_the_cost_model_predicts(slow_pair, n, expected):
     from isthmus.sim.cost import LinkCost
 
     def costs(a, b):
@@ -399,7 +404,7 @@ def test_auto_picks_the_algorithm_the_cost_model_predicts(slow_pair, expected):
         names, members = await _group(4)
         for member in members.values():
             member.link_costs = costs
-        inputs = _inputs(names, 5000)
+        inputs = _inputs(names, n)
         w = {s: 1.0 for s in names}
         try:
             outs = await asyncio.gather(
@@ -676,11 +681,11 @@ def test_topk_with_error_feedback_sends_the_rest_in_later_rounds():
     assert with_feedback < 0.5 * without, (with_feedback, without)
 
 
-def test_topk_refuses_the_ring_and_takes_direct_for_auto():
+def test_topk_refuses_the_ring_and_takes_direct_for_auto_without_link_costs():
     async def main():
         names, members = await _group(2, "topk")
         try:
-            with pytest.raises(ValueError, match="the topk codec needs the direct algorithm"):
+            with pytest.raises(ValueError, match="the topk codec needs the direct or gather"):
                 await members["site0"].allreduce(
                     torch.ones(10),
                     round=0,

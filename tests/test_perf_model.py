@@ -16,6 +16,7 @@ from isthmus.sim.cost import LinkCost
 from isthmus.sim.perf_model import (
     Scenario,
     ScenarioError,
+    all_reduce_seconds,
     exchange_cost,
     exchange_seconds,
     expected_largest_normal,
@@ -46,14 +47,16 @@ def scenario(**changes) -> Scenario:
 def test_an_exchange_costs_wire_plus_latencies_plus_overhead():
     # Direct, 2 sites: each phase puts N/2 = 2 MB on the link (0.2 s) plus 50 ms;
     # two phases: 0.4 + 0.1 = 0.5 s (the acknowledgements come back after the round).
+    assert all_reduce_seconds(scenario(), 4e6, "direct") == pytest.approx(0.5)
+    # Gather, the pick: the same 4 MB in one trip, 0.4 + 0.05 s.
     seconds, algorithm = exchange_seconds(scenario(), 4e6)
-    assert algorithm == "direct" and seconds == pytest.approx(0.5)
+    assert algorithm == "gather" and seconds == pytest.approx(0.45)
     # Efficiency divides the bandwidth part only; overhead adds once.
     slower, _ = exchange_seconds(scenario(efficiency=0.5, exchange_overhead_s=0.02), 4e6)
-    assert slower == pytest.approx(0.8 + 0.1 + 0.02)
+    assert slower == pytest.approx(0.8 + 0.05 + 0.02)
     # A codec shrinks the bytes and adds its own time (4 MB of float32 at 4 MB/s).
     int8, _ = exchange_seconds(scenario(codec="int8", codec_bytes_per_s=4e6), 1e6 * (1 + 4 / 256))
-    assert int8 == pytest.approx(2 * (0.5078125e6 / 1e7 + 0.05) + 1.0)
+    assert int8 == pytest.approx(1.015625e6 / 1e7 + 0.05 + 1.0)
 
 
 def test_the_ring_is_chosen_when_it_avoids_a_slow_link():
@@ -69,10 +72,11 @@ def test_the_ring_is_chosen_when_it_avoids_a_slow_link():
 
 
 def test_strategies_by_hand():
-    x = 0.5  # the exchange of the whole model, as above
+    x = 0.45  # the exchange of the whole model, as above (gather)
     sync = predict_run(scenario(strategy="sync"))
     # One 25 MiB bucket holds the whole 4 MB model: nothing overlaps.
-    assert sync.step_s == pytest.approx(0.1 + x) and sync.utilization == pytest.approx(0.1 / 0.6)
+    assert sync.step_s == pytest.approx(0.1 + x)
+    assert sync.utilization == pytest.approx(0.1 / (0.1 + x))
     bucketed = predict_run(scenario(strategy="sync", bucket_bytes=1e6))
     hidden = 2 / 3 * 0.1 * (1 - 1e6 / 4e6)
     assert bucketed.step_s == pytest.approx(0.1 + x - hidden)
@@ -87,7 +91,8 @@ def test_strategies_by_hand():
     part, _ = exchange_seconds(scenario(), 2e6)
     streaming = predict_run(scenario(strategy="streaming"))
     assert streaming.round_s == pytest.approx(1.0 + 2 * (part - 0.1))
-    # Bytes: every site sends 2 (S-1)/S of the model per exchange.
+    # Bytes: every site sends the model once per exchange (2 sites: gather's S - 1
+    # and direct's 2 (S-1)/S are the same).
     assert diloco.wan_bytes_per_token == pytest.approx(2 * 4e6 / (10 * 1000))
     assert sync.wan_bytes_per_token == pytest.approx(2 * 4e6 / 1000)
 
@@ -95,7 +100,7 @@ def test_strategies_by_hand():
 def test_a_run_of_given_length_pays_its_final_synchronisation_by_hand():
     """isthmus run measures the whole run: the rounds that fit in it and the final
     synchronisation every run ends with; a short run pays it over fewer steps."""
-    x = 0.5  # the exchange of the whole model, as above
+    x = 0.45  # the exchange of the whole model, as above (gather)
     vote, _ = exchange_seconds(scenario(), 64.0)
     # DiLoCo, 25 steps at H=10: 2 rounds, then a last round for the 5 steps left,
     # each with its vote beside its data; the first round's vote went first.
@@ -129,13 +134,14 @@ def test_a_run_of_given_length_pays_its_final_synchronisation_by_hand():
 def test_the_slowest_site_sets_the_pace_of_every_round():
     """Rounds need every site: a site computing at 0.12 s per step holds the others,
     whose compute (0.1 s) is then a smaller share of the round."""
-    x = 0.5
+    x = 0.45
     vote, _ = exchange_seconds(scenario(), 64.0)
     diloco = predict_run(scenario(strategy="diloco", slowest_step_s=0.12))
     assert diloco.round_s == pytest.approx(10 * 0.12 + max(vote, x))
     assert diloco.utilization == pytest.approx(10 * 0.1 / diloco.round_s)
     sync = predict_run(scenario(strategy="sync", slowest_step_s=0.12))
-    assert sync.step_s == pytest.approx(0.12 + x) and sync.utilization == pytest.approx(0.1 / 0.62)
+    assert sync.step_s == pytest.approx(0.12 + x)
+    assert sync.utilization == pytest.approx(0.1 / (0.12 + x))
     same = predict_run(scenario(strategy="diloco", slowest_step_s=0.1))
     assert same == predict_run(scenario(strategy="diloco"))
     with pytest.raises(ScenarioError) as caught:
@@ -253,8 +259,8 @@ def test_sim_predicts_many_sites_in_regions_and_names_the_algorithm(capsys, site
     out = json.loads(stdout)
     assert {p["algorithm"] for p in out["predictions"]} == {"two_level"}
     bounds = out["all_reduce_bounds_s"]
-    assert set(bounds) == {"direct", "ring", "two_level"}
-    assert bounds["two_level"] < min(bounds["direct"], bounds["ring"])
+    assert set(bounds) == {"direct", "gather", "ring", "two_level"}
+    assert bounds["two_level"] < min(bounds["direct"], bounds["gather"], bounds["ring"])
     groups = out["scenario"]["regions"]["sites"]
     assert len(groups) == regions and {len(m) for m in groups.values()} == {sites // regions}
     assert set(out["scenario"]["regions"]["egress_mbit"].values()) == {300.0}
@@ -264,7 +270,7 @@ def test_sim_predicts_many_sites_in_regions_and_names_the_algorithm(capsys, site
     assert code == 0, stderr
     flat = json.loads(stdout)
     assert {p["algorithm"] for p in flat["predictions"]} == {"direct"}
-    assert set(flat["all_reduce_bounds_s"]) == {"direct", "ring"}
+    assert set(flat["all_reduce_bounds_s"]) == {"direct", "gather", "ring"}
     assert flat["scenario"]["regions"] is None
 
 

@@ -163,7 +163,12 @@ def test_a_bad_algorithm_is_refused_naming_the_field(section, expected):
 def test_a_job_with_regions_averages_in_two_levels_unless_it_says_otherwise():
     assert parse_job(NINE_SITES).algorithm == "two_level"
     assert parse_job(NINE_SITES + "train: {algorithm: auto}\n").algorithm == "auto"
+    # No regions: on emulated links (known costs) each round takes the faster of one
+    # trip and two; on a real WAN, whose links no job states, direct.
     assert parse_job("name: x\nsites: [{name: a}, {name: b}]\n").algorithm == "direct"
+    emulated = "name: x\nsites: [{name: a}, {name: b}]\nwan: {default: {rtt_ms: 50}}\n"
+    assert parse_job(emulated).algorithm == "auto"
+    assert parse_job(emulated + "train: {algorithm: gather}\n").algorithm == "gather"
 
 
 FOUR_SITES_TWO_REGIONS = """\

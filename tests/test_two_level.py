@@ -214,7 +214,7 @@ def test_isthmus_sim_costs_a_job_with_regions_in_two_levels(capsys):
     assert main(["sim", str(job), "--step-ms", "100", "--json"]) == 0
     rows = {p["strategy"]: p for p in json.loads(capsys.readouterr().out)["predictions"]}
     # Sync's gradients cross as float32 (two levels); Streaming's int2 fragments are a
-    # few hundred kB, where flat direct's single round trip across wins.
+    # few hundred kB, where one trip across, every site to every site, wins.
     assert rows["sync"]["codec"] == "none" and rows["sync"]["algorithm"] == "two_level"
     assert rows["streaming"]["codec"] == "int2"
-    assert rows["streaming"]["algorithm"] == "direct"
+    assert rows["streaming"]["algorithm"] == "gather"

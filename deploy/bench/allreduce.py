@@ -33,7 +33,7 @@ from isthmus.job.link import DirectionParams
 from isthmus.job.model import Job
 from isthmus.job.ports import free_ports
 from isthmus.sim.control import ControlClient
-from isthmus.sim.cost import LinkCost, job_costs, predict
+from isthmus.sim.cost import LinkCost, job_costs, predict, sent_share
 from isthmus.sim.hosts import TCP_BUFFER_MAX
 
 ISTHMUS = [sys.executable, "-m", "isthmus"]
@@ -288,7 +288,7 @@ def run_allreduce_bench(
     theoretical = (
         two_level_volume(job, nbytes)
         if ran == "two_level" and job is not None
-        else sites * 2 * (sites - 1) / sites * nbytes  # direct (and the ring), codec none
+        else sites * sent_share(ran, sites) * nbytes  # codec none
     )
     directions = [d for link in wire["links"] for k, d in link.items() if "->" in k]
     wire_bytes = sum(d["bytes"] for d in directions)

@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size-mib", type=float, required=True)
     parser.add_argument("--codec", default="none")
     parser.add_argument(
-        "--algorithm", choices=("direct", "ring", "two_level", "auto"), default="direct"
+        "--algorithm", choices=("direct", "gather", "ring", "two_level", "auto"), default="direct"
     )
     parser.add_argument("--job", help="the links and regions for auto and two_level")
     parser.add_argument("--rtt-ms", type=float, default=0.0, help="the links, for auto")

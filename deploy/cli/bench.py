@@ -43,9 +43,10 @@ def register(commands: Any) -> None:
     allreduce.add_argument("--codec", default="none", help="e.g. none, bf16, int8, int4+zstd")
     allreduce.add_argument(
         "--algorithm",
-        choices=("direct", "ring", "two_level", "auto"),
+        choices=("direct", "gather", "ring", "two_level", "auto"),
         default="direct",
-        help="direct (full mesh, every site owns a slice), ring (successor only), "
+        help="direct (full mesh, every site owns a slice), gather (every site sends "
+        "everything to every site: one trip), ring (successor only), "
         "two_level (inside regions, across them, inside again; needs --job with "
         "regions), or auto (whichever the alpha-beta model predicts fastest on these "
         "links and regions)",
@@ -141,7 +142,7 @@ def _bench_job(args: argparse.Namespace) -> Any:
     if args.algorithm == "two_level" and not job.regions:
         raise UsageError(
             f"--algorithm two_level: {args.job} has no regions: section; add one, or use "
-            "direct, ring or auto"
+            "direct, gather, ring or auto"
         )
     return job
 

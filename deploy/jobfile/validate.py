@@ -138,13 +138,13 @@ class Validator:
             self.fail(
                 "train.algorithm",
                 "two_level needs the sites' regions: add a regions: section, or use direct, "
-                "ring or auto",
+                "gather, ring or auto",
             )
         if algorithm == "auto" and wan is None:
             self.fail(
                 "train.algorithm",
                 "auto picks from the links' costs, which only an emulated job (a wan: "
-                "section) states; use direct, ring or two_level",
+                "section) states; use direct, gather, ring or two_level",
             )
         model = self.model(data.get("model", "tiny"), sites)
         control = self.control(data["control"]) if data.get("control") is not None else None

@@ -4,8 +4,9 @@ It owns the peer lifecycle (a server, or a share of one; a session per peer;
 closing with the last sends flushed) and the bookkeeping of rounds (which
 rounds run, which chunks are kept, the stats of the last one). Each round it
 checks the caller's arguments once, picks the algorithm and hands it a
-:class:`~.rounds.Round`: the direct algorithm (:mod:`.direct`) or the ring
-(:mod:`.ring`), which move the chunks through the engine's incoming buffers
+:class:`~.rounds.Round`: the direct algorithm (:mod:`.direct`), the gather
+(:mod:`.gather`), the ring (:mod:`.ring`) or the two-level one
+(:mod:`.two_level`), which move the chunks through the engine's incoming buffers
 (:mod:`.incoming`) and its sends (:mod:`.sending`).
 
 The caller decides which sites take part and with what weights (the strategy
@@ -32,6 +33,7 @@ import torch
 
 from isthmus.inter.allreduce.direct import direct_allreduce
 from isthmus.inter.allreduce.feedback import ErrorFeedback
+from isthmus.inter.allreduce.gather import gather_allreduce
 from isthmus.inter.allreduce.incoming import Inbox
 from isthmus.inter.allreduce.ring import ring_allreduce
 from isthmus.inter.allreduce.rounds import (
@@ -59,7 +61,7 @@ LENIENT_HELLO_S = 5.0
 FLUSH_ON_CLOSE_S = 20.0
 """How long :meth:`CrossSiteAllReduce.close` waits for the acknowledgements of chunks
 sent by rounds that are over here (a peer may still need them to finish its round)."""
-ALGORITHMS = ("direct", "ring", "two_level", "auto")
+ALGORITHMS = ("direct", "gather", "ring", "two_level", "auto")
 
 
 class CrossSiteAllReduce:
@@ -249,11 +251,14 @@ class CrossSiteAllReduce:
         vector the caller sends again and again, e.g. ``"model"`` or a fragment's
         name): what the codec lost of this site's contribution is added to the
         next contribution under the same key, so the losses do not accumulate
-        over rounds. The direct algorithm only (the ring says once that it is off);
+        over rounds. Not with the ring (it says once that it is off);
         nothing to do with ``none``.
 
         ``algorithm``: ``direct`` (full mesh: every site owns a slice; a value is
-        encoded twice), ``ring`` (each site talks to its successor only; partial
+        encoded twice), ``gather`` (every site sends its whole contribution to every
+        other site and reduces them all itself: one one-way trip instead of two, for
+        (S - 1) / 2 S of the vector more on each uplink; a value is encoded once),
+        ``ring`` (each site talks to its successor only; partial
         sums are re-encoded at every hop, so a value is encoded up to S times),
         ``two_level`` (inside each region, across regions between counterparts,
         inside again; a value is encoded three times; needs ``regions``), or
@@ -320,6 +325,15 @@ class CrossSiteAllReduce:
                 feedback=self.error_feedback,
                 key=feedback,
             )
+        elif algorithm == "gather" and len(sites) > 1:
+            out, self.last = await gather_allreduce(
+                plan,
+                flat,
+                inbox=self.inbox,
+                outgoing=self.outgoing,
+                feedback=self.error_feedback,
+                key=feedback,
+            )
         elif algorithm == "ring" and len(sites) > 1:
             self._say_feedback_is_off(round, feedback)
             out, self.last = await ring_allreduce(
@@ -358,33 +372,46 @@ class CrossSiteAllReduce:
     ) -> str:
         if algorithm not in ALGORITHMS:
             raise ValueError(
-                f"unknown algorithm {algorithm!r}; use direct, ring, two_level or auto"
+                f"unknown algorithm {algorithm!r}; use direct, gather, ring, two_level or auto"
             )
         if algorithm == "two_level" and not self.regions:
             raise ValueError(
                 "the two_level algorithm needs the sites' regions (the job file's regions:); "
                 "use direct, ring or auto"
             )
-        if (codec or self.codec).sparse is not None:
+        codec = codec or self.codec
+        if codec.sparse is not None:
             # The ring re-encodes partial sums at every hop: top-k of a partial sum
             # drops what earlier sites sent, and no site's feedback can send it again.
             if algorithm == "ring":
                 raise ValueError(
-                    "the topk codec needs the direct algorithm (the ring would re-select "
-                    "the largest values of every partial sum): use algorithm direct or auto"
+                    "the topk codec needs the direct or gather algorithm (the ring would "
+                    "re-select the largest values of every partial sum): use algorithm "
+                    "direct, gather or auto"
                 )
-            return "direct"
+            if algorithm == "gather":
+                return algorithm
+            if algorithm != "auto" or self.link_costs is None:
+                return "direct"
+            nbytes = tensor.numel() * codec.bytes_per_value()
+            return choose(nbytes, sorted(participants), self.link_costs, self.uplink_bytes_per_s,
+                          among=("direct", "gather"))  # fmt: skip
         if algorithm != "auto":
             return algorithm
         if self.link_costs is None:
             raise ValueError("algorithm 'auto' needs link costs: pass link_costs=...")
+        # What crosses is encoded: a 2-bit round moves a sixteenth of float32's bytes,
+        # and on long links that decides between one trip and two. A lossy codec
+        # never takes the ring: it re-encodes partial sums at every hop and cannot
+        # carry error feedback, which costs more loss than its time saves.
         return choose(
-            tensor.numel() * 4,
+            tensor.numel() * codec.bytes_per_value(),
             sorted(participants),
             self.link_costs,
             self.uplink_bytes_per_s,
             regions=self.regions or None,
             region_egress_bytes_per_s=self.region_egress_bytes_per_s,
+            among=None if codec.name == "none" else ("direct", "gather", "two_level"),
         )
 
     def _check_participants(
