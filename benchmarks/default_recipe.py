@@ -40,6 +40,21 @@ RECIPES = {
     "diloco-h4": {"strategy": "diloco", "sync_every": 4, **PLAIN, **TERNARY},
     # The DiLoCo family's inner optimizer is SiteAdamW unless the job says otherwise:
     # these are the same recipes with plain AdamW.
+    # The all-reduce by name (the job's default is auto: one trip or two by size).
+    "diloco-h10-direct": {
+        "strategy": "diloco",
+        "sync_every": 10,
+        **PLAIN,
+        **TERNARY,
+        "algorithm": "direct",
+    },
+    "diloco-h10-gather": {
+        "strategy": "diloco",
+        "sync_every": 10,
+        **PLAIN,
+        **TERNARY,
+        "algorithm": "gather",
+    },
     "diloco-h10-adamw": {"strategy": "diloco", "sync_every": 10, **PLAIN, **TERNARY, **ADAMW},
     "diloco-h4-adamw": {"strategy": "diloco", "sync_every": 4, **PLAIN, **TERNARY, **ADAMW},
     "diloco-h10-fp32": {"strategy": "diloco", "sync_every": 10, **PLAIN, **FLOAT32},

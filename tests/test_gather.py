@@ -1,8 +1,8 @@
 """The gather all-reduce over real gRPC: every site sends its whole contribution to every other.
 
-Exact and weighted, identical everywhere, one encode of error, (S - 1) N on
-every uplink, nothing sent by a site left out, error feedback, the sparse codec
-without a union, and the cost model's choice between one trip and two.
+Exact and weighted, identical everywhere, the direct algorithm's result with a
+lossy codec, (S - 1) N on every uplink, nothing sent by a site left out, error
+feedback, the sparse codec, and the cost model's choice between one trip and two.
 """
 
 from __future__ import annotations
@@ -46,7 +46,9 @@ def _reference(inputs, weights):
     return sum(inputs[s].double() * (weights[s] / total) for s in inputs if weights[s] > 0)
 
 
-def _rounds(n_sites, n, codec="none", weights=None, rounds=1, feedback=None, only=None):
+def _rounds(
+    n_sites, n, codec="none", weights=None, rounds=1, feedback=None, only=None, algorithm="gather"
+):
     """``rounds`` gather rounds of the same inputs; the outputs of each, and the last
     round's stats. ``only``: the sites that take part (the others stay out)."""
 
@@ -65,7 +67,7 @@ def _rounds(n_sites, n, codec="none", weights=None, rounds=1, feedback=None, onl
                             round=r,
                             participants=taking,
                             weights=w,
-                            algorithm="gather",
+                            algorithm=algorithm,
                             feedback=feedback,
                         )
                         for s in taking
@@ -77,7 +79,7 @@ def _rounds(n_sites, n, codec="none", weights=None, rounds=1, feedback=None, onl
         finally:
             for member in members.values():
                 await member.close()
-        assert chosen == {"gather"}
+        assert chosen == {algorithm}
         return taking, inputs, w, outs, stats
 
     return asyncio.run(main())
@@ -96,18 +98,27 @@ def test_exact_weighted_average_identical_on_every_site(n_sites, n):
 
 
 @pytest.mark.parametrize("codec", ["bf16", "int8", "int4+zstd", "int2"])
-def test_lossy_codecs_stay_within_one_encode_and_identical(codec):
-    """Nobody encodes the average again: the error is the contributions' own."""
+def test_lossy_codecs_give_the_direct_algorithms_result_identical_everywhere(codec):
+    """Each site encodes the average as direct's owners do: two encodes of error, and
+    direct's values (the reduction's last bit may round apart: gather multiplies
+    and adds where direct's owners fuse them)."""
     names, inputs, weights, outs, _ = _rounds(3, 20_000, codec=codec)
     c = parse_codec(codec)
     total = sum(weights.values())
-    bound = sum(c.max_error(inputs[s]).double() * (weights[s] / total) for s in names) + 1e-6
+    reference = _reference(inputs, weights)
+    first_pass = sum(c.max_error(inputs[s]).double() * (weights[s] / total) for s in names)
+    reduced_at_most = (reference.abs() + first_pass).float()
+    bound = first_pass + c.max_error(reduced_at_most) * 1.01 + 1e-6
     result = outs[0][names[0]]
     for name in names:
         assert torch.equal(outs[0][name], result)
-    error = (result.double() - _reference(inputs, weights)).abs()
-    assert torch.all(error <= bound)
-    assert error.max() > 0  # it was encoded
+    assert torch.all((result.double() - reference).abs() <= bound)
+    direct = _rounds(3, 20_000, codec=codec, algorithm="direct")[3][0][names[0]].double()
+    apart = (result.double() - direct).abs()
+    # Where a sum's last bit rounded apart: a block's scale an ulp apart, and at a
+    # rounding boundary a value one quantisation step (twice max_error) apart.
+    assert (apart > 1e-5 * (1 + direct.abs())).float().mean() < 0.01
+    assert torch.all(apart <= 2 * c.max_error(reduced_at_most).double() * 1.01 + 1e-6)
 
 
 def test_every_site_sends_its_whole_vector_to_every_other_site():
@@ -140,21 +151,21 @@ def test_error_feedback_carries_what_the_codec_lost_into_the_next_round():
         return (mean - _reference(inputs, w)).abs().mean().item()
 
     without, with_feedback = mean_error(None), mean_error("model")
-    # One encode, and every site's loss sent again: the rounds' mean goes to the
-    # exact average, far closer than direct's (whose owners' encode stays).
-    assert with_feedback < 0.1 * without, (with_feedback, without)
+    assert with_feedback < 0.5 * without, (with_feedback, without)
 
 
-def test_topk_needs_no_union_each_site_decodes_every_contribution():
+def test_topk_carries_the_union_of_the_sites_positions_as_direct_does():
     spec, n_sites, n = "topk:chunk=256,density=0.05", 3, 30_000
     names, _, _, outs, stats = _rounds(n_sites, n, codec=spec)
     codec = parse_codec(spec)
     result = outs[0][names[0]]
     for name in names:
         assert torch.equal(outs[0][name], result), "sites disagree"
-    # At most the union of the sites' positions, each the weighted sum of what the
-    # sites sent there: the codec's own error, nothing re-selected.
-    assert int((result != 0).sum()) <= n_sites * codec.sparse.per_chunk * (n // 256 + 1)
+    nonzero = int((result != 0).sum())
+    assert codec.sparse.per_chunk * n / 256 < nonzero
+    # Each slice's last chunk may be partial (direct's chunks): 2 S chunks more at most.
+    assert nonzero <= n_sites * codec.sparse.per_chunk * (n / 256 + 2 * n_sites)
+    # Up: the whole sparse vector to each other site; nothing comes back from an owner.
     for name in names:
         per_site = n * codec.bytes_per_value()
         assert stats[name].bytes_sent == pytest.approx((n_sites - 1) * per_site, rel=0.05)
