@@ -98,6 +98,22 @@ RECIPES = {
         **PLAIN,
         **TERNARY,
     },
+    # Overlapped by about one trip of the gather all-reduce (0.12 s on these links,
+    # 3-4 steps of 34 ms), with the inner SiteAdamW: rounds short enough that the
+    # average lags the sites by few steps.
+    **{
+        f"overlapped-h{h}-eager-o{o}-site": {
+            "strategy": "streaming",
+            "fragments": 1,
+            "overlap_steps": o,
+            "merge": "eager",
+            "sync_every": h,
+            **PLAIN,
+            **TERNARY,
+            "inner_optimizer": "site_adamw",
+        }
+        for h, o in ((4, 4), (5, 3), (6, 3), (6, 2), (8, 3), (10, 3), (10, 0))
+    },
     "overlapped-h10-eager": {
         "strategy": "streaming",
         "fragments": 1,

@@ -120,10 +120,12 @@ class TrainSettings:
 
     algorithm: str | None = None
     """How the sites average across the WAN: ``direct`` (every site owns a slice and
-    talks to every other), ``ring`` (each site to its successor), ``two_level``
-    (inside each region, across regions between counterparts, inside again; needs
-    ``regions:``) or ``auto`` (what the cost model predicts fastest on the job's
-    emulated links). Default: ``two_level`` where the job has regions, else
+    talks to every other), ``gather`` (every site sends everything to every site:
+    one trip instead of two, more bytes), ``ring`` (each site to its successor),
+    ``two_level`` (inside each region, across regions between counterparts, inside
+    again; needs ``regions:``) or ``auto`` (what the cost model predicts fastest on
+    the job's emulated links, for each round's encoded bytes). Default:
+    ``two_level`` where the job has regions, ``auto`` on emulated links, else
     ``direct``."""
 
     merge: str = "mix"

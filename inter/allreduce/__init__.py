@@ -4,13 +4,16 @@ One engine per rank (per lane) exchanges its share of the vector with its
 counterparts in the other sites, chunk by chunk: encoded on a worker thread,
 sent on gRPC streams, verified, decoded and reduced as they arrive. Every
 site ends with bitwise-identical output, whatever the codec: every result is
-encoded once, by its owner, and every site decodes those same bytes.
+encoded once, by its owner, and every site decodes those same bytes (with
+gather, every site encodes the same bits alike).
 
 By topic:
 
 - :mod:`.engine`: :class:`CrossSiteAllReduce`, the peer lifecycle and the
   bookkeeping of rounds; it checks a round's arguments and picks the algorithm;
 - :mod:`.direct`: the direct algorithm (every site owns a slice; full mesh);
+- :mod:`.gather`: every site sends everything to every site and reduces it
+  itself (one trip of the longest link; direct's result);
 - :mod:`.ring`: the ring (each site talks to its successor only);
 - :mod:`.incoming`: the buffers that peers' chunks arrive into, and which
   rounds' chunks are kept;
