@@ -297,6 +297,14 @@ def main() -> int:
         help="diloco: each round's average is applied T inner steps after it was sent "
         "(the sites train on meanwhile), merged eagerly: global + (local - sent)",
     )
+    parser.add_argument(
+        "--keep",
+        type=float,
+        default=1.0,
+        metavar="BETA",
+        help="with --overlap: the share of the overlap's local progress a site keeps on "
+        "the new global parameters (1: eager); the rest goes into its next contribution",
+    )
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -352,6 +360,7 @@ def main() -> int:
     wan_bytes, exchanges, since = 0.0, 0, 0
     # An overlapped round in flight: (steps until it lands, new global, what each sent).
     in_flight: tuple[int, torch.Tensor, list[torch.Tensor]] | None = None
+    carried = [torch.zeros(size) for _ in models]
     started = time.monotonic()
     for step in range(args.steps):
         lr = learning_rate_at(args.lr_schedule, args.lr, step, WARMUP_STEPS, args.steps)
@@ -400,8 +409,10 @@ def main() -> int:
                 # Eager merge: the new global parameters plus what each site trained
                 # while the average was on the wire.
                 global_params = landed
-                for model, before in zip(models, sent, strict=True):
-                    load_flat(model.parameters(), landed + (flat(model) - before))
+                for w, (model, before) in enumerate(zip(models, sent, strict=True)):
+                    progress = flat(model) - before
+                    load_flat(model.parameters(), landed + args.keep * progress)
+                    carried[w] = (1 - args.keep) * progress
                 in_flight = None
             else:
                 in_flight = (due - 1, landed, sent)
@@ -409,7 +420,9 @@ def main() -> int:
         if since < sync_every_at(schedule, step) and step != args.steps - 1:
             continue
         since = 0
-        deltas = [global_params - flat(m) for m in models]
+        # What a site did not keep of its last overlap's progress counts here.
+        deltas = [global_params - flat(m) - c for m, c in zip(models, carried, strict=True)]
+        carried = [torch.zeros(size) for _ in models]
         if args.low_rank:
             average, sent_bytes = low_rank_round(deltas, residuals, shapes, factors, args)
         else:
