@@ -120,6 +120,30 @@ class Regions:
         return worst
 
 
+def _mesh_phase(
+    pair_bytes: float,
+    sites: Sequence[str],
+    link: LinkLookup,
+    uplinks: Mapping[str, float],
+) -> float:
+    """One phase of a full mesh in which every site sends ``pair_bytes`` to every other
+    at once: the slowest pair (its latency plus its transfer), or the slowest capped
+    uplink ((S - 1) times that through it, plus the site's longest latency)."""
+    slowest = 0.0
+    farthest: dict[str, float] = {}  # each site's longest one-way latency
+    for a in sites:
+        for b in sites:
+            if a != b:
+                cost = link(a, b)
+                slowest = max(slowest, cost.one_way_s + pair_bytes / cost.bandwidth_bytes_per_s)
+                farthest[a] = max(farthest.get(a, 0.0), cost.one_way_s)
+    capped = max(
+        ((len(sites) - 1) * pair_bytes / uplinks[x] + farthest[x] for x in sites if x in uplinks),
+        default=0.0,
+    )
+    return max(slowest, capped)
+
+
 def direct_seconds(
     nbytes: float,
     sites: Sequence[str],
@@ -131,24 +155,12 @@ def direct_seconds(
     s = len(sites)
     if s < 2:
         return 0.0
-    uplinks = uplink_bytes_per_s or {}
     share = nbytes / s
-    slowest = 0.0
-    farthest: dict[str, float] = {}  # each site's longest one-way latency
-    for a in sites:
-        for b in sites:
-            if a != b:
-                cost = link(a, b)
-                slowest = max(slowest, cost.one_way_s + share / cost.bandwidth_bytes_per_s)
-                farthest[a] = max(farthest.get(a, 0.0), cost.one_way_s)
-    capped = max(
-        ((s - 1) * share / uplinks[x] + farthest[x] for x in sites if x in uplinks),
-        default=0.0,
-    )
+    phase = _mesh_phase(share, sites, link, uplink_bytes_per_s or {})
     shared = 0.0
     if regions is not None:
         shared = regions.egress_seconds(sites, lambda m: len(m) * (s - len(m)) * share, link)
-    return 2 * max(slowest, capped, shared, (s - 1) * nbytes / machine_bytes_per_s)
+    return 2 * max(phase, shared, (s - 1) * nbytes / machine_bytes_per_s)
 
 
 def gather_seconds(
@@ -162,23 +174,11 @@ def gather_seconds(
     s = len(sites)
     if s < 2:
         return 0.0
-    uplinks = uplink_bytes_per_s or {}
-    slowest = 0.0
-    farthest: dict[str, float] = {}
-    for a in sites:
-        for b in sites:
-            if a != b:
-                cost = link(a, b)
-                slowest = max(slowest, cost.one_way_s + nbytes / cost.bandwidth_bytes_per_s)
-                farthest[a] = max(farthest.get(a, 0.0), cost.one_way_s)
-    capped = max(
-        ((s - 1) * nbytes / uplinks[x] + farthest[x] for x in sites if x in uplinks),
-        default=0.0,
-    )
+    phase = _mesh_phase(nbytes, sites, link, uplink_bytes_per_s or {})
     shared = 0.0
     if regions is not None:
         shared = regions.egress_seconds(sites, lambda m: len(m) * (s - len(m)) * nbytes, link)
-    return max(slowest, capped, shared, s * (s - 1) * nbytes / machine_bytes_per_s)
+    return max(phase, shared, s * (s - 1) * nbytes / machine_bytes_per_s)
 
 
 def ring_seconds(

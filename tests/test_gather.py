@@ -11,29 +11,11 @@ import asyncio
 
 import pytest
 import torch
+from test_allreduce import _group
 
-from isthmus.inter.allreduce import CrossSiteAllReduce, RoundError
+from isthmus.inter.allreduce import RoundError
 from isthmus.inter.codecs import parse_codec
-from isthmus.inter.peer import Identity
 from isthmus.sim.cost import LinkCost, choose, direct_seconds, gather_seconds
-
-JOB = "gather-test"
-
-
-async def _group(n_sites: int, codec: str = "none", deadline_s: float = 30.0):
-    names = [f"site{i}" for i in range(n_sites)]
-    members, ports = {}, {}
-    for name in names:
-        identity = Identity(job=JOB, site=name, rank=0, layout_fingerprint="L")
-        member = CrossSiteAllReduce(identity, {}, codec=parse_codec(codec), deadline_s=deadline_s)
-        ports[name] = await member.start("127.0.0.1", 0)
-        members[name] = member
-    for name, member in members.items():
-        member.peers = {o: f"127.0.0.1:{ports[o]}" for o in names if o != name}
-        member.server.servicer.sites = set(names)
-    for member in members.values():
-        await member.connect()
-    return names, members
 
 
 def _inputs(names, n, seed=0):

@@ -325,22 +325,15 @@ class CrossSiteAllReduce:
                 feedback=self.error_feedback,
                 key=feedback,
             )
-        elif algorithm == "gather" and len(sites) > 1:
-            out, self.last = await gather_allreduce(
-                plan,
-                flat,
-                inbox=self.inbox,
-                outgoing=self.outgoing,
-                feedback=self.error_feedback,
-                key=feedback,
-            )
         elif algorithm == "ring" and len(sites) > 1:
             self._say_feedback_is_off(round, feedback)
             out, self.last = await ring_allreduce(
                 plan, flat, inbox=self.inbox, outgoing=self.outgoing
             )
         else:
-            out, self.last = await direct_allreduce(
+            # A full mesh: one trip (gather) or two (direct, also for a lone site).
+            mesh = gather_allreduce if algorithm == "gather" else direct_allreduce
+            out, self.last = await mesh(
                 plan,
                 flat,
                 inbox=self.inbox,
