@@ -122,6 +122,12 @@ class RankEndpoint:
                 total[site] = total.get(site, 0) + count
         return total
 
+    def rounds_by_algorithm(self) -> dict[str, int]:
+        """How many rounds each all-reduce algorithm ran on this rank (its first lane's:
+        every lane runs each round)."""
+        engine = self.engines[min(self.engines)]
+        return dict(engine.rounds_by_algorithm)  # a copy: the loop thread adds to it
+
     async def connect(self, *, lenient: bool = False) -> None:
         await asyncio.gather(*(engine.connect(lenient=lenient) for engine in self.engines.values()))
 

@@ -115,6 +115,10 @@ def test_a_small_job_end_to_end(tmp_path, capsys, monkeypatch):
         assert site["final_loss"] > 0 and site["eval_loss"] > 0
         assert site["compute_seconds"] <= site["wall_seconds"]
         assert len(site["param_sha256"]) == 64
+        # Emulated links: auto, and two sites' rounds always take one trip (gather
+        # moves direct's bytes); each round is its seal and its data.
+        assert set(site["all_reduce_rounds"]) == {"gather"}
+        assert site["all_reduce_rounds"]["gather"] >= 2 * site["outer_steps"]
     assert sites["b"]["tokens"] == 2 * sites["a"]["tokens"]  # two data-parallel ranks
     assert sites["a"]["param_sha256"] == sites["b"]["param_sha256"]
     assert sites["a"]["eval_loss"] == sites["b"]["eval_loss"]

@@ -16,7 +16,8 @@ state       ``state``: ``computing``, ``waiting`` (for other sites to reach the 
             ``syncing`` (moving and averaging values) or ``finished``
 blocked     ``what`` (``waiting`` or ``syncing``), ``started`` (wall clock), ``seconds``
 round       ``step``, ``outer_steps``, ``wan_bytes_sent``, ``wan_bytes_received``,
-            ``wan_bytes_sent_to`` (site -> bytes); cumulative, all the site's ranks
+            ``wan_bytes_sent_to`` (site -> bytes); cumulative, all the site's ranks;
+            ``all_reduce_rounds`` (algorithm -> rounds, cumulative, this rank's)
 eval        ``step``, ``tokens``, ``eval_loss`` (held-out split), ``seconds`` it took;
             ``final`` on the last
 config      ``round``, ``step``, ``settings``: live settings applied from here on

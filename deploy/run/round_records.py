@@ -92,6 +92,8 @@ def write_round(
         "wan_bytes_sent": int(values[0]),
         "wan_bytes_received": int(values[1]),
         "wan_bytes_sent_to": {p: int(v) for p, v in zip(peers, values[2:], strict=True)},
+        # Which all-reduce the rounds took (``auto`` picks one per round, by size).
+        "all_reduce_rounds": site.endpoint.rounds_by_algorithm(),
     }
     records.write("round", step=step, outer_steps=strategy.outer_steps, **totals)
     return totals

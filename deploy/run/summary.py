@@ -22,6 +22,7 @@ SITE_FIELDS = (
     "compute_seconds",
     "wall_seconds",
     "eval_seconds",
+    "all_reduce_rounds",
     "param_sha256",
 )
 
@@ -48,6 +49,7 @@ def build_summary(state: RunState, *, ended: float | None = None) -> dict[str, A
                 "compute_seconds": site.compute_s,
                 "wall_seconds": ended - site.started if site.started else 0.0,
                 "eval_seconds": site.eval_s,
+                "all_reduce_rounds": None,
                 "param_sha256": None,
             }
             sent_to[name] = site.wan_bytes_sent_to

@@ -427,6 +427,7 @@ class TrainingRun:
             "wan_bytes_sent": totals["wan_bytes_sent"],
             "wan_bytes_received": totals["wan_bytes_received"],
             "wan_bytes_sent_to": totals["wan_bytes_sent_to"],
+            "all_reduce_rounds": totals["all_reduce_rounds"],
             "param_sha256": state_digest(self.final_state, self._parameter_names),
         }
         if isinstance(strategy, AsyncDiLoCo):

@@ -109,6 +109,8 @@ class CrossSiteAllReduce:
         self.regions = dict(regions or {})
         self.region_egress_bytes_per_s = dict(region_egress_bytes_per_s or {})
         self.last_algorithm: str | None = None
+        self.rounds_by_algorithm: Counter[str] = Counter()
+        """How many rounds each algorithm ran (``auto`` picks per round)."""
         self.identity = identity
         self.peers = dict(peers)
         self.codec = codec or Codec()
@@ -295,6 +297,7 @@ class CrossSiteAllReduce:
         codec = EXACT if exact else self.codec
         algorithm = self._pick_algorithm(algorithm, tensor, participants, codec)
         self.last_algorithm = algorithm
+        self.rounds_by_algorithm[algorithm] += 1
         sites = sorted(participants)
         self._check_participants(round, sites, weights)
         flat = self._own_values(tensor, round)
