@@ -87,12 +87,24 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         seconds, sent, digests, phases = [], [], [], []
         out = tensor
         barrier = torch.zeros(1)
+        barrier_algorithm = "direct"
         for round in range(args.repeats + 1):  # round 0 warms up connections and windows
             # Every site starts the round together, as the bound assumes (and as
             # Gloo's baseline is timed, after dist.barrier()): a one-value round
             # first. Otherwise a site that finished the last round early would
             # start this one early, and wait, or send, while the others finish.
-            await engine.allreduce(barrier, round=2 * round, participants=names, weights=weights)
+            # On uneven links no barrier releases the sites at once: a direct one
+            # releases them one of its two trips apart (the owner first), which a
+            # gather round, one trip from each site's own start, would pay on top.
+            # So a gather round follows a gather barrier, as it follows the last
+            # gather round in a run.
+            await engine.allreduce(
+                barrier,
+                round=2 * round,
+                participants=names,
+                weights=weights,
+                algorithm=barrier_algorithm,
+            )
             start = time.perf_counter()
             out = await engine.allreduce(
                 tensor,
@@ -101,6 +113,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 weights=weights,
                 algorithm=args.algorithm,
             )
+            barrier_algorithm = "gather" if engine.last_algorithm == "gather" else "direct"
             if round:
                 seconds.append(time.perf_counter() - start)
                 assert engine.last is not None
