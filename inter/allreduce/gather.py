@@ -87,9 +87,11 @@ class GatherRound:
         # Chunks as the direct algorithm cuts them (each site's slice from its start):
         # a blockwise codec's blocks, and so the values, are direct's.
         per_chunk = values_per_chunk(round.codec, round.max_chunk_bytes)
-        self.ranges = [
+        cut = [
             (a + lo, a + hi) for a, b in round.bounds for lo, hi in chunk_ranges(b - a, per_chunk)
         ]
+        # No empty chunks for the empty slices of a short vector (one chunk if empty).
+        self.ranges = [r for r in cut if r[1] > r[0]] or [(0, 0)]
         # With an exact codec, decode(encode(x)) is x bit for bit: this site's own
         # values are used as they are (the bytes sent are the same either way).
         self.exact = round.codec.name == "none"
