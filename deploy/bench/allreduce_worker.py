@@ -3,7 +3,7 @@
 It listens where the emulator's state file says its rank listens, dials its
 peers through the emulated links, runs ``--repeats`` all-reduces of a
 deterministic tensor, each after a barrier (a one-value round), and writes, as
-JSON, the seconds of each round, the
+JSON, the seconds of each round and its start and end on the wall clock, the
 data-plane bytes it sent, its error against a float64 reference and a digest of
 its result (identical on every site, or the engine is wrong), the digest of
 every round (the same tensor each time, so the same digest: a corrupted chunk
@@ -85,6 +85,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         await engine.connect()
         weights = {s: 1.0 for s in names}
         seconds, sent, digests, phases = [], [], [], []
+        spans: list[tuple[float, float]] = []  # wall clock: the sites share this machine's
         out = tensor
         barrier = torch.zeros(1)
         barrier_algorithm = "direct"
@@ -105,7 +106,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 weights=weights,
                 algorithm=barrier_algorithm,
             )
-            start = time.perf_counter()
+            start, started_at = time.perf_counter(), time.time()
             out = await engine.allreduce(
                 tensor,
                 round=2 * round + 1,
@@ -116,6 +117,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             barrier_algorithm = "gather" if engine.last_algorithm == "gather" else "direct"
             if round:
                 seconds.append(time.perf_counter() - start)
+                spans.append((started_at, time.time()))
                 assert engine.last is not None
                 sent.append(engine.last.bytes_sent)
                 phases.append(engine.last.phases)
@@ -131,6 +133,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "site": me,
         "algorithm": engine.last_algorithm,
         "seconds": seconds,
+        "spans": spans,
         "bytes_sent": sent,
         "phases": phases,
         "max_abs_error": error,
