@@ -1,8 +1,9 @@
 """The baseline the collective engine is measured against: a Gloo all-reduce across hosts.
 
 Run one process per emulated host (``isthmus wan exec JOB SITE -- python -m
-isthmus.deploy.bench.gloo_baseline ...``); rank 0 prints the seconds of each
-all-reduce as JSON. ``isthmus bench wan --hosts`` drives it.
+isthmus.deploy.bench.gloo_baseline ...``); every rank prints the seconds of each
+all-reduce and its start and end on the wall clock as JSON. ``isthmus bench
+allreduce --vs-gloo`` drives it.
 """
 
 from __future__ import annotations
@@ -45,16 +46,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     tensor = torch.ones(int(args.size_mib * 2**20 / 4), dtype=torch.float32)
     dist.all_reduce(torch.ones(16))  # connections up before timing
-    seconds = []
+    seconds, spans = [], []
     for _ in range(args.repeats):
         dist.barrier()
-        start = time.perf_counter()
+        start, started_at = time.perf_counter(), time.time()
         dist.all_reduce(tensor)
         seconds.append(time.perf_counter() - start)
+        spans.append((started_at, time.time()))  # the hosts share this machine's clock
     # Ones summed over `world` ranks, `repeats` times in place: world ** repeats.
     correct = bool(torch.all(tensor == float(args.world**args.repeats)))
-    if args.rank == 0:
-        print(json.dumps({"seconds": seconds, "bytes": tensor.numel() * 4, "ok": correct}))
+    report = {"seconds": seconds, "spans": spans, "bytes": tensor.numel() * 4, "ok": correct}
+    print(json.dumps(report))
     dist.destroy_process_group()
     return 0
 
@@ -63,7 +65,8 @@ def time_on_hosts(
     job: Path, state: dict[str, Any], sites: list[str], *, size_mib: float, repeats: int
 ) -> dict[str, Any]:
     """Run one rank in each of ``sites``' emulated hosts (``isthmus wan exec``) and
-    return rank 0's report: ``seconds`` of each all-reduce, ``bytes``, ``ok``."""
+    return the report: ``seconds`` of each all-reduce, from the last rank's start to
+    the last rank's end (as Isthmus's rounds are timed), ``bytes``, ``ok``."""
     master = "{}:29500".format(state["sites"][sites[0]]["address"])
     procs = [
         subprocess.Popen(
@@ -97,12 +100,18 @@ def time_on_hosts(
         )
         for rank, site in enumerate(sites)
     ]
-    out, _ = procs[0].communicate(timeout=1800)
-    for proc in procs[1:]:
-        proc.wait(timeout=120)
-    if procs[0].returncode != 0:
-        raise RuntimeError(f"the Gloo baseline failed (exit {procs[0].returncode})")
-    return json.loads(out.strip().splitlines()[-1])
+    outs = [procs[0].communicate(timeout=1800)[0]]
+    outs += [proc.communicate(timeout=120)[0] for proc in procs[1:]]
+    for proc in procs:
+        if proc.returncode != 0:
+            raise RuntimeError(f"the Gloo baseline failed (exit {proc.returncode})")
+    reports = [json.loads(out.strip().splitlines()[-1]) for out in outs]
+    # Timed as Isthmus's rounds are: from the last rank's start to the last rank's end.
+    seconds = [
+        max(r["spans"][i][1] for r in reports) - max(r["spans"][i][0] for r in reports)
+        for i in range(repeats)
+    ]
+    return {**reports[0], "seconds": seconds, "ok": all(r["ok"] for r in reports)}
 
 
 if __name__ == "__main__":
