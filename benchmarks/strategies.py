@@ -129,6 +129,18 @@ CONFIGS: dict[str, list[str]] = {
         *("--codec", "topk:density=0.02,feedback_decay=0.95", "--error-feedback"),
     ],
     "diloco-avg-h10-topk-ef": ["--strategy", "diloco", "--sync-every", "10", *FEDAVG, *TOPK_EF],
+    # The same sparse rounds by gather: no owner sends the union of the positions
+    # back, so fewer bytes for the same average.
+    "diloco-avg-h4-topk-ef-gather": [
+        *("--strategy", "diloco", "--sync-every", "4"),
+        *FEDAVG,
+        *TOPK_EF,
+    ],
+    "diloco-avg-h4-topk1-ef-gather": [
+        *("--strategy", "diloco", "--sync-every", "4"),
+        *FEDAVG,
+        *("--codec", "topk:density=0.01", "--error-feedback"),
+    ],
     # Overlapped DiLoCo: streaming with one fragment, its exchange on the wire for a
     # whole round (the sites never wait for it), applied eagerly (the new global
     # parameters plus what the site trained meanwhile) or mixed (the paper's 0.5).
@@ -156,7 +168,10 @@ does: without it sync's loss spiked and moved by 0.23 across seeds."""
 def run_one(config: str, seed: int, steps: int, corpus_bytes: int | None, recipe: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="isthmus-strategies-") as tmp:
         tmpdir = Path(tmp)
-        job = loopback_job(tmpdir / "job.yaml", "strategies", SITES)
+        # A "-gather" configuration's rounds take the gather all-reduce (one trip,
+        # each site's contribution to every site) instead of the default direct.
+        train = "train: {algorithm: gather}\n" if config.endswith("-gather") else ""
+        job = loopback_job(tmpdir / "job.yaml", "strategies", SITES, train=train)
         args = ["--steps", str(steps), "--batch", "16", "--seed", str(seed), "--lr", "3e-3"]
         args += ["--warmup-steps", str(WARMUP_STEPS), "--grad-clip", str(GRAD_CLIP)]
         args += ["--lr-schedule", recipe["lr_schedule"], "--beta2", str(recipe["beta2"])]

@@ -301,11 +301,20 @@ def choose(
     regions: Mapping[str, str] | None = None,
     region_egress_bytes_per_s: Mapping[str, float] | None = None,
     among: Sequence[str] | None = None,
+    result_nbytes: float | None = None,
 ) -> str:
     """The algorithm with the smallest predicted time (direct on ties), ``among``
-    those named (default: every one the sites can use)."""
+    those named (default: every one the sites can use). ``result_nbytes``: the
+    encoded size of the average where it differs from a contribution's (the
+    sparse codec's union of the sites' positions): direct's second phase carries
+    that, its first ``nbytes``; gather sends contributions only."""
     grouped = None if not regions else Regions(regions, dict(region_egress_bytes_per_s or {}))
     predicted = predict(nbytes, sites, link, uplink_bytes_per_s, regions=grouped)
+    if result_nbytes is not None and "direct" in predicted:
+        # Two phases of N/S each: their mean size costs what the pair of them does.
+        predicted["direct"] = direct_seconds(
+            (nbytes + result_nbytes) / 2, sites, link, uplink_bytes_per_s, grouped
+        )
     if among is not None:
         predicted = {name: t for name, t in predicted.items() if name in among}
     return min(predicted, key=lambda name: (predicted[name], name != "direct"))

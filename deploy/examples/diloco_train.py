@@ -65,15 +65,17 @@ def evaluate(model: torch.nn.Module, data: Dataset, batches: int = 8) -> float:
     return sum(losses) / len(losses)
 
 
-def loopback_job(path: Path, name: str, sites: Sequence[str], wan: str = "") -> Path:
-    """Write a job file whose sites listen on free loopback ports (``wan``: an
-    optional ``wan:`` section, as YAML text)."""
+def loopback_job(
+    path: Path, name: str, sites: Sequence[str], wan: str = "", train: str = ""
+) -> Path:
+    """Write a job file whose sites listen on free loopback ports (``wan``, ``train``:
+    optional ``wan:`` and ``train:`` sections, as YAML text)."""
     bases = free_port_blocks("127.0.0.1", [1] * len(sites))
     lines = [f"name: {name}", "sites:"]
     lines += [
         f"  - {{name: {s}, address: 127.0.0.1:{b}}}" for s, b in zip(sites, bases, strict=True)
     ]
-    path.write_text("\n".join(lines) + "\n" + wan)
+    path.write_text("\n".join(lines) + "\n" + wan + train)
     return path
 
 

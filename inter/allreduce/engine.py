@@ -389,9 +389,17 @@ class CrossSiteAllReduce:
                 return algorithm
             if algorithm != "auto" or self.link_costs is None:
                 return "direct"
-            nbytes = tensor.numel() * codec.bytes_per_value()
-            return choose(nbytes, sorted(participants), self.link_costs, self.uplink_bytes_per_s,
-                          among=("direct", "gather"))  # fmt: skip
+            # Direct's owners send back the union of the sites' positions (4-bit
+            # values): more bytes than a contribution, which is all gather sends.
+            result = codec.for_sum_of(len(participants))
+            return choose(
+                tensor.numel() * codec.bytes_per_value(),
+                sorted(participants),
+                self.link_costs,
+                self.uplink_bytes_per_s,
+                among=("direct", "gather"),
+                result_nbytes=tensor.numel() * result.bytes_per_value(),
+            )
         if algorithm != "auto":
             return algorithm
         if self.link_costs is None:
