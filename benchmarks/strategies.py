@@ -141,6 +141,23 @@ CONFIGS: dict[str, list[str]] = {
         *FEDAVG,
         *("--codec", "topk:density=0.01", "--error-feedback"),
     ],
+    # With the inner SiteAdamW too, toward the 1000x: H and density such
+    # that the whole run sends 0.1-0.2% of sync's bytes.
+    **{
+        f"diloco-avg-h{h}-topk{name}-ef-site-gather": [
+            *("--strategy", "diloco", "--sync-every", str(h)),
+            *FEDAVG,
+            *("--codec", f"topk:density={density}", "--error-feedback"),
+            *("--inner", "site-adamw"),
+        ]
+        for h, name, density in (
+            (4, "", 0.02),
+            (4, "1", 0.01),
+            (4, "05", 0.005),
+            (8, "1", 0.01),
+            (10, "1", 0.01),
+        )
+    },
     # Overlapped DiLoCo: streaming with one fragment, its exchange on the wire for a
     # whole round (the sites never wait for it), applied eagerly (the new global
     # parameters plus what the site trained meanwhile) or mixed (the paper's 0.5).
