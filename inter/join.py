@@ -32,7 +32,7 @@ from isthmus.intra.process_group import SiteError, dp_group, init_site_group, wa
 from isthmus.job.addressing import SiteAddresses, resolve
 from isthmus.job.layout import Layout
 from isthmus.job.model import Job, SiteSpec
-from isthmus.sim.cost import job_costs
+from isthmus.sim.cost import job_costs, job_uplinks
 
 
 def layout_fingerprint(
@@ -225,7 +225,9 @@ def start_site(
     loop = BackgroundLoop(name=f"isthmus-wan-{site}-{rank}")
     endpoint = None
     try:
-        endpoint = loop.run(_endpoint(identity, lane_peers, job, codec, deadline_s, settings))
+        endpoint = loop.run(
+            _endpoint(identity, lane_peers, job, codec, deadline_s, settings, lanes)
+        )
         host, port = addresses.listen[rank]
         loop.run(endpoint.start(host, port))
         loop.run(endpoint.connect(lenient=rejoining))
@@ -277,9 +279,11 @@ async def _endpoint(
     codec: Codec | None,
     deadline_s: float,
     settings: TransportSettings,
+    lanes: int,
 ) -> RankEndpoint:
     # What the cost model knows of the links: the job's emulated ones (a job on a
-    # real WAN states none, and its algorithm is never auto).
+    # real WAN states none, and its algorithm is never auto), and the sites' uplink
+    # caps, which gather fills (S - 1) times over.
     link_costs, regions = job_costs(job)
     # Built on the loop that will run it: grpc.aio binds to the running loop.
     return RankEndpoint(
@@ -292,4 +296,5 @@ async def _endpoint(
         link_costs=link_costs,
         regions=job.region_of(),
         region_egress_bytes_per_s=None if regions is None else regions.egress_bytes_per_s,
+        uplink_bytes_per_s=job_uplinks(job, lanes),
     )

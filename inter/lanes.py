@@ -74,11 +74,12 @@ class RankEndpoint:
         link_costs: LinkLookup | None = None,
         regions: Mapping[str, str] | None = None,
         region_egress_bytes_per_s: Mapping[str, float] | None = None,
+        uplink_bytes_per_s: Mapping[str, float] | None = None,
     ) -> None:
         """``lane_peers``: for every lane this rank owns, site -> address of the
         lane's owner there. ``sites``: every site of the job. ``link_costs``,
-        ``regions`` and ``region_egress_bytes_per_s``: for ``auto`` and
-        ``two_level`` (see :class:`CrossSiteAllReduce`)."""
+        ``regions``, ``region_egress_bytes_per_s`` and ``uplink_bytes_per_s``: for
+        ``auto`` and ``two_level`` (see :class:`CrossSiteAllReduce`)."""
         if not lane_peers:
             raise ValueError("a rank endpoint needs at least one lane")
         self.identity = identity
@@ -94,6 +95,7 @@ class RankEndpoint:
                 link_costs=link_costs,
                 regions=regions,
                 region_egress_bytes_per_s=region_egress_bytes_per_s,
+                uplink_bytes_per_s=uplink_bytes_per_s,
                 lane=lane,
                 server=self.server,
             )

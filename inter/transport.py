@@ -80,7 +80,8 @@ class TransportSettings:
     """Encoded bytes of one site's chunks a rank holds before their round opens
     (a faster peer's next round). Beyond it a chunk is not taken (ROUND_AHEAD) and its
     sender sends it again later. Give at least one round's share of the largest
-    lane, or a site one round ahead waits for this one to catch up."""
+    lane (with gather, a peer's share is its whole encoded lane), or a site one
+    round ahead waits for this one to catch up."""
 
     tls: SiteTls | None = None
     """Mutual TLS with the job's CA (:mod:`isthmus.inter.tls`); None: plaintext, for

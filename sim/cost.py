@@ -320,6 +320,15 @@ def choose(
     return min(predicted, key=lambda name: (predicted[name], name != "direct"))
 
 
+def job_uplinks(job: Job, lanes: int = 1) -> dict[str, float]:
+    """The emulated sites' uplink caps (``uplink_mbit``), bytes per second, each lane's
+    share of it where a site's ranks split the vector into ``lanes`` (all of them
+    cross at once); empty for a job on a real WAN, which states none."""
+    if job.wan is None:
+        return {}
+    return {s.name: s.uplink_mbit * 1e6 / 8 / lanes for s in job.sites if s.uplink_mbit}
+
+
 def job_costs(job: Job) -> tuple[LinkLookup | None, Regions | None]:
     """What the cost model knows of a job: its emulated links (each a -> b: its rate,
     100 Gbit/s where it has none, and one-way delay; None for a job on a real WAN,

@@ -222,3 +222,43 @@ def test_auto_chooses_by_the_encoded_bytes_not_float32():
         return as_float, as_int2, topk
 
     assert asyncio.run(main()) == ("direct", "gather", "gather")
+
+
+def test_auto_weighs_the_uplink_caps_and_what_gather_must_hold(monkeypatch):
+    """Gather pushes (S - 1) N through each uplink and holds S - 1 contributions: a
+    capped uplink, or a round too large to hold, leaves the round to direct."""
+    from isthmus.inter.allreduce import engine as engine_module
+
+    async def main():
+        names, members = await _group(3)
+        member = members["site0"]
+        member.link_costs = lambda a, b: LinkCost.of(bandwidth_mbit=1000, rtt_ms=100)
+        values = torch.empty(2_500_000)  # 10 MB of float32
+        try:
+            free = member._pick_algorithm("auto", values, names)
+            member.uplink_bytes_per_s = {s: 100e6 / 8 for s in names}
+            capped = member._pick_algorithm("auto", values, names)
+            member.uplink_bytes_per_s = {}
+            monkeypatch.setattr(engine_module, "AUTO_GATHER_MAX_HELD_BYTES", 10_000_000)
+            too_large = member._pick_algorithm("auto", values, names)
+            explicit = member._pick_algorithm("gather", values, names)
+        finally:
+            for m in members.values():
+                await m.close()
+        return free, capped, too_large, explicit
+
+    assert asyncio.run(main()) == ("gather", "direct", "direct", "gather")
+
+
+def test_an_emulated_jobs_uplink_caps_reach_the_cost_model_per_lane():
+    from isthmus.deploy.jobfile import parse_job
+    from isthmus.sim.cost import job_uplinks
+
+    text = (
+        "name: x\nsites:\n  - {name: a, uplink_mbit: 80}\n  - {name: b}\n"
+        "wan: {default: {rtt_ms: 50}}\n"
+    )
+    assert job_uplinks(parse_job(text)) == {"a": 10e6}
+    assert job_uplinks(parse_job(text), lanes=2) == {"a": 5e6}
+    real = "name: x\nsites:\n  - {name: a, uplink_mbit: 80}\n  - {name: b}\n"
+    assert job_uplinks(parse_job(real)) == {}

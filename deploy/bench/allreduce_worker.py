@@ -30,7 +30,7 @@ from isthmus.inter.codecs import parse_codec
 from isthmus.inter.peer import Identity
 from isthmus.inter.transport import TransportSettings
 from isthmus.job.addressing import load_state
-from isthmus.sim.cost import LinkCost, job_costs
+from isthmus.sim.cost import LinkCost, job_costs, job_uplinks
 
 
 def site_tensor(index: int, count: int) -> torch.Tensor:
@@ -51,13 +51,14 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     identity = Identity(job=state["job"], site=me, rank=0)
     # Every link as configured: the same on every site, so "auto" agrees everywhere.
     cost = LinkCost.of(bandwidth_mbit=args.bandwidth_mbit, rtt_ms=args.rtt_ms)
-    links, regions, egress = (lambda a, b: cost), None, None
-    if args.job is not None:  # a job file's own links and regions
+    links, regions, egress, uplinks = (lambda a, b: cost), None, None, None
+    if args.job is not None:  # a job file's own links, regions and uplink caps
         job = load_job(args.job)
         costs, grouped = job_costs(job)
         assert costs is not None, "a bench job is emulated: it has links"
         links, regions = costs, job.region_of()
         egress = None if grouped is None else dict(grouped.egress_bytes_per_s)
+        uplinks = job_uplinks(job)
     settings = TransportSettings(
         max_chunk_bytes=int(args.chunk_kib * 1024),
         stall_s=args.stall_s,
@@ -76,6 +77,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         link_costs=links,
         regions=regions,
         region_egress_bytes_per_s=egress,
+        uplink_bytes_per_s=uplinks,
         chunk_filter=corrupter,
     )
     await engine.start(host, int(port))

@@ -56,6 +56,10 @@ from isthmus.sim.cost import LinkLookup, choose
 
 log = logging.getLogger(__name__)
 
+AUTO_GATHER_MAX_HELD_BYTES = 1 << 30
+"""Most float32 bytes of other sites' contributions a gather round chosen by ``auto``
+may hold at once on the values' device: gather is for rounds the latency decides,
+and a round this large is decided by its bytes (where direct wins anyway)."""
 LENIENT_HELLO_S = 5.0
 """How long a lenient connect waits for each peer's handshake."""
 FLUSH_ON_CLOSE_S = 20.0
@@ -259,7 +263,8 @@ class CrossSiteAllReduce:
         ``algorithm``: ``direct`` (full mesh: every site owns a slice; a value is
         encoded twice), ``gather`` (every site sends its whole contribution to every
         other site and reduces them all itself: one one-way trip instead of two, for
-        (S - 1) / 2 S of the vector more on each uplink; a value is encoded once),
+        S / 2 times direct's bytes on each uplink and S - 1 float32 copies of the
+        vector held during the round; a value is encoded twice, as with direct),
         ``ring`` (each site talks to its successor only; partial
         sums are re-encoded at every hop, so a value is encoded up to S times),
         ``two_level`` (inside each region, across regions between counterparts,
@@ -296,10 +301,12 @@ class CrossSiteAllReduce:
         """One round of :meth:`allreduce`: check, plan, run the algorithm, keep its stats."""
         codec = EXACT if exact else self.codec
         algorithm = self._pick_algorithm(algorithm, tensor, participants, codec)
-        self.last_algorithm = algorithm
-        self.rounds_by_algorithm[algorithm] += 1
         sites = sorted(participants)
         self._check_participants(round, sites, weights)
+        if len(sites) == 1:
+            algorithm = "direct"  # a lone site: every algorithm is its own values
+        self.last_algorithm = algorithm
+        self.rounds_by_algorithm[algorithm] += 1
         flat = self._own_values(tensor, round)
         staging = self._staging_for(flat.device)
         loop = asyncio.get_running_loop()
@@ -318,7 +325,7 @@ class CrossSiteAllReduce:
             addresses=self.peers,
             staging=staging,
         )
-        if algorithm == "two_level" and len(sites) > 1:
+        if algorithm == "two_level":
             out, self.last = await two_level_allreduce(
                 plan,
                 flat,
@@ -328,7 +335,7 @@ class CrossSiteAllReduce:
                 feedback=self.error_feedback,
                 key=feedback,
             )
-        elif algorithm == "ring" and len(sites) > 1:
+        elif algorithm == "ring":
             self._say_feedback_is_off(round, feedback)
             out, self.last = await ring_allreduce(
                 plan, flat, inbox=self.inbox, outgoing=self.outgoing
@@ -373,7 +380,7 @@ class CrossSiteAllReduce:
         if algorithm == "two_level" and not self.regions:
             raise ValueError(
                 "the two_level algorithm needs the sites' regions (the job file's regions:); "
-                "use direct, ring or auto"
+                "use direct, gather, ring or auto"
             )
         codec = codec or self.codec
         if codec.sparse is not None:
@@ -392,12 +399,13 @@ class CrossSiteAllReduce:
             # Direct's owners send back the union of the sites' positions (4-bit
             # values): more bytes than a contribution, which is all gather sends.
             result = codec.for_sum_of(len(participants))
+            fits = self._gather_fits(tensor, participants)
             return choose(
                 tensor.numel() * codec.bytes_per_value(),
                 sorted(participants),
                 self.link_costs,
                 self.uplink_bytes_per_s,
-                among=("direct", "gather"),
+                among=("direct", "gather") if fits else ("direct",),
                 result_nbytes=tensor.numel() * result.bytes_per_value(),
             )
         if algorithm != "auto":
@@ -415,8 +423,18 @@ class CrossSiteAllReduce:
             self.uplink_bytes_per_s,
             regions=self.regions or None,
             region_egress_bytes_per_s=self.region_egress_bytes_per_s,
-            among=None if codec.name == "none" else ("direct", "gather", "two_level"),
+            among=[
+                name
+                for name in ("direct", "gather", "ring", "two_level")
+                if (name != "ring" or codec.name == "none")
+                and (name != "gather" or self._gather_fits(tensor, participants))
+            ],
         )
+
+    def _gather_fits(self, tensor: torch.Tensor, participants: Sequence[str]) -> bool:
+        """Whether ``auto`` may take gather for ``tensor``: it holds every other site's
+        contribution whole, as float32, for the round (direct holds a slice of each)."""
+        return (len(participants) - 1) * tensor.numel() * 4 <= AUTO_GATHER_MAX_HELD_BYTES
 
     def _check_participants(
         self, round: int, sites: list[str], weights: Mapping[str, float]

@@ -7,8 +7,9 @@ error feedback the loss of round r is added to the contribution of round
 r + 1 under the same key, so it is sent late instead of never. Keys are the
 caller's names of its vectors (``"model"``, a fragment's name).
 
-Only the direct algorithm uses it: there a site's contribution is encoded
-once, by itself, so its loss is its own. The ring re-encodes partial sums at
+The direct and gather algorithms (and two_level, through direct) use it: there a
+site's contribution is encoded once, by itself, so its loss is its own. The ring
+re-encodes partial sums at
 every hop, where one site's loss is not separable from the others'. With the
 exact codec (``none``) there is nothing to feed back.
 

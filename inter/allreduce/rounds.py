@@ -41,10 +41,11 @@ class RoundStats:
     bytes_received: int
     seconds: float
     phases: dict[str, float] = field(default_factory=dict)
-    """Seconds from the round's start to each milestone this site passed, in order
-    (the direct algorithm): ``contributions``, every other site's share of this
+    """Seconds from the round's start to each milestone this site passed, in order.
+    The direct algorithm: ``contributions``, every other site's share of this
     site's slice in place; ``results``, every other slice's result in place, the
-    average ready and the round over here."""
+    average ready and the round over here. Gather: ``contributions``, every
+    site's whole contribution in and the average ready."""
 
 
 @dataclass(frozen=True)
