@@ -144,6 +144,29 @@ def _mesh_phase(
     return max(slowest, capped)
 
 
+def _mesh_seconds(
+    pair_bytes: float,
+    phases: int,
+    sites: Sequence[str],
+    link: LinkLookup,
+    uplink_bytes_per_s: Mapping[str, float] | None,
+    regions: Regions | None,
+    machine_bytes_per_s: float,
+) -> float:
+    """``phases`` full-mesh phases, each site sending ``pair_bytes`` to every other
+    at once: each as long as its slowest pair or capped uplink, the long-haul of a
+    capped region (m (S - m) pairs leave a region of m), or the machine that moves
+    every pair's bytes (S (S - 1) of them) where one runs every site."""
+    s = len(sites)
+    if s < 2:
+        return 0.0
+    phase = _mesh_phase(pair_bytes, sites, link, uplink_bytes_per_s or {})
+    shared = 0.0
+    if regions is not None:
+        shared = regions.egress_seconds(sites, lambda m: len(m) * (s - len(m)) * pair_bytes, link)
+    return phases * max(phase, shared, s * (s - 1) * pair_bytes / machine_bytes_per_s)
+
+
 def direct_seconds(
     nbytes: float,
     sites: Sequence[str],
@@ -152,15 +175,9 @@ def direct_seconds(
     regions: Regions | None = None,
     machine_bytes_per_s: float = math.inf,
 ) -> float:
-    s = len(sites)
-    if s < 2:
-        return 0.0
-    share = nbytes / s
-    phase = _mesh_phase(share, sites, link, uplink_bytes_per_s or {})
-    shared = 0.0
-    if regions is not None:
-        shared = regions.egress_seconds(sites, lambda m: len(m) * (s - len(m)) * share, link)
-    return 2 * max(phase, shared, (s - 1) * nbytes / machine_bytes_per_s)
+    """Two phases of N/S per pair: the reduce-scatter, then the owners' results."""
+    share = nbytes / max(1, len(sites))
+    return _mesh_seconds(share, 2, sites, link, uplink_bytes_per_s, regions, machine_bytes_per_s)
 
 
 def gather_seconds(
@@ -171,14 +188,8 @@ def gather_seconds(
     regions: Regions | None = None,
     machine_bytes_per_s: float = math.inf,
 ) -> float:
-    s = len(sites)
-    if s < 2:
-        return 0.0
-    phase = _mesh_phase(nbytes, sites, link, uplink_bytes_per_s or {})
-    shared = 0.0
-    if regions is not None:
-        shared = regions.egress_seconds(sites, lambda m: len(m) * (s - len(m)) * nbytes, link)
-    return max(phase, shared, s * (s - 1) * nbytes / machine_bytes_per_s)
+    """One phase of all N per pair: every contribution to every site."""
+    return _mesh_seconds(nbytes, 1, sites, link, uplink_bytes_per_s, regions, machine_bytes_per_s)
 
 
 def ring_seconds(
@@ -260,6 +271,10 @@ ALGORITHMS = {"direct": direct_seconds, "gather": gather_seconds, "ring": ring_s
 """Those every job can use; ``two_level`` joins them where the sites have regions."""
 ALGORITHM_COSTS: dict[str, Callable[..., float]] = {**ALGORITHMS, "two_level": two_level_seconds}
 """Every algorithm's cost by name (two-level without regions costs as direct)."""
+LOSSY_ALGORITHMS = ("direct", "gather", "two_level")
+"""Those a round with a lossy codec takes (the engine's ``auto``, the performance
+model): the ring re-encodes partial sums at every hop and cannot carry error
+feedback, which costs more loss than its time saves."""
 
 
 def sent_share(algorithm: str, sites: int) -> float:

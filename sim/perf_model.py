@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 
 from isthmus.sim.cost import (
     ALGORITHM_COSTS,
+    LOSSY_ALGORITHMS,
     LinkCost,
     LinkLookup,
     Regions,
@@ -298,8 +299,8 @@ def exchange_cost(scenario: Scenario, nbytes: float, *, outer: float = 0.0) -> E
         return ExchangeCost(0.0, 0.0, "none")
     regions = scenario.regions
     costs = predict(nbytes, sites, scenario.link, scenario.uplink_bytes_per_s, regions=regions)
-    if scenario.codec != "none":  # as the engine's auto: no ring for a lossy codec
-        costs.pop("ring", None)
+    if scenario.codec != "none":  # as the engine's auto
+        costs = {name: t for name, t in costs.items() if name in LOSSY_ALGORITHMS}
     algorithm = min(costs, key=lambda name: (costs[name], name != "direct"))
     raw_bytes = nbytes / CODEC_BYTES_PER_VALUE[scenario.codec] * 4
     codec_s = raw_bytes / scenario.codec_bytes_per_s if scenario.codec != "none" else 0.0

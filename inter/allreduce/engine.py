@@ -52,7 +52,7 @@ from isthmus.inter.peer import Identity, PeerError, PeerServer
 from isthmus.inter.peer_client import PeerClient
 from isthmus.inter.staging import Staging, staging_for
 from isthmus.inter.transport import TransportSettings
-from isthmus.sim.cost import LinkLookup, choose
+from isthmus.sim.cost import ALGORITHM_COSTS, LOSSY_ALGORITHMS, LinkLookup, choose
 
 log = logging.getLogger(__name__)
 
@@ -413,9 +413,8 @@ class CrossSiteAllReduce:
         if self.link_costs is None:
             raise ValueError("algorithm 'auto' needs link costs: pass link_costs=...")
         # What crosses is encoded: a 2-bit round moves a sixteenth of float32's bytes,
-        # and on long links that decides between one trip and two. A lossy codec
-        # never takes the ring: it re-encodes partial sums at every hop and cannot
-        # carry error feedback, which costs more loss than its time saves.
+        # and on long links that decides between one trip and two.
+        usable = ALGORITHM_COSTS if codec.name == "none" else LOSSY_ALGORITHMS
         return choose(
             tensor.numel() * codec.bytes_per_value(),
             sorted(participants),
@@ -425,9 +424,8 @@ class CrossSiteAllReduce:
             region_egress_bytes_per_s=self.region_egress_bytes_per_s,
             among=[
                 name
-                for name in ("direct", "gather", "ring", "two_level")
-                if (name != "ring" or codec.name == "none")
-                and (name != "gather" or self._gather_fits(tensor, participants))
+                for name in usable
+                if name != "gather" or self._gather_fits(tensor, participants)
             ],
         )
 

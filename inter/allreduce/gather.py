@@ -119,11 +119,9 @@ class GatherRound:
             for s in self.senders
         }
         if self.sending:
-            ready = asyncio.Event()
-            ready.set()
             for s in self.receivers:
                 send = self.outgoing.send(
-                    s, drain(self.queues[s], after=ready), round=r.number, deadline_s=r.deadline_s
+                    s, drain(self.queues[s]), round=r.number, deadline_s=r.deadline_s
                 )
                 self.sends.append(asyncio.ensure_future(send))
             self.encoding = asyncio.ensure_future(self.encode_and_share())

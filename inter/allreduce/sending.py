@@ -276,11 +276,13 @@ async def unless_a_send_fails(
 
 
 async def drain(
-    queue: asyncio.Queue[wire_pb2.Chunk | None], *, after: asyncio.Event
+    queue: asyncio.Queue[wire_pb2.Chunk | None], *, after: asyncio.Event | None = None
 ) -> AsyncIterator[wire_pb2.Chunk]:
-    """The chunks put on ``queue`` until None, once ``after`` is set: one peer's
-    all-gather stream, behind its reduce-scatter stream."""
-    await after.wait()
+    """The chunks put on ``queue`` until None, once ``after`` (if any) is set: one
+    peer's all-gather stream, behind its reduce-scatter stream (direct), or one
+    peer's copy of this site's contribution (gather)."""
+    if after is not None:
+        await after.wait()
     while (chunk := await queue.get()) is not None:
         yield chunk
 
