@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from isthmus.deploy.bench.gloo_baseline import time_on_hosts
+from isthmus.deploy.bench.gloo_baseline import round_seconds, time_on_hosts
 from isthmus.deploy.bench.wan import wan_up
 from isthmus.inter.transport import connections_for, connections_of
 from isthmus.job.link import DirectionParams
@@ -275,15 +275,7 @@ def run_allreduce_bench(
     )
     results, wire, gloo = run.results, run.wire, run.gloo
     nbytes = size_mib * 2**20
-    # A round lasts from the moment the last site started it to the moment the last
-    # site had its result (the sites share one clock: one machine). On uneven links
-    # no barrier releases every site at once, and a site released early only gains;
-    # timed from each site's own start, a one-trip round (gather) took one or two
-    # of its trips by the phase the barrier left the sites in.
-    per_round = [
-        max(r["spans"][i][1] for r in results) - max(r["spans"][i][0] for r in results)
-        for i in range(repeats)
-    ]
+    per_round = round_seconds([r["spans"] for r in results])
     median = statistics.median(per_round)
     if job is not None:
         b = job_bounds(job, nbytes)

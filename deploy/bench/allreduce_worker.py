@@ -90,24 +90,13 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         spans: list[tuple[float, float]] = []  # wall clock: the sites share this machine's
         out = tensor
         barrier = torch.zeros(1)
-        barrier_algorithm = "direct"
         for round in range(args.repeats + 1):  # round 0 warms up connections and windows
-            # Every site starts the round together, as the bound assumes (and as
+            # The sites start each round together, as near as a barrier allows (as
             # Gloo's baseline is timed, after dist.barrier()): a one-value round
             # first. Otherwise a site that finished the last round early would
             # start this one early, and wait, or send, while the others finish.
-            # On uneven links no barrier releases the sites at once: a direct one
-            # releases them one of its two trips apart (the owner first), which a
-            # gather round, one trip from each site's own start, would pay on top.
-            # So a gather round follows a gather barrier, as it follows the last
-            # gather round in a run.
-            await engine.allreduce(
-                barrier,
-                round=2 * round,
-                participants=names,
-                weights=weights,
-                algorithm=barrier_algorithm,
-            )
+            # A round is timed from the last site's start (gloo_baseline.round_seconds).
+            await engine.allreduce(barrier, round=2 * round, participants=names, weights=weights)
             start, started_at = time.perf_counter(), time.time()
             out = await engine.allreduce(
                 tensor,
@@ -116,7 +105,6 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 weights=weights,
                 algorithm=args.algorithm,
             )
-            barrier_algorithm = "gather" if engine.last_algorithm == "gather" else "direct"
             if round:
                 seconds.append(time.perf_counter() - start)
                 spans.append((started_at, time.time()))

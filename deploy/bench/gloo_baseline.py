@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -106,12 +107,17 @@ def time_on_hosts(
         if proc.returncode != 0:
             raise RuntimeError(f"the Gloo baseline failed (exit {proc.returncode})")
     reports = [json.loads(out.strip().splitlines()[-1]) for out in outs]
-    # Timed as Isthmus's rounds are: from the last rank's start to the last rank's end.
-    seconds = [
-        max(r["spans"][i][1] for r in reports) - max(r["spans"][i][0] for r in reports)
-        for i in range(repeats)
-    ]
+    seconds = round_seconds([r["spans"] for r in reports])  # as Isthmus's rounds
     return {**reports[0], "seconds": seconds, "ok": all(r["ok"] for r in reports)}
+
+
+def round_seconds(spans: Sequence[Sequence[Sequence[float]]]) -> list[float]:
+    """Each round's time from every process's ``(start, end)`` wall-clock spans (one
+    list per process, a span per round): from the last start to the last end. The
+    processes share one machine's clock. On uneven links no barrier releases them
+    at once, and one released early only gains; timed from each one's own start, a
+    one-trip round took one or two of its trips by the phase the barrier left."""
+    return [max(s[i][1] for s in spans) - max(s[i][0] for s in spans) for i in range(len(spans[0]))]
 
 
 if __name__ == "__main__":
