@@ -300,15 +300,23 @@ def run_allreduce_bench(
     # Where a round's time goes: the slowest site's milestone, median over rounds.
     names = list(results[0]["phases"][0]) if results[0].get("phases") else []
     if names and all(len(r["phases"]) == repeats for r in results):
+        # Each milestone as the round is timed: from the last site's start to the
+        # last site's passing it (each site's phases count from its own start).
         extra["phases_median_seconds"] = {
             name: round(
                 statistics.median(
-                    max(r["phases"][i].get(name, 0.0) for r in results) for i in range(repeats)
+                    round_seconds(
+                        [
+                            [(start, start + phases.get(name, 0.0))
+                             for (start, _), phases in zip(r["spans"], r["phases"], strict=True)]
+                            for r in results
+                        ]
+                    )
                 ),
                 4,
             )
             for name in names
-        }
+        }  # fmt: skip
     if gloo is not None:
         extra["gloo_median_seconds"] = gloo["median_s"]
         extra["gloo_efficiency"] = round(best / gloo["median_s"], 3)
