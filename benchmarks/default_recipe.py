@@ -38,23 +38,19 @@ RECIPES = {
     "diloco-h20": {"strategy": "diloco", "sync_every": 20, **PLAIN, **TERNARY},
     "diloco-h10": {"strategy": "diloco", "sync_every": 10, **PLAIN, **TERNARY},
     "diloco-h4": {"strategy": "diloco", "sync_every": 4, **PLAIN, **TERNARY},
+    # The all-reduce by name (the job's default is auto: one trip or two by size).
+    **{
+        f"diloco-h10-{algorithm}": {
+            "strategy": "diloco",
+            "sync_every": 10,
+            **PLAIN,
+            **TERNARY,
+            "algorithm": algorithm,
+        }
+        for algorithm in ("direct", "gather")
+    },
     # The DiLoCo family's inner optimizer is SiteAdamW unless the job says otherwise:
     # these are the same recipes with plain AdamW.
-    # The all-reduce by name (the job's default is auto: one trip or two by size).
-    "diloco-h10-direct": {
-        "strategy": "diloco",
-        "sync_every": 10,
-        **PLAIN,
-        **TERNARY,
-        "algorithm": "direct",
-    },
-    "diloco-h10-gather": {
-        "strategy": "diloco",
-        "sync_every": 10,
-        **PLAIN,
-        **TERNARY,
-        "algorithm": "gather",
-    },
     "diloco-h10-adamw": {"strategy": "diloco", "sync_every": 10, **PLAIN, **TERNARY, **ADAMW},
     "diloco-h4-adamw": {"strategy": "diloco", "sync_every": 4, **PLAIN, **TERNARY, **ADAMW},
     "diloco-h10-fp32": {"strategy": "diloco", "sync_every": 10, **PLAIN, **FLOAT32},

@@ -129,20 +129,8 @@ CONFIGS: dict[str, list[str]] = {
         *("--codec", "topk:density=0.02,feedback_decay=0.95", "--error-feedback"),
     ],
     "diloco-avg-h10-topk-ef": ["--strategy", "diloco", "--sync-every", "10", *FEDAVG, *TOPK_EF],
-    # The same sparse rounds by gather: no owner sends the union of the positions
-    # back, so fewer bytes for the same average.
-    "diloco-avg-h4-topk-ef-gather": [
-        *("--strategy", "diloco", "--sync-every", "4"),
-        *FEDAVG,
-        *TOPK_EF,
-    ],
-    "diloco-avg-h4-topk1-ef-gather": [
-        *("--strategy", "diloco", "--sync-every", "4"),
-        *FEDAVG,
-        *("--codec", "topk:density=0.01", "--error-feedback"),
-    ],
-    # With the inner SiteAdamW too, toward the issue's 1000x: H and density such
-    # that the whole run sends 0.1-0.2% of sync's bytes.
+    # With the inner SiteAdamW, by gather (run_one), toward the issue's 1000x: H and
+    # density such that the whole run sends 0.1-0.2% of sync's bytes.
     **{
         f"diloco-avg-h{h}-topk{name}-ef-site-gather": [
             *("--strategy", "diloco", "--sync-every", str(h)),
@@ -180,6 +168,16 @@ steps, then cosine decay to 10% (as ``isthmus run`` does)."""
 GRAD_CLIP = 1.0
 """And the same gradient clipping (sync: of the averaged gradient), as ``isthmus run``
 does: without it sync's loss spiked and moved by 0.23 across seeds."""
+
+
+# The same sparse rounds by gather: no owner sends the union of the positions back,
+# so fewer bytes for the same average (a "-gather" name's job says so, run_one).
+CONFIGS.update(
+    {
+        f"{name}-gather": CONFIGS[name]
+        for name in ("diloco-avg-h4-topk-ef", "diloco-avg-h4-topk1-ef")
+    }
+)
 
 
 def run_one(config: str, seed: int, steps: int, corpus_bytes: int | None, recipe: dict) -> dict:

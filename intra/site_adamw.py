@@ -188,10 +188,9 @@ class SiteAdamW(torch.optim.Optimizer):
             (s["exp_noise"], noise[p]) for p, s in zip(params, states, strict=True) if p in noise
         ]
         if fed:
-            torch._foreach_mul_([pair[0] for pair in fed], beta2)
-            torch._foreach_add_(
-                [pair[0] for pair in fed], [pair[1] for pair in fed], alpha=1 - beta2
-            )
+            kept = [pair[0] for pair in fed]
+            torch._foreach_mul_(kept, beta2)
+            torch._foreach_add_(kept, [pair[1] for pair in fed], alpha=1 - beta2)
         if share < 1.0:
             # max(v - (1 - share) n, share v) = v - (1 - share) min(n, v).
             second = torch._foreach_minimum(n, v)

@@ -11,21 +11,11 @@ import asyncio
 
 import pytest
 import torch
-from test_allreduce import _group
+from test_allreduce import _group, _inputs, _reference
 
 from isthmus.inter.allreduce import RoundError
 from isthmus.inter.codecs import parse_codec
 from isthmus.sim.cost import LinkCost, choose, direct_seconds, gather_seconds
-
-
-def _inputs(names, n, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return {name: torch.randn(n, generator=generator) * (i + 1) for i, name in enumerate(names)}
-
-
-def _reference(inputs, weights):
-    total = sum(weights.values())
-    return sum(inputs[s].double() * (weights[s] / total) for s in inputs if weights[s] > 0)
 
 
 def _rounds(
