@@ -214,6 +214,32 @@ def test_auto_chooses_by_the_encoded_bytes_not_float32():
     assert asyncio.run(main()) == ("direct", "gather", "gather")
 
 
+def test_auto_prices_the_union_of_the_contributing_sites_only():
+    """Direct's owners send back the union of the positions the sites sent; a site of
+    weight 0 sends none, so with one contributor the union is one contribution and
+    direct moves no more than gather, where three contributors' union made it slower."""
+
+    async def main():
+        names, members = await _group(3)
+        member = members["site0"]
+        member.link_costs = lambda a, b: LinkCost.of(bandwidth_mbit=100, rtt_ms=10)
+        values = torch.empty(10_000_000)
+        topk = parse_codec("topk")
+        everyone = {s: 1.0 for s in names}
+        alone = {s: float(s == "site0") for s in names}
+        try:
+            picks = [
+                member._pick_algorithm("auto", values, names, topk, weights)
+                for weights in (everyone, alone)
+            ]
+        finally:
+            for m in members.values():
+                await m.close()
+        return picks
+
+    assert asyncio.run(main()) == ["gather", "direct"]
+
+
 def test_auto_weighs_the_uplink_caps_and_what_gather_must_hold(monkeypatch):
     """Gather pushes (S - 1) N through each uplink and holds S - 1 contributions: a
     capped uplink, or a round too large to hold, leaves the round to direct."""

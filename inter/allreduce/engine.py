@@ -300,7 +300,7 @@ class CrossSiteAllReduce:
     ) -> torch.Tensor:
         """One round of :meth:`allreduce`: check, plan, run the algorithm, keep its stats."""
         codec = EXACT if exact else self.codec
-        algorithm = self._pick_algorithm(algorithm, tensor, participants, codec)
+        algorithm = self._pick_algorithm(algorithm, tensor, participants, codec, weights)
         sites = sorted(participants)
         self._check_participants(round, sites, weights)
         if len(sites) == 1:
@@ -372,6 +372,7 @@ class CrossSiteAllReduce:
         tensor: torch.Tensor,
         participants: Sequence[str],
         codec: Codec | None = None,
+        weights: Mapping[str, float] | None = None,
     ) -> str:
         if algorithm not in ALGORITHMS:
             raise ValueError(
@@ -396,9 +397,11 @@ class CrossSiteAllReduce:
                 return algorithm
             if algorithm != "auto" or self.link_costs is None:
                 return "direct"
-            # Direct's owners send back the union of the sites' positions (4-bit
-            # values): more bytes than a contribution, which is all gather sends.
-            result = codec.for_sum_of(len(participants))
+            # Direct's owners send back the union of the positions the contributing
+            # sites sent (4-bit values): more bytes than a contribution, which is all
+            # gather sends. A site of weight 0 sends nothing and widens no union.
+            contributing = [s for s in participants if weights is None or weights.get(s, 0) > 0]
+            result = codec.for_sum_of(len(contributing))
             fits = self._gather_fits(tensor, participants)
             return choose(
                 tensor.numel() * codec.bytes_per_value(),
