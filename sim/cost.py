@@ -286,6 +286,18 @@ def sent_share(algorithm: str, sites: int) -> float:
     return sites - 1.0 if algorithm == "gather" else 2 * (sites - 1) / sites
 
 
+def codec_work(algorithm: str, sites: int) -> float:
+    """A site's codec work in one all-reduce, relative to the direct algorithm's (what
+    the performance model's codec speed was calibrated on), counted in encodes and
+    decodes of the whole vector. Direct: its contribution encoded, its slice of the
+    result encoded, the others' contributions to its slice and the whole result
+    decoded, 3 in all. Gather: its contribution and the result encoded, the S - 1
+    other contributions and the result decoded, S + 2."""
+    if algorithm != "gather" or sites < 2:
+        return 1.0
+    return (sites + 2) / 3
+
+
 def predict(
     nbytes: float,
     sites: Sequence[str],

@@ -67,6 +67,7 @@ from isthmus.sim.cost import (
     LinkCost,
     LinkLookup,
     Regions,
+    codec_work,
     predict,
     sent_share,
 )
@@ -303,7 +304,9 @@ def exchange_cost(scenario: Scenario, nbytes: float, *, outer: float = 0.0) -> E
         costs = {name: t for name, t in costs.items() if name in LOSSY_ALGORITHMS}
     algorithm = min(costs, key=lambda name: (costs[name], name != "direct"))
     raw_bytes = nbytes / CODEC_BYTES_PER_VALUE[scenario.codec] * 4
-    codec_s = raw_bytes / scenario.codec_bytes_per_s if scenario.codec != "none" else 0.0
+    codec_s = 0.0
+    if scenario.codec != "none":  # gather decodes every other site's whole contribution
+        codec_s = raw_bytes / scenario.codec_bytes_per_s * codec_work(algorithm, len(sites))
     wire_s = all_reduce_seconds(scenario, nbytes, algorithm)
     # What one site sends (and receives): 2 (S-1)/S of the bytes, (S-1) with gather.
     copies_s = sent_share(algorithm, len(sites)) * nbytes / scenario.host_link_bytes_per_s

@@ -54,9 +54,27 @@ def test_an_exchange_costs_wire_plus_latencies_plus_overhead():
     # Efficiency divides the bandwidth part only; overhead adds once.
     slower, _ = exchange_seconds(scenario(efficiency=0.5, exchange_overhead_s=0.02), 4e6)
     assert slower == pytest.approx(0.8 + 0.05 + 0.02)
-    # A codec shrinks the bytes and adds its own time (4 MB of float32 at 4 MB/s).
-    int8, _ = exchange_seconds(scenario(codec="int8", codec_bytes_per_s=4e6), 1e6 * (1 + 4 / 256))
-    assert int8 == pytest.approx(1.015625e6 / 1e7 + 0.05 + 1.0)
+    # A codec shrinks the bytes and adds its own time: 4 MB of float32 at 4 MB/s for
+    # direct's three encodes and decodes of the vector; gather, the pick, does four
+    # (its contribution and the result encoded, the other's and the result decoded).
+    int8, algorithm = exchange_seconds(
+        scenario(codec="int8", codec_bytes_per_s=4e6), 1e6 * (1 + 4 / 256)
+    )
+    assert algorithm == "gather"
+    assert int8 == pytest.approx(1.015625e6 / 1e7 + 0.05 + 1.0 * 4 / 3)
+
+
+def test_gather_decodes_every_other_sites_contribution():
+    """Codec work relative to direct's three encodes and decodes: gather's S + 2."""
+    sites = ["a", "b", "c"]
+    links = uniform_links(sites, bandwidth_mbit=80, rtt_ms=100)
+    s = scenario(sites=sites, links=links, codec="int8", codec_bytes_per_s=4e6)
+    values = {"gather": 25_000, "direct": 2_500_000}  # 0.1 MB: one trip; 10 MB: two
+    for algorithm, work in (("gather", 5 / 3), ("direct", 1.0)):
+        n = values[algorithm]
+        cost = exchange_cost(s, n * (1 + 4 / 256))
+        assert cost.algorithm == algorithm
+        assert cost.host_s == pytest.approx(4 * n / 4e6 * work)
 
 
 def test_the_ring_is_chosen_when_it_avoids_a_slow_link():
