@@ -199,6 +199,47 @@ def low_rank_round(
     return average, sent
 
 
+def projected_round(
+    deltas: list[torch.Tensor],
+    residuals: list[torch.Tensor],
+    exchange: int,
+    args: argparse.Namespace,
+) -> tuple[torch.Tensor, float]:
+    """Each site's pseudo-gradient (error feedback added) projected onto a random
+    subspace the sites share: every block of ``--projection-block`` values times
+    the same orthonormal block x m matrix, drawn afresh each round from a seed
+    they all know, so no positions cross and the all-reduce sums the projections
+    (linear: the projection of the sum). The m values a block becomes go through
+    the quantiser; the mean is quantised again, as an owner re-encodes it. Each
+    site keeps what its own projection did not carry, which next round's subspace
+    partly catches. Returns the average and one vector sent plus one received."""
+    block = args.projection_block
+    m = max(1, round(args.projection * block))
+    generator = torch.Generator().manual_seed(args.seed * 1_000_003 + exchange)
+    basis = orthonormal(torch.randn(block, m, generator=generator))
+    size = deltas[0].numel()
+    pad = (-size) % block
+
+    def project(values: torch.Tensor) -> torch.Tensor:
+        return torch.cat([values, values.new_zeros(pad)]).view(-1, block) @ basis
+
+    def lift(coefficients: torch.Tensor) -> torch.Tensor:
+        return (coefficients @ basis.T).reshape(-1)[:size]
+
+    sent_mean = torch.zeros(-(-size // block), m)
+    for w, delta in enumerate(deltas):
+        corrected = delta + residuals[w] if args.error_feedback else delta
+        coefficients = project(corrected)
+        sent = quantise(coefficients.reshape(-1), args.levels, args.block, args.sign)
+        sent = sent.view_as(coefficients)
+        if args.error_feedback:
+            residuals[w] = corrected - lift(sent)
+        sent_mean += sent / WORKERS
+    mean = quantise(sent_mean.reshape(-1), args.levels, args.block, args.sign)
+    nbytes = 2 * encoded_bytes(sent_mean.numel(), args)
+    return lift(mean.view_as(sent_mean)), nbytes
+
+
 def dense_round(
     deltas: list[torch.Tensor],
     residuals: list[torch.Tensor],
@@ -274,6 +315,16 @@ def main() -> int:
         "step a round, Q warm-started, error feedback), vectors through the quantiser",
     )
     parser.add_argument("--low-rank-levels", type=int, default=127, help="P and Q: 127 int8")
+    parser.add_argument(
+        "--projection",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="diloco: send each block's projection onto SHARE x block random directions "
+        "the sites share (drawn anew each round; no positions cross), through the "
+        "quantiser, error feedback per site",
+    )
+    parser.add_argument("--projection-block", type=int, default=256)
     parser.add_argument(
         "--noise-corrected",
         action="store_true",
@@ -425,6 +476,8 @@ def main() -> int:
         carried = [torch.zeros(size) for _ in models]
         if args.low_rank:
             average, sent_bytes = low_rank_round(deltas, residuals, shapes, factors, args)
+        elif args.projection:
+            average, sent_bytes = projected_round(deltas, residuals, exchanges, args)
         else:
             average, sent_bytes = dense_round(deltas, residuals, codec, args)
         wan_bytes += share * sent_bytes

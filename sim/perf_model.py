@@ -50,7 +50,9 @@ fragment once more, blocking). A short run pays it over fewer steps.
 
 Every round needs every site, so where sites compute at different speeds
 the slowest one's ``t`` sets the rounds' pace (``slowest_step_s``) and a
-typical site's counts as its compute. Utilisation is H t / round. ``sim``
+typical site's counts as its compute. By gather, the others' contributions
+reach the slowest site while it computes: half the second slowest's lead
+(``runner_up_step_s``) hides the lateness and the wire first. Utilisation is H t / round. ``sim``
 imports nothing from ``intra`` or ``inter``: the scenario holds plain numbers.
 """
 
@@ -107,6 +109,11 @@ class Scenario:
     site on older GPUs; in an emulated run, sites that share cores unevenly):
     every round waits for it, so it sets the pace, while the others' compute
     counts at ``step_s``. None: every site computes at ``step_s``."""
+    runner_up_step_s: float | None = None
+    """The second slowest site's compute seconds per inner step (None: ``step_s``).
+    By gather every site sends its contribution as soon as it has it, so the others'
+    arrive at the slowest site while it still computes: their lead hides the wire
+    (see :func:`predict_run`)."""
     step_jitter_s: float = 0.0
     """Standard deviation of a site's compute per inner step, from step to step
     (measured by a calibration; a few percent of the step on dedicated GPUs, more
@@ -183,6 +190,11 @@ class Scenario:
                 "slowest_step_s",
                 f"must be >= step_s ({self.step_s}), got {self.slowest_step_s}",
             )
+        if self.runner_up_step_s is not None and not (0 < self.runner_up_step_s <= self.pace_s):
+            raise ScenarioError(
+                "runner_up_step_s",
+                f"must be in (0, the slowest site's {self.pace_s}], got {self.runner_up_step_s}",
+            )
         if not (0 <= self.step_jitter_s < math.inf):
             raise ScenarioError(
                 "step_jitter_ms", f"must be >= 0 and finite, got {self.step_jitter_s * 1e3} ms"
@@ -219,6 +231,12 @@ class Scenario:
     def pace_s(self) -> float:
         """Compute seconds per inner step of the slowest site: the rounds' pace."""
         return self.step_s if self.slowest_step_s is None else self.slowest_step_s
+
+    def lead_s(self, steps: float) -> float:
+        """How long before the slowest site the second slowest finishes ``steps`` inner
+        steps after they last met."""
+        runner_up = self.step_s if self.runner_up_step_s is None else self.runner_up_step_s
+        return steps * max(0.0, self.pace_s - runner_up)
 
     def late_s(self, steps: float) -> float:
         """Expected seconds the last site reaches a synchronisation after the average
@@ -359,6 +377,24 @@ def _overlapped(cost: ExchangeCost, hidden_s: float, late_s: float = 0.0) -> flo
     return max(0.0, late_s + cost.wire_s - hidden_s) + cost.host_s
 
 
+def _slack(s: Scenario, cost: ExchangeCost, steps: float) -> float:
+    """What a round's exchange may hide behind at the slowest site, beyond its own
+    compute: by gather, half the lead of the second slowest. The period of lockstep
+    rounds is the longest cycle of work and sends among the sites, per round: the
+    slowest site's compute alone, or its compute, its contribution's trip to the
+    runner-up, the runner-up's compute and the trip back, over two rounds. Direct
+    returns each slice through its owner after the last contribution: no slack."""
+    return s.lead_s(steps) / 2 if cost.algorithm == "gather" else 0.0
+
+
+def _waited(cost: ExchangeCost, hidden_s: float, late_s: float, slack_s: float) -> float:
+    """Seconds a lockstep exchange holds the compute: the last site's lateness, then
+    the wire beyond ``hidden_s`` of compute and its host work (:func:`_overlapped`);
+    ``slack_s`` (:func:`_slack`) absorbs the lateness first, then hides wire."""
+    spare = max(0.0, slack_s - late_s)
+    return max(0.0, late_s - slack_s) + _overlapped(cost, hidden_s + spare)
+
+
 @functools.cache
 def expected_largest_normal(count: int) -> float:
     """The expected largest of ``count`` independent standard normal values:
@@ -390,7 +426,7 @@ def predict_run(scenario: Scenario) -> Prediction:
         model_bytes = 4 * s.params
         hideable = max(0.0, 1 - s.bucket_bytes / model_bytes) if s.sync_overlap else 0.0
         hidden = s.backward_fraction * pace * hideable
-        exposed = s.late_s(1) + _overlapped(full, hidden)
+        exposed = _waited(full, hidden, s.late_s(1), _slack(s, full, 1))
         round_s = pace + exposed
         # The run ends with one more exchange of the whole model, not overlapped.
         step_s, utilization = _whole_run(s, round_s, 1, 0.0, full.seconds) or (
@@ -413,9 +449,13 @@ def predict_run(scenario: Scenario) -> Prediction:
     backward = s.backward_fraction * pace if s.outer_overlaps_backward else 0.0
     left = (s.steps or 0) % h  # steps after the last whole round
     if s.strategy == "diloco":
-        vote = exchange_cost(s, 64.0).seconds
+        vote_cost = exchange_cost(s, 64.0)
+        vote = vote_cost.seconds
         # The data cross beside the vote: each takes its own round trip, at once.
-        exposed = s.late_s(h) + max(vote, _overlapped(full, backward))
+        exposed = max(
+            _waited(vote_cost, 0.0, s.late_s(h), _slack(s, full, h)),
+            _waited(full, backward, s.late_s(h), _slack(s, full, h)),
+        )
         # A last round for the steps since the previous one, if any; and the
         # first round's vote, which goes before its data (no shared scale yet).
         final = (s.late_s(left) + max(vote, full.seconds) if left else 0.0) + vote
@@ -430,7 +470,8 @@ def predict_run(scenario: Scenario) -> Prediction:
         part = exchange_cost(s, s.wan_bytes / s.fragments, outer=1 / s.fragments)
         algorithm = part.algorithm
         late = s.late_s(h / s.fragments)
-        per_fragment = _overlapped(part, s.overlap_steps * pace + backward, late)
+        hidden = s.overlap_steps * pace + backward + _slack(s, part, h / s.fragments)
+        per_fragment = _overlapped(part, hidden, late)
         exposed = s.fragments * per_fragment
         # Finishing: every fragment exchanged once more, blocking.
         every = max(1, h // s.fragments)

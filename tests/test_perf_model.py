@@ -151,20 +151,48 @@ def test_a_run_of_given_length_pays_its_final_synchronisation_by_hand():
 
 def test_the_slowest_site_sets_the_pace_of_every_round():
     """Rounds need every site: a site computing at 0.12 s per step holds the others,
-    whose compute (0.1 s) is then a smaller share of the round."""
+    whose compute (0.1 s) is then a smaller share of the round. By gather (the pick
+    here, 0.45 s) the other's contribution reaches the slow site while it computes:
+    rounds repeat every max(its compute, half the cycle through both sites), so
+    half the other's lead, 10 x 0.02 / 2 s, hides wire."""
     x = 0.45
     vote, _ = exchange_seconds(scenario(), 64.0)
     diloco = predict_run(scenario(strategy="diloco", slowest_step_s=0.12))
-    assert diloco.round_s == pytest.approx(10 * 0.12 + max(vote, x))
+    assert diloco.algorithm == "gather"
+    assert diloco.round_s == pytest.approx(10 * 0.12 + max(vote, x) - 0.1)
     assert diloco.utilization == pytest.approx(10 * 0.1 / diloco.round_s)
     sync = predict_run(scenario(strategy="sync", slowest_step_s=0.12))
-    assert sync.step_s == pytest.approx(0.12 + x)
-    assert sync.utilization == pytest.approx(0.1 / (0.12 + x))
+    assert sync.step_s == pytest.approx(0.12 + x - 0.01)
+    assert sync.utilization == pytest.approx(0.1 / (0.12 + x - 0.01))
+    # Where the runner-up is as slow, nothing hides.
+    both = predict_run(scenario(strategy="diloco", slowest_step_s=0.12, runner_up_step_s=0.12))
+    assert both.round_s == pytest.approx(10 * 0.12 + max(vote, x))
+    # A lead longer than the wire leaves the slow site only its host work.
+    far = predict_run(scenario(strategy="diloco", slowest_step_s=0.2, exchange_overhead_s=0.01))
+    assert far.round_s == pytest.approx(10 * 0.2 + 0.01)
+    # Direct sends each slice back through its owner after the last contribution:
+    # 80 MB among three sites goes by direct (two trips, 2/3 of it each way).
+    three = ["a", "b", "c"]
+    big = scenario(
+        strategy="diloco",
+        params=20e6,
+        slowest_step_s=0.12,
+        sites=three,
+        links=uniform_links(three, bandwidth_mbit=80, rtt_ms=100),
+    )
+    direct = predict_run(big)
+    assert direct.algorithm == "direct"
+    assert direct.round_s == pytest.approx(
+        10 * 0.12 + all_reduce_seconds(big, big.wan_bytes, "direct")
+    )
     same = predict_run(scenario(strategy="diloco", slowest_step_s=0.1))
     assert same == predict_run(scenario(strategy="diloco"))
     with pytest.raises(ScenarioError) as caught:
         scenario(slowest_step_s=0.05)
     assert caught.value.field == "slowest_step_s"
+    with pytest.raises(ScenarioError) as caught:
+        scenario(slowest_step_s=0.12, runner_up_step_s=0.13)
+    assert caught.value.field == "runner_up_step_s"
 
 
 def test_the_expected_largest_of_normal_values():

@@ -145,7 +145,12 @@ def test_the_validated_range_is_what_the_validation_benchmark_runs():
     held_out = validation.HELD_OUT
     assert len(held_out) >= 12 and sum(any(r > 1 for r in c.site_ranks) for c in held_out) >= 6
     assert {c.strategy for c in held_out} == {"sync", "diloco", "streaming", "async"}
-    used = validation.FIT + validation.DIAGNOSED + validation.SECOND_DIAGNOSIS
+    used = (
+        validation.FIT
+        + validation.DIAGNOSED
+        + validation.SECOND_DIAGNOSIS
+        + validation.THIRD_DIAGNOSIS
+    )
     assert not set(held_out) & set(used)
 
 

@@ -83,6 +83,12 @@ class Calibration:
     def slowest_step_s(self) -> float:
         return max(self.step_s_by_site.values())
 
+    @property
+    def runner_up_step_s(self) -> float:
+        """The second slowest site's compute per step (the one site's, if alone)."""
+        ordered = sorted(self.step_s_by_site.values())
+        return ordered[-2] if len(ordered) > 1 else ordered[-1]
+
 
 def steps_between_syncs(train: dict[str, Any]) -> int:
     """Inner steps between the synchronisations of a run with ``train`` settings (as

@@ -100,7 +100,9 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
         tokens = sum(s.layout.dp for s in job.sites) * batch * seq_len
     else:
         tokens = len(sites) * gpus * args.tokens_per_gpu
-    step_s, slowest_s, jitter_s = _step_seconds(args, job, params, tokens / len(sites) / gpus)
+    step_s, slowest_s, runner_up_s, jitter_s = _step_seconds(
+        args, job, params, tokens / len(sites) / gpus
+    )
     given_jitter = getattr(args, "step_jitter_ms", None)
     if given_jitter is not None:
         if not (0 <= given_jitter < math.inf):
@@ -121,6 +123,7 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
         params=params,
         step_s=step_s,
         slowest_step_s=slowest_s,
+        runner_up_step_s=runner_up_s,
         step_jitter_s=jitter_s,
         tokens_per_step=tokens,
         sites=sites,
@@ -305,23 +308,28 @@ def _job_tokens(job: Job) -> tuple[int, int]:
 
 def _step_seconds(
     args: argparse.Namespace, job: Job | None, params: float, tokens: float
-) -> tuple[float, float | None, float]:
-    """Compute seconds per inner step of a typical site, of the slowest one where a
-    calibration measured the sites apart (None: all alike), and how much a site's
-    varies from step to step (0 unless measured)."""
+) -> tuple[float, float | None, float | None, float]:
+    """Compute seconds per inner step of a typical site, of the slowest one and the
+    second slowest where a calibration measured the sites apart (None: all alike),
+    and how much a site's varies from step to step (0 unless measured)."""
     if args.step_ms is not None:
         if args.step_ms <= 0:
             raise ScenarioError("step_ms", f"must be > 0, got {args.step_ms}")
-        return args.step_ms / 1e3, None, 0.0
+        return args.step_ms / 1e3, None, None, 0.0
     if job is not None and args.calibrate:
         from isthmus.deploy.bench.calibrate import calibrate
 
         # On stderr: stdout is the prediction (JSON with --json).
         print("calibrating: a short run of the job, synchronising as it does ...", file=sys.stderr)
         measured = calibrate(Path(args.job))
-        return measured.step_s, measured.slowest_step_s, measured.jitter_s
+        return (
+            measured.step_s,
+            measured.slowest_step_s,
+            measured.runner_up_step_s,
+            measured.jitter_s,
+        )
     if args.gpu is not None:
-        return step_seconds_from_flops(params, tokens, args.gpu, args.mfu), None, 0.0
+        return step_seconds_from_flops(params, tokens, args.gpu, args.mfu), None, None, 0.0
     raise ScenarioError(
         "step_ms", "give --step-ms, --gpu (FLOPs at --mfu), or --calibrate (measure here)"
     )
