@@ -157,6 +157,9 @@ def _sim(args: argparse.Namespace) -> int:
             "sites": list(scenario.sites),
             "step_s": scenario.step_s,
             "slowest_step_s": scenario.pace_s,
+            "runner_up_step_s": (
+                scenario.step_s if scenario.runner_up_step_s is None else scenario.runner_up_step_s
+            ),
             "step_jitter_s": scenario.step_jitter_s,
             "tokens_per_step": scenario.tokens_per_step,
             "sync_every": scenario.sync_every,
@@ -193,7 +196,8 @@ def _sim(args: argparse.Namespace) -> int:
         f"{sc['params']:.3g} parameters, {len(sc['sites'])} sites, compute "
         f"{sc['step_s'] * 1e3:.1f} ms per inner step"
         + (
-            f" (the slowest site {sc['slowest_step_s'] * 1e3:.1f} ms)"
+            f" (the slowest site {sc['slowest_step_s'] * 1e3:.1f} ms, the next"
+            f" {sc['runner_up_step_s'] * 1e3:.1f} ms)"
             if sc["slowest_step_s"] > sc["step_s"]
             else ""
         )
