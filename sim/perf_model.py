@@ -52,8 +52,9 @@ Every round needs every site, so where sites compute at different speeds
 the slowest one's ``t`` sets the rounds' pace (``slowest_step_s``) and a
 typical site's counts as its compute. By gather, the others' contributions
 reach the slowest site while it computes: half the second slowest's lead
-(``runner_up_step_s``) hides the lateness and the wire first. Utilisation is H t / round. ``sim``
-imports nothing from ``intra`` or ``inter``: the scenario holds plain numbers.
+(``runner_up_step_s``) hides the lateness and the wire first. Utilisation is
+H t / round. ``sim`` imports nothing from ``intra`` or ``inter``: the scenario
+holds plain numbers.
 """
 
 from __future__ import annotations
