@@ -224,6 +224,10 @@ wan:
     - {at_round: 4, link: [a, c], action: partition, for_rounds: 4, rounds_of: b, mode: blackhole}
 train:
   strategy: async
+  # Direct: no site completes a round across the cut. By gather b would, since a
+  # and c each reach it, and a and c would catch up from b each round instead
+  # of leaving c out: the cut would heal before any deadline.
+  algorithm: direct
   steps: 240
   sync_every: 5
   warmup_steps: 2
@@ -246,8 +250,9 @@ def test_an_async_site_that_misses_its_round_has_its_pseudo_gradient_applied_lat
 
     The timing comes from training, not the clock, so it holds on a fast machine
     or a slow one: the link is cut once a site has completed round 4 (of 48), and
-    heals once b has completed 4 more. b cannot complete those without c's share
-    until c is left out (the round's deadline), so the cut outlasts the deadline,
+    heals once b has completed 4 more. By direct (the job says so) b cannot
+    complete those without c's share until c is left out (the round's deadline),
+    so the cut outlasts the deadline,
     and it heals with about 40 of a and b's rounds to go. (It was cut at 20 s and
     healed at 38 s: on a loaded machine the cut could fall before training, and
     on a fast one a and b could finish before the heal.)
@@ -285,6 +290,31 @@ def test_an_async_site_that_misses_its_round_has_its_pseudo_gradient_applied_lat
     log = (out / "logs" / "c-r0.log").read_text()
     carried = re.findall(r"missed round \d+; its pseudo-gradient \(norm ([0-9.e+-]+)\)", log)
     assert len(carried) == 1 and float(carried[0]) > 0, log[-3000:]
+
+
+@pytest.mark.slow
+def test_a_cut_inside_a_gather_round_leaves_every_site_with_the_same_model(tmp_path):
+    """The same cut by gather. a and c each still reach b, so b completes the rounds
+    a and c cannot. Depending on how the round's deadline and the cut's healing
+    fall, a and c catch up from b round by round, or c is left out and let in
+    again. Either way every site trains every step and ends with the same model,
+    and each site's missed rounds go into its next contribution."""
+    job = tmp_path / "job.yaml"
+    job.write_text(CUT_OFF.replace("algorithm: direct", "algorithm: gather"))
+    out = tmp_path / "run"
+    done = isthmus("run", str(job), "--out", str(out), "--no-report", cwd=tmp_path, timeout=900)
+    assert done.returncode == 0, done.stderr + explain(out)
+    summary = json.loads((out / "summary.json").read_text())
+    sites = summary["sites"]
+    assert len({s["param_sha256"] for s in sites.values()}) == 1, sites
+    assert all(s["inner_steps"] == 240 for s in sites.values()), sites
+    assert all(s["all_reduce_rounds"].get("gather") for s in sites.values()), sites
+    records = read_records(out / "metrics.jsonl")
+    caught_up = {r["site"] for r in records if r["kind"] == "catch_up"}
+    assert caught_up & {"a", "c"}, caught_up  # the cut's ends missed a round
+    for site, result in sites.items():
+        missed = _rounds_missed_after_training(records, site)
+        assert result["late_contributions_applied"] == len(missed), (site, missed, sites)
 
 
 def _rounds_missed_after_training(records: list[dict], site: str) -> set[int]:
