@@ -52,6 +52,7 @@ from pathlib import Path
 from isthmus.deploy.bench.calibrate import (
     calibrate,
     model_share,
+    second_slowest,
     steady_calibration,
     steps_between_syncs,
 )
@@ -242,11 +243,6 @@ def measure(case: Case, folder: Path) -> dict:
     }
 
 
-def second_largest(values) -> float:
-    ordered = sorted(values)
-    return ordered[-2] if len(ordered) > 1 else ordered[-1]
-
-
 def predict(case: Case, raw: dict, host: dict[str, float]) -> dict:
     """The row of one case: its calibration, measurement and the model's prediction."""
     before, after, measured = raw["before"], raw["after"], raw["measured"]
@@ -258,7 +254,7 @@ def predict(case: Case, raw: dict, host: dict[str, float]) -> dict:
         site: (t + after["by_site"].get(site, t)) / 2 for site, t in before["by_site"].items()
     }
     slowest_s = max(step_s, *by_site.values())
-    runner_up_s = second_largest(by_site.values())
+    runner_up_s = second_slowest(by_site.values())
     outer_s, peer_s = host["outer_step_ms"] / 1e3, host["peer_overhead_ms"] / 1e3
     predicted = predict_run(
         scenario(case, step_s, outer_s, peer_s, slowest_s, jitter_s, runner_up_s)
@@ -283,7 +279,7 @@ def predict(case: Case, raw: dict, host: dict[str, float]) -> dict:
         peer_s,
         max(own.values()),
         measured["jitter_s"],
-        second_largest(own.values()),
+        second_slowest(own.values()),
     )
     from_run = predict_run(own_scenario)
     return {

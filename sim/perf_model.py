@@ -233,11 +233,15 @@ class Scenario:
         """Compute seconds per inner step of the slowest site: the rounds' pace."""
         return self.step_s if self.slowest_step_s is None else self.slowest_step_s
 
+    @property
+    def runner_up_s(self) -> float:
+        """Compute seconds per inner step of the second slowest site."""
+        return self.step_s if self.runner_up_step_s is None else self.runner_up_step_s
+
     def lead_s(self, steps: float) -> float:
         """How long before the slowest site the second slowest finishes ``steps`` inner
         steps after they last met."""
-        runner_up = self.step_s if self.runner_up_step_s is None else self.runner_up_step_s
-        return steps * max(0.0, self.pace_s - runner_up)
+        return steps * max(0.0, self.pace_s - self.runner_up_s)
 
     def late_s(self, steps: float) -> float:
         """Expected seconds the last site reaches a synchronisation after the average
@@ -453,10 +457,8 @@ def predict_run(scenario: Scenario) -> Prediction:
         vote_cost = exchange_cost(s, 64.0)
         vote = vote_cost.seconds
         # The data cross beside the vote: each takes its own round trip, at once.
-        exposed = max(
-            _waited(vote_cost, 0.0, s.late_s(h), _slack(s, full, h)),
-            _waited(full, backward, s.late_s(h), _slack(s, full, h)),
-        )
+        late, slack = s.late_s(h), _slack(s, full, h)
+        exposed = max(_waited(vote_cost, 0.0, late, slack), _waited(full, backward, late, slack))
         # A last round for the steps since the previous one, if any; and the
         # first round's vote, which goes before its data (no shared scale yet).
         final = (s.late_s(left) + max(vote, full.seconds) if left else 0.0) + vote

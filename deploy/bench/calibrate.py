@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,9 +86,13 @@ class Calibration:
 
     @property
     def runner_up_step_s(self) -> float:
-        """The second slowest site's compute per step (the one site's, if alone)."""
-        ordered = sorted(self.step_s_by_site.values())
-        return ordered[-2] if len(ordered) > 1 else ordered[-1]
+        return second_slowest(self.step_s_by_site.values())
+
+
+def second_slowest(step_s: Iterable[float]) -> float:
+    """The second largest of the sites' compute per step (the one site's, if alone)."""
+    ordered = sorted(step_s)
+    return ordered[-2] if len(ordered) > 1 else ordered[-1]
 
 
 def steps_between_syncs(train: dict[str, Any]) -> int:

@@ -157,9 +157,7 @@ def _sim(args: argparse.Namespace) -> int:
             "sites": list(scenario.sites),
             "step_s": scenario.step_s,
             "slowest_step_s": scenario.pace_s,
-            "runner_up_step_s": (
-                scenario.step_s if scenario.runner_up_step_s is None else scenario.runner_up_step_s
-            ),
+            "runner_up_step_s": scenario.runner_up_s,
             "step_jitter_s": scenario.step_jitter_s,
             "tokens_per_step": scenario.tokens_per_step,
             "sync_every": scenario.sync_every,
