@@ -3,6 +3,12 @@
     python scripts/gen_proto.py          # regenerate proto/*_pb2*.py(i)
     python scripts/gen_proto.py --check  # exit 1 if they differ from a fresh generation
 
+The check compares the code, not the generators' version stamps: the
+``GRPC_GENERATED_VERSION`` line of grpcio-tools, and protobuf's ``Protobuf Python
+Version`` comment and runtime-version check. A patch release of either
+rewrites only those, and the committed code stays right for the same .proto
+(it still asks for at least the versions it was generated with).
+
 The .proto files are compiled as if they lived in isthmus/proto/, so the
 generated modules import each other as ``isthmus.proto.<name>_pb2``, never as
 top-level modules.
@@ -11,7 +17,7 @@ top-level modules.
 from __future__ import annotations
 
 import argparse
-import filecmp
+import re
 import shutil
 import sys
 import tempfile
@@ -22,14 +28,37 @@ from grpc_tools import protoc
 ROOT = Path(__file__).resolve().parents[1]
 PROTO_DIR = ROOT / "proto"
 SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+VERSION_STAMPS = (
+    re.compile(r"^GRPC_GENERATED_VERSION = '[^']*'$", re.M),
+    re.compile(r"^# Protobuf Python Version: \S+$", re.M),
+    re.compile(
+        r"ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,"
+        r"\s*\d+,\s*\d+,\s*\d+,\s*'[^']*',"
+    ),
+)
 
 
-def generate(out_dir: Path) -> list[Path]:
-    """Compile every .proto into ``out_dir``; return the generated files."""
+def without_version_stamps(text: str) -> str:
+    """The generated code with each generator's version stamp blanked out."""
+    for stamp in VERSION_STAMPS:
+        text = stamp.sub("<version stamp>", text)
+    return text
+
+
+def same_code(fresh: Path, committed: Path) -> bool:
+    if not committed.exists():
+        return False
+    return without_version_stamps(fresh.read_text()) == without_version_stamps(
+        committed.read_text()
+    )
+
+
+def generate(out_dir: Path, proto_dir: Path = PROTO_DIR) -> list[Path]:
+    """Compile every .proto of ``proto_dir`` into ``out_dir``; return the generated files."""
     with tempfile.TemporaryDirectory() as tmp:
         package = Path(tmp) / "isthmus" / "proto"
         package.mkdir(parents=True)
-        protos = sorted(PROTO_DIR.glob("*.proto"))
+        protos = sorted(proto_dir.glob("*.proto"))
         for proto in protos:
             shutil.copy(proto, package / proto.name)
         args = [
@@ -54,22 +83,22 @@ def generate(out_dir: Path) -> list[Path]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="fail if the committed code is stale")
+    parser.add_argument(
+        "--proto-dir", type=Path, default=PROTO_DIR,
+        help="the folder of the .proto files and their generated code (default: proto/)",
+    )  # fmt: skip
     args = parser.parse_args()
+    proto_dir: Path = args.proto_dir
     if not args.check:
-        for path in generate(PROTO_DIR):
-            print(f"wrote {path.relative_to(ROOT)}")
+        for path in generate(proto_dir, proto_dir):
+            print(f"wrote {path}")
         return 0
     with tempfile.TemporaryDirectory() as tmp:
-        fresh = generate(Path(tmp))
-        stale = [
-            p.name
-            for p in fresh
-            if not (PROTO_DIR / p.name).exists()
-            or not filecmp.cmp(p, PROTO_DIR / p.name, shallow=False)
-        ]
+        fresh = generate(Path(tmp), proto_dir)
+        stale = [p.name for p in fresh if not same_code(p, proto_dir / p.name)]
         extra = [
             p.name
-            for p in PROTO_DIR.iterdir()
+            for p in proto_dir.iterdir()
             if p.name.endswith(SUFFIXES) and p.name not in {f.name for f in fresh}
         ]
     if stale or extra:

@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
-# Runs every check CI runs: set-up (.venv), lint, then the whole test suite.
-# Extra arguments go to pytest, e.g. the fast tests alone:
+# Runs every check CI runs: set-up (.venv from requirements/dev.lock), lint, the
+# generated-code check, then the whole test suite. Extra arguments go to pytest,
+# e.g. the fast tests alone:
 #   bash scripts/test.sh -m "not slow"
+#
+# As root with apt (CI, a fresh VM), it first installs what the tests need beyond
+# Python: Mosquitto and its clients (the control plane's real broker), Slurm and
+# munge (the rendered batch scripts run on real daemons), podman and a locally
+# made base image (scripts/containers.sh: the images are built and the sites run
+# as containers). Elsewhere it runs what it can, and ends with one line per
+# group of skipped tests: how many, why, and the command that enables them.
 #
 # Three passes. The tests that can share the machine (single-process ones, small
 # two-rank sites) run on $ISTHMUS_TEST_WORKERS workers (default 2, pytest-xdist);
@@ -19,6 +27,22 @@ cd "$(dirname "$0")/.."
 # set (about 0.3 CPU-s a rank, and 5 s of every pass's collection, whose asserts
 # pytest rewrites): the bytecode goes to __pycache__/ (git ignores it).
 unset PYTHONDONTWRITEBYTECODE
+
+if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  packages=()
+  command -v mosquitto >/dev/null && command -v mosquitto_sub >/dev/null \
+    || packages+=(mosquitto mosquitto-clients)
+  { command -v slurmctld || [ -x /usr/sbin/slurmctld ]; } >/dev/null 2>&1 \
+    || packages+=(slurm-wlm munge)
+  if [ ${#packages[@]} -gt 0 ]; then
+    echo "test: installing ${packages[*]} (apt)"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+        --no-install-recommends "${packages[@]}" >/dev/null) \
+      || echo "test: warning: could not install ${packages[*]}; their tests skip"
+  fi
+  bash scripts/containers.sh || echo "test: warning: podman is not ready; the container tests skip"
+fi
+
 bash scripts/setup.sh
 echo "test: ruff"
 .venv/bin/ruff check .
@@ -36,6 +60,9 @@ while [ $# -gt 0 ]; do
 done
 within() { if [ -n "$selection" ]; then echo "($selection) and ($1)"; else echo "$1"; fi; }
 
+ISTHMUS_SKIP_LOG=$(mktemp)
+export ISTHMUS_SKIP_LOG
+trap 'rm -f "$ISTHMUS_SKIP_LOG"' EXIT
 status=0
 echo "test: pytest, parallel pass (${ISTHMUS_TEST_WORKERS:-2} workers)"
 .venv/bin/python -m pytest -n "${ISTHMUS_TEST_WORKERS:-2}" -m "$(within 'not slow and not serial')" \
@@ -57,6 +84,8 @@ echo "test: pytest, one at a time (serial)"
 third=0
 .venv/bin/python -m pytest -m "$(within 'serial')" ${rest[@]+"${rest[@]}"} || third=$?
 [ "$third" = 5 ] && third=0
+echo "test: what did not run here"
+.venv/bin/python tests/needs.py "$ISTHMUS_SKIP_LOG" | sed 's/^/test: /'
 if [ "$status" != 0 ]; then exit "$status"; fi
 if [ "$second" != 0 ]; then exit "$second"; fi
 exit "$third"

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from needs import record_skip
 
 from isthmus.job.link import LinkParams
 from isthmus.sim.emulator import BackgroundEmulator
@@ -40,6 +41,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     known = json.loads(DURATIONS.read_text())
     typical = statistics.median(known.values()) if known else 0.0
     items.sort(key=lambda item: -known.get(item.nodeid, typical))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Every skip, for scripts/test.sh's closing lines (xdist's controller gets the
+    workers' reports, so only it records them)."""
+    if report.skipped and not hasattr(report, "wasxfail") and "PYTEST_XDIST_WORKER" not in os.environ:
+        record_skip(report.nodeid, report.longrepr)
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    """A module skipped whole (its imports need what is missing)."""
+    if report.skipped and "PYTEST_XDIST_WORKER" not in os.environ:
+        record_skip(report.nodeid, report.longrepr)
 
 
 @pytest.fixture

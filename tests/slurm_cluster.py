@@ -1,6 +1,6 @@
 """A real single-host Slurm for the tests: munged, slurmctld and one slurmd per fake node.
 
-Debian's ``slurm-wlm`` and ``munge`` (``.ci/run`` installs them). Every daemon
+Debian's ``slurm-wlm`` and ``munge`` (``scripts/test.sh`` installs them as root). Every daemon
 runs in the foreground as a child of the test, with its own ``slurm.conf`` in a
 temporary folder (``SLURM_CONF``), state and spool there too, on free ports,
 and is stopped after the test. Several ``slurmd`` on one host stand for several
@@ -27,10 +27,11 @@ def missing() -> str | None:
     absent = [name for name, path in paths.items() if path is None]
     if absent:
         return (
-            f"Slurm is not installed ({', '.join(absent)} missing): apt-get install slurm-wlm munge"
+            f"needs Slurm: {', '.join(absent)} not installed; run as root: bash scripts/test.sh "
+            "(it installs slurm-wlm and munge with apt)"
         )
     if os.geteuid() != 0:
-        return "the Slurm daemons of the tests run as root"
+        return "needs Slurm: the tests' daemons run as root; run the suite as root"
     return None
 
 

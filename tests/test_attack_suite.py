@@ -12,10 +12,10 @@ to publish live settings, an honest site listening, the operator as control.
 from __future__ import annotations
 
 import importlib.util
-import shutil
 from pathlib import Path
 
 import pytest
+from needs import needs_mosquitto
 
 from isthmus.deploy.render.certs import make_certs
 
@@ -23,10 +23,7 @@ SUITE = Path(__file__).resolve().parent.parent / "benchmarks" / "attack_suite.py
 
 
 @pytest.mark.slow  # a real Mosquitto and 2 s waits for refused connections
-@pytest.mark.skipif(
-    shutil.which("mosquitto") is None and not Path("/usr/sbin/mosquitto").exists(),
-    reason="mosquitto is not installed",
-)
+@needs_mosquitto
 def test_only_the_operators_certificate_publishes_live_settings(tmp_path):
     spec = importlib.util.spec_from_file_location("attack_suite", SUITE)
     assert spec is not None and spec.loader is not None

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from needs import MOSQUITTO, needs_mosquitto
 from test_cli import in_process
 
 from isthmus.deploy.run.broker import EmbeddedBroker
@@ -35,11 +36,6 @@ from isthmus.inter.control_topics import (
     status_topic,
 )
 from isthmus.job.settings import TrainSettings
-
-MOSQUITTO = shutil.which("mosquitto") or (
-    "/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None
-)
-needs_mosquitto = pytest.mark.skipif(MOSQUITTO is None, reason="mosquitto is not installed")
 
 
 def free_port() -> int:
@@ -104,7 +100,7 @@ class Mosquitto:
 def broker(request, tmp_path) -> Iterator[Broker]:
     if request.param == "mosquitto":
         if MOSQUITTO is None:
-            pytest.skip("mosquitto is not installed")
+            pytest.skip(needs_mosquitto.kwargs["reason"])
         server = Mosquitto(tmp_path).start()
         yield server.address
         server.stop()

@@ -4,7 +4,6 @@ sites and to its broker, or says ``insecure: true`` (isthmus.job.exposure)."""
 from __future__ import annotations
 
 import getpass
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from needs import MOSQUITTO, needs_mosquitto
 
 from isthmus.deploy.cli import main
 from isthmus.deploy.jobfile import JobFileError, parse_job
@@ -21,10 +21,6 @@ from isthmus.deploy.run.run_state import RunState, SiteState
 from isthmus.deploy.run.summary import build_summary
 from isthmus.job.exposure import exposed_sites, insecure_warning, on_this_machine, unprotected
 from isthmus.job.ports import free_port
-
-MOSQUITTO = shutil.which("mosquitto") or (
-    "/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None
-)
 
 ACROSS = """\
 name: clusters
@@ -188,7 +184,7 @@ def test_an_inline_broker_password_is_kept_out_of_the_resolved_job(tmp_path, mon
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(MOSQUITTO is None, reason="mosquitto is not installed")
+@needs_mosquitto
 def test_a_run_with_a_broker_password_leaves_it_in_no_file_and_no_output(tmp_path, monkeypatch):
     """A real Mosquitto that admits no one without the password: the run finishes (so
     every site process logged in with it), and the secret is in no file of the run

@@ -26,15 +26,13 @@ from typing import Any
 
 import pytest
 import yaml
+from needs import MOSQUITTO, needs_mosquitto
 
 from isthmus.deploy.cli import main
 from isthmus.deploy.jobfile import Job, SiteSpec, load_job
 from isthmus.deploy.render.certs import make_certs
 from isthmus.inter.tls import SiteTls
 
-MOSQUITTO = shutil.which("mosquitto") or (
-    "/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None
-)
 SITES = ("us-east", "eu-west", "asia-east")
 JOB = """\
 name: demo
@@ -412,7 +410,7 @@ def test_the_acl_lets_each_site_write_only_its_own_topics(slurm, kubernetes):
         assert setting in conf.splitlines()
 
 
-@pytest.mark.skipif(MOSQUITTO is None, reason="mosquitto is not installed")
+@needs_mosquitto
 def test_the_rendered_broker_admits_the_sites_and_enforces_the_acl(slurm, job, tmp_path):
     broker = shutil.copytree(slurm / "broker", tmp_path / "broker")
     (broker / "certs").mkdir()

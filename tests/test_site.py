@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from needs import MOSQUITTO, needs_mosquitto
 from test_control import Mosquitto
 
 from isthmus.deploy.cli import main
@@ -29,9 +29,6 @@ from isthmus.sim.hosts import HostsUnavailable, check_support
 
 ROOT = Path(__file__).resolve().parents[1]
 ISTHMUS = [sys.executable, "-m", "isthmus"]
-MOSQUITTO = shutil.which("mosquitto") or (
-    "/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None
-)
 
 MULTI_NODE = """\
 name: clusters
@@ -254,7 +251,7 @@ def result(out: Path, site: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(MOSQUITTO is None, reason="mosquitto is not installed")
+@needs_mosquitto
 def test_three_sites_train_one_model_each_started_on_its_own(tmp_path):
     """Site a under a torchrun the operator starts; site b (one rank) on its own;
     site c on two "nodes", each started with ``isthmus site --rdzv-endpoint`` (its
@@ -314,7 +311,7 @@ def _wait_for_rounds(metrics: Path, rounds: int, proc: subprocess.Popen, timeout
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(MOSQUITTO is None, reason="mosquitto is not installed")
+@needs_mosquitto
 def test_a_site_added_to_the_job_file_joins_the_running_sites(tmp_path):
     """a and b train with a job file of two sites; c, appended to a copy of it (with
     a certificate of the same CA), starts with --rejoin once they are 3 rounds in,
@@ -375,7 +372,7 @@ def _separate_hosts_unsupported() -> str | None:
         check_support()
     except HostsUnavailable as exc:
         return str(exc)
-    return None if MOSQUITTO else "mosquitto is not installed"
+    return None if MOSQUITTO else needs_mosquitto.kwargs["reason"]
 
 
 @pytest.mark.slow
@@ -499,7 +496,7 @@ def test_only_the_first_node_of_a_site_prints_its_progress(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(MOSQUITTO is None, reason="mosquitto is not installed")
+@needs_mosquitto
 def test_a_site_whose_peer_never_answers_ends_with_one_line_and_no_traceback(tmp_path):
     """Its gRPC server used to be left to the garbage collector after the error, which
     then scheduled its shutdown on a closed loop: a traceback under the one line."""

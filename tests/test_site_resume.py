@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+from needs import needs_mosquitto
 from test_control import Mosquitto
-from test_site import MOSQUITTO, free_port_block, write
+from test_site import free_port_block, write
 
 from isthmus.deploy.cli import main
 from isthmus.deploy.cli.registry import UsageError
@@ -80,7 +81,7 @@ def _start_job(job: Path, runs: dict[str, Path], rdzv: int, *flags: str) -> dict
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(MOSQUITTO is None, reason="mosquitto is not installed")
+@needs_mosquitto
 def test_a_job_stopped_whole_resumes_to_the_same_parameters_bit_for_bit(tmp_path):
     """Site b has two nodes: each answers in the agreement for itself, and both
     go on from the round every node of every site holds."""
@@ -142,7 +143,7 @@ def test_resume_refuses_a_directory_of_another_job_or_site(tmp_path, capsys):
     assert code == 2 and "without --out or --rejoin" in err
 
 
-@pytest.mark.skipif(MOSQUITTO is None, reason="mosquitto is not installed")
+@needs_mosquitto
 def test_sites_agree_on_the_newest_round_they_all_hold_and_leave_nothing_behind(tmp_path):
     from test_control import publish
 
@@ -171,7 +172,7 @@ def test_sites_agree_on_the_newest_round_they_all_hold_and_leave_nothing_behind(
         broker.stop()
 
 
-@pytest.mark.skipif(MOSQUITTO is None, reason="mosquitto is not installed")
+@needs_mosquitto
 def test_every_node_of_a_site_answers_and_a_node_without_the_checkpoints_stops_all(tmp_path):
     """Site b has two nodes. Each answers with the rounds it sees; a round counts only
     if every node holds it. A node that sees none (its run directory is not the

@@ -7,14 +7,15 @@ from __future__ import annotations
 import json
 
 import pytest
+from needs import needs_mosquitto
 from test_control import Mosquitto, publish
-from test_site import MOSQUITTO, free_port_block, write
+from test_site import free_port_block, write
 from test_site_resume import _finish, _retained, _start
 
 from isthmus.deploy.jobfile import load_job, parse_job
 from isthmus.inter.control_topics import config_topic, encode, membership_topic, status_topic
 
-pytestmark = pytest.mark.skipif(MOSQUITTO is None, reason="mosquitto is not installed")
+pytestmark = needs_mosquitto
 
 JOB = """\
 name: again
