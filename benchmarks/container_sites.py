@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from podman import Images, Network, build_images  # noqa: E402
+from podman import Images, Network, build_images
 
 ISTHMUS = [sys.executable, "-m", "isthmus"]
 PORT = 7100
@@ -55,7 +55,8 @@ class Outcome:
 
 def write_job(folder: Path, net: Network, sites: dict[str, int], train: str) -> Path:
     lines = [
-        f"  - {{name: {s}, ranks: {ranks}, address: 0.0.0.0:{PORT}, advertise: {net.host(s)}:{PORT}}}"
+        f"  - {{name: {s}, ranks: {ranks}, address: 0.0.0.0:{PORT}, "
+        f"advertise: {net.host(s)}:{PORT}}}"
         for s, ranks in sites.items()
     ]
     job = folder / "job.yaml"
@@ -211,6 +212,9 @@ def main() -> int:
         print(f"site {site}: podman run to first step {seconds:.1f} s")
     for site, digest in outcome.digests.items():
         print(f"site {site}: param_sha256 {digest}")
+    if args.kill:
+        said = [line for line in outcome.logs["b"].splitlines() if "rejoined" in line]
+        print(f"site b, killed and started again: {said[0] if said else 'no rejoin line'}")
     print(f"wall {outcome.wall_s:.1f} s; {len(set(outcome.digests.values()))} distinct model(s)")
     return 0 if len(set(outcome.digests.values())) == 1 else 1
 

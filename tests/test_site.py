@@ -527,5 +527,6 @@ def test_a_site_whose_peer_never_answers_ends_with_one_line_and_no_traceback(tmp
     assert done.returncode == 1, done.stderr
     assert errors == [
         f"isthmus site: error: site 'b': peer 127.0.0.1:{base + 1} did not answer within 3 s "
-        "(down, partitioned, or the address is wrong)"
+        "(down, partitioned, or the address is wrong); what must be open: "
+        f"isthmus site {job} --site a --print-ports"
     ], done.stderr

@@ -344,6 +344,7 @@ def _train_rank(
                 out, spec.name, resume_round=_resume_round(), rejoin=rejoin
             ),
             "isthmus site",
+            reach_hint=f"isthmus site {job_path} --site {spec.name} --print-ports",
         )
     finally:
         if progress is not None:
@@ -439,10 +440,12 @@ def run_torchrun(args: argparse.Namespace, job: Job, spec: SiteSpec, out: Path) 
     """Start torchrun with the site's layout, print the site's progress, pass on
     the operator's signals, and return torchrun's exit status. Its ranks run the
     user's command (``--no-python``: torchrun runs it as it is) or this command."""
-    command = [sys.executable, "-m", "torch.distributed.run"]
+    # torchrun itself, less its traceback when a rank fails (the rank says why).
+    command = [sys.executable, "-m", "isthmus.deploy.cli.torchrun"]
     command += torchrun_layout_flags(job, spec, args.rdzv_endpoint)
     user_command = getattr(args, "command", None)
-    env = {**os.environ, SPAWNED_BY_SITE: "1"}
+    # torchrun sets 1 where it is unset, with a banner saying so: set it quietly.
+    env = {"OMP_NUM_THREADS": "1", **os.environ, SPAWNED_BY_SITE: "1"}
     if user_command is not None:
         command += ["--no-python", *user_command]
         env |= launch_environment(out, spec.name, args.rejoin)  # torchrun passes it on

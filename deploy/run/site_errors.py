@@ -28,7 +28,10 @@ from isthmus.job.layout import LayoutError
 from isthmus.job.settings import SettingError
 
 
-def run_site_main(main: Callable[[], int], prog: str) -> int:
+def run_site_main(main: Callable[[], int], prog: str, reach_hint: str | None = None) -> int:
+    """Run ``main``; an error a site can meet becomes one line and an exit status.
+    ``reach_hint`` is the command that lists what must be open (``isthmus site
+    ... --print-ports``): a peer or broker this site could not reach names it."""
     try:
         return main()
     except JobFileError as exc:
@@ -46,7 +49,11 @@ def run_site_main(main: Callable[[], int], prog: str) -> int:
     ) as exc:
         say(str(exc), "ERROR", prefix=f"{prog}: error: ")
         return 2
-    except (PeerError, RoundError, ConnectionError, MembershipError) as exc:
+    except (PeerError, RoundError, ConnectionError) as exc:
+        hint = f"; what must be open: {reach_hint}" if reach_hint else ""
+        say(f"{exc}{hint}", "ERROR", prefix=f"{prog}: error: ")
+        return 1
+    except MembershipError as exc:
         say(str(exc), "ERROR", prefix=f"{prog}: error: ")
         return 1
     except torch.OutOfMemoryError as exc:
