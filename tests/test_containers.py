@@ -126,3 +126,10 @@ def test_a_site_that_cannot_reach_the_broker_says_where_and_exits_non_zero(podma
     (line,) = [line for line in said.splitlines() if "error:" in line]
     assert broker in line and "--print-ports" in line, said[-2000:]
     assert "Traceback" not in said
+
+
+def test_the_rendered_kubernetes_manifests_played_by_podman_finish_a_2_site_job(images, tmp_path):
+    kube = _load("kube_play")
+    played = kube.play(tmp_path, images.site)
+    assert set(played.digests) == {"a", "b"}
+    assert len(set(played.digests.values())) == 1, played.digests

@@ -581,3 +581,50 @@ def test_the_image_is_checked_before_anything_is_written(capsys, job_file, tmp_p
     else:
         assert code == 2 and "--image:" in stderr and "is not an image reference" in stderr
         assert not out.exists()
+
+
+def test_the_podman_variant_of_the_manifests_differs_only_where_podman_cannot_play_them(
+    tmp_path, capsys
+):
+    """benchmarks/kube_play.py's list of differences, checked on a rendered site of
+    two nodes (tests/test_containers.py plays a real one)."""
+    import importlib.util
+    import sys
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    spec = importlib.util.spec_from_file_location("kube_play", bench / "kube_play.py")
+    assert spec is not None and spec.loader is not None
+    kube = importlib.util.module_from_spec(spec)
+    sys.modules["kube_play"] = kube  # its dataclasses look their module up
+    spec.loader.exec_module(kube)
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "name: v\nsites:\n"
+        "  - {name: a, ranks: 4, nodes: 2, address: 0.0.0.0:7100, advertise: a.example:7100}\n"
+        "  - {name: b, address: 0.0.0.0:7100, advertise: b.example:7100}\n"
+        "control: {broker: mqtt://broker.example:1883}\ninsecure: true\n"
+    )
+    out = tmp_path / "deploy"
+    assert main(["deploy", "render", str(job), "--target", "kubernetes", "--out", str(out)]) == 0
+    capsys.readouterr()
+    rendered = [d for p in sorted((out / "a").glob("*.yaml")) for d in yaml.safe_load_all(p.read_text())]
+    (indexed,) = [d for d in rendered if d["kind"] == "Job"]
+    variant = kube.podman_variant(rendered)
+    assert sorted(d["kind"] for d in variant) == ["ConfigMap", "Pod", "Pod"]  # no Services
+    pods = [d for d in variant if d["kind"] == "Pod"]
+    for k, pod in enumerate(pods):
+        assert pod["metadata"]["name"] == f"{indexed['metadata']['name']}-{k}"
+        assert pod["metadata"]["labels"][kube.INDEX_LABEL] == str(k)
+        template = indexed["spec"]["template"]["spec"]
+        (container,) = pod["spec"]["containers"]
+        (original,) = template["containers"]
+        assert container["command"] == original["command"]  # the same command
+        assert {"name": "JOB_COMPLETION_INDEX", "value": str(k)} in container["env"]
+        assert "ports" not in container and container["imagePullPolicy"] == "IfNotPresent"
+        assert all("subPath" not in m for m in container["volumeMounts"])
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        assert f"{pod['metadata']['name']}-out" in volumes  # an emptyDir of its own
+        assert all(v["secret"]["optional"] is False for v in volumes.values() if "secret" in v)
+    # The rendered files themselves are left as they were.
+    assert any("subPath" in m for m in indexed["spec"]["template"]["spec"]["containers"][0]["volumeMounts"])
