@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from needs import record_skip
+from needs import record_figure, record_skip
 
 from isthmus.job.link import LinkParams
 from isthmus.sim.emulator import BackgroundEmulator
@@ -44,10 +44,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """Every skip, for scripts/test.sh's closing lines (xdist's controller gets the
-    workers' reports, so only it records them)."""
-    if report.skipped and not hasattr(report, "wasxfail") and "PYTEST_XDIST_WORKER" not in os.environ:
+    """Every skip, and every figure a test recorded, for scripts/test.sh's closing
+    lines (xdist's controller gets the workers' reports, so only it records them)."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        return
+    if report.skipped and not hasattr(report, "wasxfail"):
         record_skip(report.nodeid, report.longrepr)
+    if report.when == "call":
+        for name, value in report.user_properties:
+            if name == "figure":
+                record_figure(report.nodeid, str(value))
 
 
 def pytest_collectreport(report: pytest.CollectReport) -> None:

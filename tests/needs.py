@@ -84,33 +84,45 @@ def podman_missing() -> str | None:
 
 
 SKIP_LOG_VARIABLE = "ISTHMUS_SKIP_LOG"
-"""Where ``conftest.py`` appends one JSON line per skipped test (scripts/test.sh sets it)."""
+"""Where ``conftest.py`` appends one JSON line per skipped test, and per figure a
+test measured (``record_property("figure", ...)``); scripts/test.sh sets it."""
+
+
+def _append(entry: dict[str, str]) -> None:
+    log = os.environ.get(SKIP_LOG_VARIABLE)
+    if log:
+        with open(log, "a", encoding="utf-8") as out:
+            out.write(json.dumps(entry) + "\n")
 
 
 def record_skip(nodeid: str, longrepr: object) -> None:
     """Append a skipped test (or module) and its reason to the skip log, if one is set."""
-    log = os.environ.get(SKIP_LOG_VARIABLE)
-    if not log:
-        return
     reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
-    reason = reason.removeprefix("Skipped: ")
-    with open(log, "a", encoding="utf-8") as out:
-        out.write(json.dumps({"test": nodeid, "reason": reason}) + "\n")
+    _append({"test": nodeid, "reason": reason.removeprefix("Skipped: ")})
+
+
+def record_figure(nodeid: str, figure: str) -> None:
+    """Append a figure a test measured (the image's size, a start-up time)."""
+    _append({"test": nodeid, "figure": figure})
 
 
 def summary(log: Path) -> list[str]:
-    """One line per group of skipped tests: how many, why, and the command that
-    enables them (the group is a reason's ``needs X`` head)."""
+    """The figures tests measured, then one line per group of skipped tests: how
+    many, why, and the command that enables them (a reason's ``needs X`` head)."""
     if not log.exists():
         return []
     groups: dict[str, list[str]] = {}
     reasons: dict[str, str] = {}
+    figures: list[str] = []
     for line in log.read_text(encoding="utf-8").splitlines():
         entry = json.loads(line)
+        if "figure" in entry:
+            figures.append(f"measured: {entry['figure']}")
+            continue
         head, _, rest = entry["reason"].partition(":")
         groups.setdefault(head, []).append(entry["test"])
         reasons.setdefault(head, rest.strip() or head)
-    return [
+    return figures + [
         f"skipped {len(set(tests))} ({head}): {reasons[head]}"
         for head, tests in sorted(groups.items(), key=lambda g: -len(g[1]))
     ]
@@ -118,4 +130,6 @@ def summary(log: Path) -> list[str]:
 
 if __name__ == "__main__":
     lines = summary(Path(sys.argv[1]))
-    print("\n".join(lines) if lines else "skipped none")
+    if not any(line.startswith("skipped") for line in lines):
+        lines.append("skipped none")
+    print("\n".join(lines))

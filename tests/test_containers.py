@@ -50,7 +50,8 @@ def images(podman):
     return built
 
 
-def test_the_image_runs_isthmus_and_checks_a_job(podman, images, tmp_path):
+def test_the_image_runs_isthmus_and_checks_a_job(podman, images, tmp_path, record_property):
+    record_property("figure", f"the sites' image {images.site}: {images.site_bytes / 1e6:.0f} MB")
     assert images.site_bytes <= 1.5e9, f"{images.site_bytes / 1e6:.0f} MB"
     helped = podman.podman("run", "--rm", images.site, "isthmus", "--help")
     assert "isthmus" in helped.stdout and "site" in helped.stdout
@@ -89,12 +90,13 @@ def test_a_build_context_without_the_lock_or_wheels_fails_naming_the_file(podman
     assert "missing requirements.lock in the build context: build with scripts/image.sh" in said
 
 
-def test_three_sites_in_containers_end_with_one_model(images, tmp_path):
+def test_three_sites_in_containers_end_with_one_model(images, tmp_path, record_property):
     sites = _load("container_sites")
     outcome = sites.run_sites(tmp_path, images)
     assert len(set(outcome.digests.values())) == 1, outcome.digests
     assert set(outcome.to_training_s) == {"a", "b", "c"}
-    print("podman run to first step:", outcome.to_training_s)
+    starts = ", ".join(f"{s} {t:.1f} s" for s, t in sorted(outcome.to_training_s.items()))
+    record_property("figure", f"podman run to a site's first step: {starts}")
     # Each site held its own key only, and the broker refused none of them.
     for site in "abc":
         held = sorted(p.name for p in (tmp_path / site / "etc" / "certs").iterdir())
