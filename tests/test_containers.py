@@ -12,6 +12,7 @@ with the one command that fixes it."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import sys
 import textwrap
 from pathlib import Path
@@ -109,9 +110,17 @@ def test_a_site_container_killed_mid_run_rejoins_and_every_site_ends_identical(i
     outcome = sites.run_sites(tmp_path, images, kill="b")
     assert len(set(outcome.digests.values())) == 1, outcome.digests
     assert "rejoined at round" in outcome.logs["b"], outcome.logs["b"][-3000:]
-    # a and c went on without b: some of their rounds had two sites.
+    # a and c went on without b: in some of a's rounds it sent to c but not to b.
     rounds = [r for r in sites.records(tmp_path, "a") if r["kind"] == "round"]
     assert rounds and rounds[-1]["step"] == 160
+    without_b = 0
+    for before, after in itertools.pairwise(rounds):
+        sent = {
+            peer: after["wan_bytes_sent_to"].get(peer, 0) - before["wan_bytes_sent_to"].get(peer, 0)
+            for peer in ("b", "c")
+        }
+        without_b += sent["b"] == 0 and sent["c"] > 0
+    assert without_b >= 1, rounds
 
 
 def test_a_site_that_cannot_reach_the_broker_says_where_and_exits_non_zero(podman, images, tmp_path):
