@@ -153,16 +153,15 @@ def wait_rounds(net: Network, folder: Path, site: str, rounds: int, timeout: flo
 def run_sites(folder: Path, images: Images, *, kill: str | None = None) -> Outcome:
     """Three sites, DiLoCo (a with two ranks, b and c with one); ``kill`` names a
     site whose container is killed after its second round and started again with
-    --rejoin (then every site has one rank: the machine holds the waits short)."""
+    --rejoin."""
+    sites = {"a": 2, "b": 1, "c": 1}  # a's two ranks under the torchrun it starts
     if kill:
         # Long enough for the killed site to come back before the others finish;
         # a deadline short enough that the others go on without it soon, and long
         # enough for every site's first contact on a loaded machine.
-        sites = {"a": 1, "b": 1, "c": 1}
         train = ("{strategy: diloco, steps: 160, sync_every: 10, warmup_steps: 5, "
                  "eval_every: 0, round_deadline_s: 30, collective_timeout_s: 10}")  # fmt: skip
     else:
-        sites = {"a": 2, "b": 1, "c": 1}  # a's two ranks under the torchrun it starts
         train = "{strategy: diloco, steps: 20, sync_every: 10, warmup_steps: 5}"
     started = time.monotonic()
     with Network() as net:

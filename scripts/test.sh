@@ -18,8 +18,9 @@
 # (worksteal: the slow tests differ tenfold in length; the longest first, by
 # tests/durations.json); last, one at a time, the
 # tests that must have the machine to themselves (`serial`: they measure the
-# emulator's own timing or rate, or start a Slurm cluster, of which two at once
-# never finish their jobs). A `-m EXPR` given here selects within every pass.
+# emulator's own timing or rate, start a Slurm cluster, of which two at once
+# never finish their jobs, or build and run containers). A `-m EXPR` given here
+# selects within every pass.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The suite starts hundreds of Python processes (ranks, sites, CLI commands), and
