@@ -153,15 +153,17 @@ def wait_rounds(net: Network, folder: Path, site: str, rounds: int, timeout: flo
 def run_sites(folder: Path, images: Images, *, kill: str | None = None) -> Outcome:
     """Three sites, DiLoCo (a with two ranks, b and c with one); ``kill`` names a
     site whose container is killed after its second round and started again with
-    --rejoin."""
-    sites = {"a": 2, "b": 1, "c": 1}  # a's two ranks under the torchrun it starts
+    --rejoin (then each site has one rank)."""
     if kill:
-        # Long enough for the killed site to come back before the others finish;
-        # a deadline short enough that the others go on without it soon, and long
-        # enough for every site's first contact on a loaded machine.
+        # One rank a site: a two-rank site's torchrun in a container now and then
+        # took longer than these short timeouts to start (docs/two-clusters.md,
+        # troubleshooting). Long enough for the killed site to come back before the
+        # others finish; a deadline short enough that the others go on without it.
+        sites = {"a": 1, "b": 1, "c": 1}
         train = ("{strategy: diloco, steps: 160, sync_every: 10, warmup_steps: 5, "
                  "eval_every: 0, round_deadline_s: 30, collective_timeout_s: 10}")  # fmt: skip
     else:
+        sites = {"a": 2, "b": 1, "c": 1}  # a's two ranks under the torchrun it starts
         train = "{strategy: diloco, steps: 20, sync_every: 10, warmup_steps: 5}"
     started = time.monotonic()
     with Network() as net:
@@ -169,7 +171,13 @@ def run_sites(folder: Path, images: Images, *, kill: str | None = None) -> Outco
         start_broker(net, folder, images.broker)
         starts = {site: start_site(net, folder, site, images.site) for site in sites}
         if kill:
-            wait_rounds(net, folder, kill, 2, timeout=240)
+            try:
+                wait_rounds(net, folder, kill, 2, timeout=240)
+            except RuntimeError as exc:
+                others = "\n".join(
+                    f"--- {s}\n{net.logs(s)[-3000:]}" for s in sites if s != kill
+                )
+                raise RuntimeError(f"{exc}\n{others}") from None
             net.kill(kill)
             net.wait(kill, timeout=60)
             logs_before = net.logs(kill)

@@ -112,7 +112,7 @@ def summary(log: Path) -> list[str]:
     if not log.exists():
         return []
     groups: dict[str, list[str]] = {}
-    reasons: dict[str, str] = {}
+    reasons: dict[str, list[str]] = {}
     figures: list[str] = []
     for line in log.read_text(encoding="utf-8").splitlines():
         entry = json.loads(line)
@@ -121,11 +121,16 @@ def summary(log: Path) -> list[str]:
             continue
         head, _, rest = entry["reason"].partition(":")
         groups.setdefault(head, []).append(entry["test"])
-        reasons.setdefault(head, rest.strip() or head)
-    return figures + [
-        f"skipped {len(set(tests))} ({head}): {reasons[head]}"
-        for head, tests in sorted(groups.items(), key=lambda g: -len(g[1]))
-    ]
+        said = reasons.setdefault(head, [])
+        if (rest.strip() or head) not in said:
+            said.append(rest.strip() or head)
+    lines = []
+    for head, tests in sorted(groups.items(), key=lambda g: -len(g[1])):
+        why = reasons[head][0]
+        if len(reasons[head]) > 1:
+            why += f" (and {len(reasons[head]) - 1} other reason(s))"
+        lines.append(f"skipped {len(set(tests))} ({head}): {why}")
+    return figures + lines
 
 
 if __name__ == "__main__":

@@ -97,10 +97,8 @@ def test_a_build_context_without_the_lock_or_wheels_fails_naming_the_file(podman
 def test_a_site_container_killed_mid_run_rejoins_and_every_site_ends_identical(
     images, tmp_path, record_property
 ):
-    """Three sites, site a of two ranks under the torchrun it starts; b's container
-    killed after its second round, started again with --rejoin; every site
-    finishes, with one model. (``python benchmarks/container_sites.py`` runs the
-    same without the kill.)"""
+    """Three sites; b's container killed after its second round, started again with
+    --rejoin; every site finishes, with one model."""
     sites = _load("container_sites")
     outcome = sites.run_sites(tmp_path, images, kill="b")
     assert len(set(outcome.digests.values())) == 1, outcome.digests
@@ -124,6 +122,14 @@ def test_a_site_container_killed_mid_run_rejoins_and_every_site_ends_identical(
         }
         without_b += sent["b"] == 0 and sent["c"] > 0
     assert without_b >= 1, rounds
+
+
+def test_three_sites_in_containers_end_with_one_model(images, tmp_path):
+    """Site a of two ranks under the torchrun it starts, b and c of one."""
+    sites = _load("container_sites")
+    outcome = sites.run_sites(tmp_path, images)
+    assert len(set(outcome.digests.values())) == 1, outcome.digests
+    assert all(f"{site}: finished" in outcome.logs[site] for site in "abc")
 
 
 def test_a_site_that_cannot_reach_the_broker_says_where_and_exits_non_zero(podman, images, tmp_path):
