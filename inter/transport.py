@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 # The largest chunk a message may carry, plus room for the other fields.
 MAX_CHUNK_BYTES = 16 * 1024 * 1024
 MESSAGE_OVERHEAD_BYTES = 64 * 1024
+DNS_RESOLVE_MIN_MS = 1000
+"""The least time between two lookups of a peer's name (gRPC's default: 30 s)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,6 +141,12 @@ class TransportSettings:
             # connection attempt every few seconds costs nothing on a WAN.
             ("grpc.initial_reconnect_backoff_ms", 500),
             ("grpc.max_reconnect_backoff_ms", int(self.reconnect_backoff_s * 1000)),
+            # A peer started again behind the same name may have a new address (a
+            # container or pod gets a new IP): gRPC looks the name up again when a
+            # connection fails, but by default at most every 30 s, so a site dialled
+            # the old address until its round deadline passed (seen with a killed
+            # and restarted site container). One lookup a second at most.
+            ("grpc.dns_min_time_between_resolutions_ms", DNS_RESOLVE_MIN_MS),
             # Each peer gets its own connection: parallel channels to one address
             # must not be merged into one TCP connection.
             ("grpc.use_local_subchannel_pool", 1),

@@ -35,3 +35,11 @@ def test_both_ends_agree_on_message_size_and_keepalive():
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TransportSettings(**kwargs)
+
+
+def test_a_peer_restarted_at_a_new_address_is_looked_up_again_within_a_second():
+    """gRPC's default waits 30 s between lookups of a name: a restarted container
+    behind the same name was dialled at its old address for a whole round deadline
+    (tests/test_containers.py kills and restarts one)."""
+    client = dict(TransportSettings().channel_options())
+    assert client["grpc.dns_min_time_between_resolutions_ms"] <= 1000
