@@ -102,13 +102,19 @@ def prepare(folder: Path, net: Network, sites: dict[str, int], train: str) -> No
             shutil.copy2(folder / "certs" / name, etc / "certs" / name)
 
 
+BROKER_UP = " running"
+"""What Mosquitto logs once it listens (``mosquitto version 2.0.11 running``)."""
+
+
 def start_broker(net: Network, folder: Path, image: str) -> None:
+    """The broker first, up before any site starts (two-clusters.md, step 4)."""
     net.run(
         "broker", image, "mosquitto", "-c", "mosquitto.conf",
         options=("--user", f"{MOSQUITTO_UID}:{MOSQUITTO_UID}",
                  "--volume", f"{folder / 'broker'}:/mosquitto/config:ro",
                  "--workdir", "/mosquitto/config"),
     )  # fmt: skip
+    net.wait_log("broker", BROKER_UP)
 
 
 def start_site(net: Network, folder: Path, site: str, image: str, *flags: str) -> float:
@@ -160,7 +166,7 @@ def run_sites(folder: Path, images: Images, *, kill: str | None = None) -> Outco
         # troubleshooting). Long enough for the killed site to come back before the
         # others finish; a deadline short enough that the others go on without it.
         sites = {"a": 1, "b": 1, "c": 1}
-        train = ("{strategy: diloco, steps: 160, sync_every: 10, warmup_steps: 5, "
+        train = ("{strategy: diloco, steps: 400, sync_every: 10, warmup_steps: 5, "
                  "eval_every: 0, round_deadline_s: 30, collective_timeout_s: 10}")  # fmt: skip
     else:
         sites = {"a": 2, "b": 1, "c": 1}  # a's two ranks under the torchrun it starts

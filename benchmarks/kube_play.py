@@ -50,7 +50,7 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from podman import SITE_IMAGE, Network, build_images, environment, podman
+from podman import SITE_IMAGE, Network, build_images, environment, podman, wait_for_log
 
 ISTHMUS = [sys.executable, "-m", "isthmus"]
 INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
@@ -208,6 +208,8 @@ def play(folder: Path, image: str = SITE_IMAGE, steps: int = 20) -> Played:
                 network = f"{net.name}:" + ",".join(f"alias={a}" for a in aliases)
                 podman("kube", "play", "--network", network, str(variant), timeout=180)
                 played.append(variant)
+                if owner == "broker":  # up before the sites start, as an operator would
+                    wait_for_log("isthmus-kube-broker-pod-0-mosquitto", " running")
             pods = {site: f"isthmus-kube-{site}-0" for site in ("a", "b")}
             codes = {}
             for site, pod in pods.items():

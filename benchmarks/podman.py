@@ -95,6 +95,17 @@ def build_images() -> Images:
     return Images(SITE_IMAGE, size, BROKER_IMAGE, time.monotonic() - started)
 
 
+def wait_for_log(container: str, text: str, timeout: float = 60) -> None:
+    """Until ``container`` has logged ``text``; raises with its log if it does not."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = podman("logs", container, check=False)
+        if text in done.stdout + done.stderr:
+            return
+        time.sleep(0.2)
+    raise PodmanError(f"{container} did not log {text!r} in {timeout:.0f} s: {done.stderr[-2000:]}")
+
+
 @dataclass
 class Network:
     """A podman network (with DNS: a container is reached by its name) and the
@@ -125,6 +136,10 @@ class Network:
         if done.returncode != 0:
             raise PodmanError(f"podman wait {self.host(what)}: {done.stderr.strip()}")
         return int(done.stdout.strip().splitlines()[-1])
+
+    def wait_log(self, what: str, text: str, timeout: float = 60) -> None:
+        """Until ``what``'s container has logged ``text`` (a server saying it is up)."""
+        wait_for_log(self.host(what), text, timeout)
 
     def running(self, what: str) -> bool:
         state = podman(
