@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 INSTALLS = "run as root: bash scripts/test.sh (it installs it with apt)"
 
 
-def _program(name: str) -> str | None:
+def program(name: str) -> str | None:
+    """The path of ``name`` on PATH, or in the sbin folders a non-root PATH lacks."""
     found = shutil.which(name)
     if found:
         return found
@@ -35,7 +36,7 @@ def _program(name: str) -> str | None:
     return None
 
 
-MOSQUITTO = _program("mosquitto")
+MOSQUITTO = program("mosquitto")
 """The real MQTT broker the control-plane tests start, or None."""
 
 needs_mosquitto = pytest.mark.skipif(
@@ -58,11 +59,6 @@ needs_transformers = pytest.mark.skipif(
     reason="needs transformers: the hf extra is not installed; run: bash scripts/setup.sh "
     "(requirements/dev.lock holds it)",
 )
-
-
-def gpu_reason(what: str) -> str:
-    """The reason of a GPU test's skip; ``what`` says what it checks there."""
-    return f"needs a GPU: {what}; run it on a GPU machine (benchmarks/gpu_device.sh)"
 
 
 def podman_missing() -> str | None:

@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import getpass
 import os
-import shutil
 import socket
 import subprocess
 import time
 from pathlib import Path
+
+from needs import program
 
 DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "scontrol")
 
 
 def missing() -> str | None:
     """Why Slurm cannot run here, or None."""
-    paths = {name: shutil.which(name) or _sbin(name) for name in DAEMONS}
+    paths = {name: program(name) for name in DAEMONS}
     absent = [name for name, path in paths.items() if path is None]
     if absent:
         return (
@@ -32,13 +33,6 @@ def missing() -> str | None:
         )
     if os.geteuid() != 0:
         return "needs Slurm: the tests' daemons run as root; run the suite as root"
-    return None
-
-
-def _sbin(name: str) -> str | None:
-    for folder in ("/usr/sbin", "/usr/bin", "/sbin"):
-        if Path(folder, name).exists():
-            return str(Path(folder, name))
     return None
 
 
@@ -140,7 +134,7 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe
             time.sleep(0.05)
 
     def _spawn(self, daemon: str, *args: str) -> None:
-        path = shutil.which(daemon) or _sbin(daemon)
+        path = program(daemon)
         assert path is not None
         log = open(self.folder / "logs" / f"{daemon}.out", "ab")  # noqa: SIM115 - the child's
         self.procs.append(
@@ -175,7 +169,7 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe
 
     # -- using it ----------------------------------------------------------------------------
     def run(self, *command: str, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
-        path = shutil.which(command[0]) or _sbin(command[0]) or command[0]
+        path = program(command[0]) or command[0]
         env = {**self.env, **kwargs.pop("env", {})}
         return subprocess.run(
             [path, *command[1:]], env=env, capture_output=True, text=True, check=check, **kwargs
