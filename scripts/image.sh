@@ -5,7 +5,7 @@
 #
 #   bash scripts/image.sh [--cuda] [--base IMAGE] [--tag TAG] [--engine podman|docker]
 #
-# --cuda     PyPI's CUDA torch (requirements/runtime-cuda.lock): isthmus:latest-cuda
+# --cuda     PyPI's CUDA torch (requirements/runtime-cuda.txt): isthmus:latest-cuda
 # --base     the image to build FROM (default python:3.11-slim; any Python 3.11 with
 #            venv, e.g. the local base scripts/containers.sh makes where no
 #            registry is reachable)
@@ -17,10 +17,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-lock=requirements/runtime.lock tag="" base="" engine=${ENGINE:-} flavour=cpu
+lock=requirements/runtime.txt tag="" base="" engine=${ENGINE:-} flavour=cpu
 while [ $# -gt 0 ]; do
   case "$1" in
-    --cuda) lock=requirements/runtime-cuda.lock flavour=cuda; shift ;;
+    --cuda) lock=requirements/runtime-cuda.txt flavour=cuda; shift ;;
     --base) base=$2; shift 2 ;;
     --tag) tag=$2; shift 2 ;;
     --engine) engine=$2; shift 2 ;;

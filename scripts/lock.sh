@@ -5,10 +5,10 @@
 #   bash scripts/lock.sh              # resolve again at today's newest releases
 #   bash scripts/lock.sh --check      # exit 1 if a lock no longer matches pyproject.toml
 #
-# - requirements/dev.lock: the package, its dev tools and the hf extra, with the
+# - requirements/dev.txt: the package, its dev tools and the hf extra, with the
 #   CPU torch (scripts/setup.sh installs it: every test's needs);
-# - requirements/runtime.lock: the package alone, with the CPU torch (the CPU image);
-# - requirements/runtime-cuda.lock: the package alone, with PyPI's CUDA torch (the
+# - requirements/runtime.txt: the package alone, with the CPU torch (the CPU image);
+# - requirements/runtime-cuda.txt: the package alone, with PyPI's CUDA torch (the
 #   CUDA image).
 # The lock's torch pin is requirements/torch-{cpu,cuda}.in. Commit the locks with
 # the change that needed them; CI and the images install nothing else.
@@ -56,9 +56,9 @@ compile() {  # compile OUT TORCH_IN [EXTRA...]
   fi
 }
 
-compile requirements/dev.lock requirements/torch-cpu.in dev hf
-compile requirements/runtime.lock requirements/torch-cpu.in
+compile requirements/dev.txt requirements/torch-cpu.in dev hf
+compile requirements/runtime.txt requirements/torch-cpu.in
 links=()  # the CUDA build is PyPI's own
-compile requirements/runtime-cuda.lock requirements/torch-cuda.in
-[ "$check" = 1 ] && echo "lock: requirements/*.lock match pyproject.toml" \
-  || echo "lock: wrote requirements/dev.lock, runtime.lock, runtime-cuda.lock"
+compile requirements/runtime-cuda.txt requirements/torch-cuda.in
+[ "$check" = 1 ] && echo "lock: requirements/*.txt match pyproject.toml" \
+  || echo "lock: wrote requirements/dev.txt, runtime.txt, runtime-cuda.txt"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates (or refreshes) the project's virtual environment in .venv: every
-# package from requirements/dev.lock (exact versions, sha256 hashes: the CPU
+# package from requirements/dev.txt (exact versions, sha256 hashes: the CPU
 # torch, the dev tools, the hf extra), then Isthmus itself in editable mode.
 # The same lock gives the same environment on any day; refresh it with
 # `bash scripts/lock.sh`.
@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
-LOCK=requirements/dev.lock
+LOCK=requirements/dev.txt
 PIP=(--quiet --disable-pip-version-check)
 
 if [ ! -x .venv/bin/python ]; then

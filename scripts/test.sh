@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs every check CI runs: set-up (.venv from requirements/dev.lock), lint, the
+# Runs every check CI runs: set-up (.venv from requirements/dev.txt), lint, the
 # generated-code check, then the whole test suite. Extra arguments go to pytest,
 # e.g. the fast tests alone:
 #   bash scripts/test.sh -m "not slow"

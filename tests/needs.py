@@ -57,7 +57,7 @@ def _has_transformers() -> bool:
 needs_transformers = pytest.mark.skipif(
     not _has_transformers(),
     reason="needs transformers: the hf extra is not installed; run: bash scripts/setup.sh "
-    "(requirements/dev.lock holds it)",
+    "(requirements/dev.txt holds it)",
 )
 
 

@@ -4,7 +4,7 @@ The fast tests check the example's pieces without Isthmus (the model trains,
 the batches are a fixed function of site, rank and step, the Isthmus part stays
 small); the slow one runs it as ``isthmus run JOB -- python hf_train.py`` and
 checks that both sites finish with the same parameters. All skip without the
-``hf`` extra (in requirements/dev.lock, which scripts/setup.sh installs).
+``hf`` extra (in requirements/dev.txt, which scripts/setup.sh installs).
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ def test_the_image_installs_the_lock_alone_with_hashes_and_no_index():
     assert "--require-hashes -r /opt/isthmus/requirements.lock" in install
     assert install.count("--no-index") == 2  # the locked wheels, then Isthmus's
     script = IMAGE_SH.read_text()
-    assert "lock=requirements/runtime.lock" in script
-    assert "lock=requirements/runtime-cuda.lock" in script  # --cuda
+    assert "lock=requirements/runtime.txt" in script
+    assert "lock=requirements/runtime-cuda.txt" in script  # --cuda
 
 
 def test_the_render_names_the_images_the_dockerfile_builds(capsys, tmp_path):

@@ -1,4 +1,4 @@
-"""requirements/*.lock: what scripts/setup.sh and the images install, in step with
+"""requirements/*.txt: what scripts/setup.sh and the images install, in step with
 pyproject.toml and with each other (``bash scripts/lock.sh`` writes them; these
 checks need no network)."""
 
@@ -33,7 +33,7 @@ def wanted(*extras: str) -> list[Requirement]:
 
 @pytest.mark.parametrize(
     ("lock", "extras"),
-    [("dev.lock", ("dev", "hf")), ("runtime.lock", ()), ("runtime-cuda.lock", ())],
+    [("dev.txt", ("dev", "hf")), ("runtime.txt", ()), ("runtime-cuda.txt", ())],
 )
 def test_every_requirement_of_pyproject_is_pinned_within_its_range(lock, extras):
     pinned = pins(lock)
@@ -45,7 +45,7 @@ def test_every_requirement_of_pyproject_is_pinned_within_its_range(lock, extras)
         )
 
 
-@pytest.mark.parametrize("lock", ["dev.lock", "runtime.lock", "runtime-cuda.lock"])
+@pytest.mark.parametrize("lock", ["dev.txt", "runtime.txt", "runtime-cuda.txt"])
 def test_every_pin_carries_its_hashes(lock):
     entries = re.split(r"\n(?=[A-Za-z0-9])", (LOCKS / lock).read_text().strip())
     for entry in entries:
@@ -56,7 +56,7 @@ def test_every_pin_carries_its_hashes(lock):
 def test_the_image_installs_what_the_tests_ran():
     """The CPU image's packages are the test environment's, at the same versions;
     the CUDA image differs only in torch's build and what it brings."""
-    dev, cpu, cuda = pins("dev.lock"), pins("runtime.lock"), pins("runtime-cuda.lock")
+    dev, cpu, cuda = pins("dev.txt"), pins("runtime.txt"), pins("runtime-cuda.txt")
     assert {n: v for n, v in cpu.items() if dev.get(n) != v} == {}
     gpu_only = {n for n in cuda if n.startswith(("nvidia-", "cuda-")) or n == "triton"}
     assert {n: v for n, v in cuda.items() if n not in gpu_only and n != "torch"} == {
