@@ -215,11 +215,7 @@ def play(folder: Path, image: str = SITE_IMAGE, steps: int = 20) -> Played:
             for site, pod in pods.items():
                 done = podman("wait", f"{pod}-site", timeout=600, check=False)
                 codes[site] = int(done.stdout.strip() or -1)
-            logs = {
-                site: podman("logs", f"{pod}-site", check=False).stderr
-                + podman("logs", f"{pod}-site", check=False).stdout
-                for site, pod in pods.items()
-            }
+            logs = {site: _logs(f"{pod}-site") for site, pod in pods.items()}
             failed = {s: c for s, c in codes.items() if c != 0}
             if failed:
                 raise RuntimeError(
@@ -244,6 +240,11 @@ def play(folder: Path, image: str = SITE_IMAGE, steps: int = 20) -> Played:
             if secrets:
                 podman("secret", "rm", *secrets, check=False)
     return Played(digests=digests, wall_s=time.monotonic() - started, logs=logs)
+
+
+def _logs(container: str) -> str:
+    done = podman("logs", container, check=False)
+    return done.stdout + done.stderr
 
 
 def _secret_names() -> list[str]:
