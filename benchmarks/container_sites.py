@@ -67,6 +67,7 @@ def write_job(folder: Path, net: Network, sites: dict[str, int], train: str) -> 
         control:
           broker: mqtts://{net.host("broker")}:{BROKER_PORT}
           tls: {{ca: certs/ca.crt, cert: "certs/{{site}}.crt", key: "certs/{{site}}.key"}}
+          wait_s: 30  # three containers importing torch at once on two cores (CI)
         """)
     )
     return job

@@ -109,8 +109,10 @@ class ControlSpec:
     """The job file's ``control:`` section: which MQTT broker, and how to log in."""
 
     broker: Broker
-    wait_s: float = 3.0
-    """How long a site waits for the broker at start before failing, naming it."""
+    wait_s: float = 10.0
+    """How long a site waits for the broker at start before failing, naming it: a
+    TLS connection across a WAN to a broker that is itself starting (it runs in one
+    of the sites' data centres) takes seconds, not the milliseconds of a LAN."""
     password_env: str | None = None
     """The environment variable holding the password (kept out of the job file)."""
 

@@ -416,10 +416,10 @@ class Validator:
         password_env = raw.get("password_env")
         if password_env is not None and not isinstance(password_env, str):
             self.fail("control.password_env", f"must be a variable name, got {kind(password_env)}")
-        wait_s = raw.get("wait_s", 3.0)
+        wait_s = raw.get("wait_s", ControlSpec.wait_s)
         if not (is_number(wait_s, finite=False) and wait_s > 0):
             self.fail("control.wait_s", f"must be a number of seconds > 0, got {wait_s!r}")
-            wait_s = 3.0
+            wait_s = ControlSpec.wait_s
         try:
             broker = Broker.from_url(url, **options)
         except ValueError as exc:
