@@ -304,9 +304,9 @@ def broker_settings(root: Path, files: dict[str, Path], n: int = 20) -> dict[str
     """Mosquitto with the configuration and ACL ``isthmus deploy render`` writes for
     the job; an honest site listens for live settings while a client without a
     certificate and site c's client try to publish them, then the operator does."""
-    from isthmus.deploy.jobfile import load_job
     from isthmus.deploy.render.cluster import mosquitto_acl, mosquitto_conf
-    from isthmus.inter.control import Broker, ControlPlane
+    from isthmus.inter.control_plane import Broker, ControlPlane
+    from isthmus.job.file import load_job
 
     mosquitto = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
     if not Path(mosquitto).exists():

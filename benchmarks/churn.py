@@ -37,8 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy.run.records import read_records
 from isthmus.job.broker import Broker
+from isthmus.training.records import read_records
 
 JOB = """\
 name: churn

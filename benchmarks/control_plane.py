@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 from local_broker import mosquitto_binary, start_mosquitto
 
-from isthmus.deploy.run.broker import EmbeddedBroker
-from isthmus.inter.control import Broker, ControlPlane
+from isthmus.deploy.launch.broker import EmbeddedBroker
+from isthmus.inter.control_plane import Broker, ControlPlane
 from isthmus.intra.data import Dataset, ShardSpec, stdlib_corpus
 from isthmus.intra.model import GPT, config_for, lm_loss
 
@@ -42,7 +42,7 @@ GIVE_UP_S = 15.0
 
 SITE = """
 import sys, time
-from isthmus.inter.control import Broker, ControlPlane
+from isthmus.inter.control_plane import Broker, ControlPlane
 plane = ControlPlane(Broker("127.0.0.1", int(sys.argv[1])), "bench", "victim", status={"ranks": 1})
 plane.start(wait_s=10)
 print("up", flush=True)

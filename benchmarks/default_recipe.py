@@ -23,8 +23,8 @@ from pathlib import Path
 
 import yaml
 
-from isthmus.deploy.run.compare import held_out_curve, seconds_to_loss
-from isthmus.deploy.run.records import read_records
+from isthmus.deploy.launch.compare import held_out_curve, seconds_to_loss
+from isthmus.training.records import read_records
 
 PLAIN = {"outer_lr": 1.0, "outer_momentum": 0.0}
 NESTEROV = {"outer_lr": 0.7, "outer_momentum": 0.9}

@@ -54,11 +54,11 @@ from pathlib import Path
 from typing import Any
 
 import churn as churn_benchmark
+from site_kill import kill_after_rounds, loss_figures
 
 from isthmus.deploy.bench.allreduce import SitesFailed, run_sites
-from isthmus.deploy.run.records import read_records
-from isthmus.deploy.run.site_kill import kill_after_rounds, loss_figures
 from isthmus.inter.outbox import MAX_REFUSALS
+from isthmus.training.records import read_records
 
 MAX_FAILED_RUNS = 3
 """Runs of ``corrupt`` that may fail before it stops: enough to see it was no fluke."""

@@ -58,7 +58,7 @@ def flops_per_token(size: str) -> float:
     """Training FLOPs per token: 6 x the parameters a token's matmuls touch (all but
     the embeddings' lookups) plus attention's 12 x layers x seq_len x d_model (PaLM's
     count, causal masking not subtracted)."""
-    from isthmus.intra.sizes import config_for
+    from isthmus.job.sizes import config_for
 
     c = config_for(size)
     matmul_params = c.parameter_count() - (c.vocab_size + c.seq_len) * c.d_model

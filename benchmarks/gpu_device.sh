@@ -52,7 +52,7 @@ python3 -c "import torch, grpc, google.protobuf as p; print('torch', torch.__ver
     >>"$OUT/machine.txt" 2>&1
 nproc >>"$OUT/machine.txt"
 cat "$OUT/machine.txt"
-python3 -c "import isthmus.inter.peer, isthmus.deploy.cli, isthmus.deploy.run" || { echo "import failed"; exit 4; }
+python3 -c "import isthmus.inter.peer, isthmus.deploy.cli, isthmus.deploy.launch" || { echo "import failed"; exit 4; }
 
 part() {  # part SECONDS NAME ARGS...: one group of benchmarks/gpu.py's parts
     local limit=$1 name=$2

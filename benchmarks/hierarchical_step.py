@@ -27,11 +27,13 @@ import tempfile
 from pathlib import Path
 
 import torch
+from site_worker import Recipe, load_site_parameters, reference_training
 
-from isthmus.deploy.bench.wan import wan_up
-from isthmus.deploy.jobfile import free_port_blocks, load_job
-from isthmus.deploy.run.site_worker import Recipe, load_site_parameters, reference_training
+from isthmus.deploy.bench.emulator_bench import wan_up
 from isthmus.intra.launch import launch_ranks
+from isthmus.job.file import free_port_blocks, load_job
+
+SITE_WORKER = Path(__file__).resolve().parent / "site_worker.py"
 
 SITES = {"a": 1, "b": 2}
 SEED, BATCH, LR, CORPUS = 0, 8, 0.05, 2_000_000
@@ -57,7 +59,7 @@ def run(args: argparse.Namespace) -> dict:
             common += ["--seed", str(SEED), "--size", args.size, "--corpus-bytes", str(CORPUS)]
             procs = []
             for name, ranks in SITES.items():
-                command = [sys.executable, "-m", "isthmus.deploy.run.site_worker", "--site", name]
+                command = [sys.executable, str(SITE_WORKER), "--site", name]
                 procs += launch_ranks([*command, *common], ranks, stderr=subprocess.PIPE)
             print(
                 f"hierarchical step: sites {SITES} (ranks), {args.steps} steps of model "

@@ -33,7 +33,7 @@ from pathlib import Path
 from isthmus.deploy.bench.allreduce import run_allreduce_bench
 from isthmus.deploy.bench.calibrate import machine_rate
 from isthmus.deploy.cli.sim_scenario import job_scenario
-from isthmus.deploy.jobfile import load_job
+from isthmus.job.file import load_job
 from isthmus.sim.perf_model import all_reduce_seconds
 
 ROOT = Path(__file__).resolve().parent.parent

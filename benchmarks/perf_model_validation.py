@@ -57,9 +57,9 @@ from isthmus.deploy.bench.calibrate import (
     steps_between_syncs,
 )
 from isthmus.deploy.cli.sim_scenario import job_scenario
-from isthmus.deploy.run.records import read_records
-from isthmus.deploy.run.summary import training_figures
+from isthmus.deploy.launch.summary import training_figures
 from isthmus.sim.perf_model import Scenario, exchange_seconds, predict_run
+from isthmus.training.records import read_records
 
 # The runs live beside this script (run as a script, or loaded by path in the tests).
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -25,9 +25,9 @@ def rank_work() -> None:
     """What a rank does before its first step that is not talking to its peers."""
     import torch
 
-    from isthmus.deploy.jobfile import parse_job
-    from isthmus.deploy.run.setup import build_model
     from isthmus.intra.parallelize import materialise
+    from isthmus.job.file import parse_job
+    from isthmus.training.rank_setup import build_model
 
     job = parse_job("name: probe\nsites: [{name: a}, {name: b}]\n")
     model, _, _ = build_model(job, on_meta=True)
@@ -60,8 +60,8 @@ def run_trial(mode: str, ranks: int) -> None:
     else:  # the template imports once; the ranks are forked from it
         import torch._dynamo  # noqa: F401 - what any optimizer's constructor imports
 
-        import isthmus.deploy.run.setup
-        import isthmus.deploy.run.worker  # noqa: F401
+        import isthmus.training.rank_setup
+        import isthmus.training.worker  # noqa: F401
 
         pids = []
         for _ in range(ranks):

@@ -1,7 +1,7 @@
 """The built-in model through the script path against a reference Isthmus's built-in loop.
 
 The one-training-path issue's target: ``isthmus run JOB -- python -m
-isthmus.deploy.run.worker`` (the built-in loop as a script of the public API:
+isthmus.training.worker`` (the built-in loop as a script of the public API:
 ``isthmus.join()``, ``site.strategy()``, ``site.steps()``, ``site.log()``)
 trains as fast as the built-in loop did before it went through that API,
 tokens/s within 2%.
@@ -55,7 +55,7 @@ def one_run(python: str, job: Path, steps: int, script: bool, tmp: Path, n: int)
     out = tmp / f"run-{n}-{'script' if script else 'reference'}"
     command = [python, "-m", "isthmus", "run", str(job), "--steps", str(steps), "--out", str(out)]
     if script:
-        command += ["--", python, "-m", "isthmus.deploy.run.worker"]
+        command += ["--", python, "-m", "isthmus.training.worker"]
     done = subprocess.run(command, cwd=tmp, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")

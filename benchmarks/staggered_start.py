@@ -28,8 +28,8 @@ from typing import Any
 
 from local_broker import start_mosquitto
 
-from isthmus.deploy.run.records import read_records
 from isthmus.job.ports import free_port_blocks
+from isthmus.training.records import read_records
 
 JOB = """\
 name: staggered

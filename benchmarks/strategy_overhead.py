@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 import isthmus
-from isthmus.deploy.jobfile import free_port_blocks
 from isthmus.inter.allocator import keep_freed_memory
 from isthmus.intra.data import Dataset, ShardSpec, stdlib_corpus
 from isthmus.intra.model import GPT, config_for, lm_loss
+from isthmus.job.file import free_port_blocks
 
 
 def main() -> int:

@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from isthmus.deploy.bench.wan import wan_up
+from isthmus.deploy.bench.emulator_bench import wan_up
 from isthmus.deploy.examples.diloco_train import run_sites
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "deploy" / "examples" / "three-continents.yaml"

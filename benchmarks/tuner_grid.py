@@ -35,8 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from isthmus.deploy.run.records import read_records
 from isthmus.deploy.tune.trials import loss_curve, time_to_loss
+from isthmus.training.records import read_records
 
 JOB = """\
 # The tuner's benchmark: two sites on a thin transatlantic share.
@@ -202,7 +202,7 @@ def _seconds(value: float | None) -> str:
 
 def _run(job: Path, out: Path, h: int, codec: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     """A full-length run with one grid setting: the job file with its train: keys set."""
-    from isthmus.deploy.jobfile.edit import edit_train_keys
+    from isthmus.job.file.edit import edit_train_keys
 
     variant = out.parent / f"{out.name}.yaml"
     variant.parent.mkdir(parents=True, exist_ok=True)

@@ -54,7 +54,7 @@ def stdlib_corpus(limit_bytes: int | None = None) -> Corpus:
     """The standard library's ``.py`` files in sorted path order, as bytes.
 
     Read once per process and shared (callers only slice it): the warm rank
-    template (:mod:`isthmus.deploy.run.warm_start`) reads it before it forks, so
+    template (:mod:`isthmus.deploy.launch.warm_start`) reads it before it forks, so
     every forked rank finds it in memory the template's pages hold, instead of
     reading ~700 files and keeping its own 90 MB of int64 tokens."""
     root = Path(sysconfig.get_paths()["stdlib"])

@@ -40,7 +40,7 @@ def launch_ranks(
 ) -> list[Any]:
     """Start ``command`` once per rank; the caller waits for them. ``spawn``: what
     starts a process, ``subprocess.Popen`` or one with its interface (such as
-    ``isthmus.deploy.run.warm_popen.popen``, which forks from a warm template)."""
+    ``warm_popen.popen``, which forks from a warm template)."""
     master_port = free_port()
     base = {**os.environ, **(env or {})}
     return [

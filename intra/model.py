@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from isthmus.intra.sizes import SIZES, GPTConfig, config_for
+from isthmus.job.sizes import SIZES, GPTConfig, config_for
 
 
 class Attention(nn.Module):

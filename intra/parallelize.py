@@ -69,7 +69,7 @@ def materialise(model: nn.Module, device: torch.device, seed: int) -> nn.Module:
     A model built for real is moved. One built on the meta device is allocated
     on ``device`` and initialised by its ``reset_parameters()`` after the seed:
     that is also how the built-in model is initialised when it is built for real
-    (:func:`isthmus.deploy.run.setup.build_model`), so on one rank both give the
+    (:func:`isthmus.training.rank_setup.build_model`), so on one rank both give the
     same values. Sharded (DTensor) parameters are initialised shard by shard;
     sites with other layouts are brought to the same values when the sites agree
     on the starting model (the first site's values are taken)."""
@@ -282,7 +282,7 @@ class SiteModel:
         Reading it (``.item()``) on a GPU waits for the backward pass to finish,
         and the device idles while the host then launches the rest of the step;
         the training loop reads it later
-        (:class:`~isthmus.deploy.session.host_values.LaterFloat`)."""
+        (:class:`~isthmus.training.host_values.LaterFloat`)."""
         if self._schedule is None:
             with autocast(self.device, self.precision):
                 loss = self._loss_fn(self.model(inputs), targets)

@@ -23,7 +23,7 @@ from typing import Any
 from isthmus._version import __version__
 
 _LAZY = {
-    "join": "isthmus.deploy.api",
+    "join": "isthmus.training.site",
     "Sync": "isthmus.inter.strategies",
     "DiLoCo": "isthmus.inter.strategies",
     "StreamingDiLoCo": "isthmus.inter.strategies",

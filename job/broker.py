@@ -1,7 +1,7 @@
 """The job file's MQTT broker: where it is and how to log in (``control.broker``).
 
 Plain data with its URL parsing, below every layer: the job model holds one, the
-control plane (:mod:`isthmus.inter.control`) connects to it.
+control plane (:mod:`isthmus.inter.control_plane`) connects to it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The job: its sites, emulated links, control plane, TLS and settings, as plain data.
 
 A :class:`Job` is what a job file means once it has been read and validated
-(:func:`isthmus.deploy.jobfile.load_job` builds one, with every problem reported
+(:func:`isthmus.job.file.load_job` builds one, with every problem reported
 by line); every layer reads it and none is needed to describe it: this module
 imports only the job model's own settings.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from isthmus.job.broker import Broker
-from isthmus.job.faults import Fault
+from isthmus.job.fault_schedule import Fault
 from isthmus.job.layout import Layout
 from isthmus.job.link import LinkParams
 from isthmus.job.ports import free_ports
@@ -222,6 +222,14 @@ class Job:
         if self.regions:
             return "two_level"
         return "auto" if self.wan is not None else "direct"
+
+    @property
+    def survives_site_loss(self) -> bool:
+        """Whether the run goes on when a site is lost: the membership protocol runs
+        (:func:`isthmus.training.site_control.membership_for`). Every strategy's rounds
+        run under membership views (:mod:`isthmus.inter.member_rounds`); it takes two
+        sites. The launcher and every rank read this one rule."""
+        return len(self.sites) >= 2
 
     def region_of(self) -> dict[str, str]:
         """Each site's region, by name (empty without ``regions:``)."""

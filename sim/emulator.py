@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from isthmus.sim.faults import Progress, run_fault
+from isthmus.sim.fault_runner import Progress, run_fault
 from isthmus.sim.precise_timers import PreciseTimers
 from isthmus.sim.proxy import LinkRuntime, Listener
 from isthmus.sim.topology import Topology

@@ -13,7 +13,7 @@ import random
 import zlib
 from dataclasses import dataclass, field
 
-from isthmus.job.faults import Fault, validate_fault
+from isthmus.job.fault_schedule import Fault, validate_fault
 from isthmus.job.link import LinkParams
 from isthmus.job.model import Job, WanSpec
 from isthmus.sim.token_bucket import TokenBucket

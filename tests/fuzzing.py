@@ -23,7 +23,10 @@ from typing import Any
 import yaml
 from hypothesis import strategies as st
 
-from isthmus.deploy.jobfile import (
+from isthmus.inter.allreduce import Incoming
+from isthmus.inter.chunks import checksum
+from isthmus.inter.peer import Identity, PeerServicer
+from isthmus.job.file import (
     CONTROL_KEYS,
     FAULT_KEYS,
     SITE_KEYS,
@@ -33,9 +36,6 @@ from isthmus.deploy.jobfile import (
     JobFileError,
     parse_job,
 )
-from isthmus.inter.allreduce import Incoming
-from isthmus.inter.chunks import checksum
-from isthmus.inter.peer import Identity, PeerServicer
 from isthmus.job.settings import SETTING_NAMES
 from isthmus.proto import wire_pb2
 from isthmus.sim.tuner import TUNE_KEYS

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from isthmus.deploy.jobfile import parse_job
 from isthmus.job.addressing import AddressError, load_state, resolve
+from isthmus.job.file import parse_job
 
 JOB = """\
 name: addr

@@ -17,7 +17,7 @@ from isthmus.deploy.bench.calibrate import (
     steady_calibration,
     steps_between_syncs,
 )
-from isthmus.deploy.run.records import RecordWriter
+from isthmus.training.records import RecordWriter
 
 
 def test_the_calibration_synchronises_as_the_job_does():

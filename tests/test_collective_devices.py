@@ -294,7 +294,7 @@ def test_a_two_rank_gloo_site_runs_every_call_site_under_emulation(tmp_path):
         f"  - {{name: b, ranks: 1, address: 127.0.0.1:{bases[1]}}}\n"
     )
     command = [sys.executable, __file__, str(job), str(tmp_path)]
-    from isthmus.deploy.run.warm_popen import popen
+    from warm_popen import popen
 
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE}
     procs = launch_ranks([*command, "a"], 2, spawn=popen, **quiet)
@@ -318,14 +318,14 @@ def test_a_two_rank_gloo_site_runs_every_call_site_under_emulation(tmp_path):
 
 def _site_main(job_path: str, out: str, name: str) -> None:
     """One rank of the test above: every call site, under device emulation."""
-    from isthmus.deploy.jobfile import load_job
-    from isthmus.deploy.run import round_records
-    from isthmus.deploy.run.control import SiteControl
-    from isthmus.deploy.run.records import RecordWriter
     from isthmus.inter.agreement import agree_on_model
     from isthmus.inter.join import start_site
     from isthmus.inter.member_rounds import MemberRounds
     from isthmus.intra import checkpoint
+    from isthmus.job.file import load_job
+    from isthmus.training import round_records
+    from isthmus.training.records import RecordWriter
+    from isthmus.training.site_control import SiteControl
 
     rank = int(os.environ.get("RANK", "0"))
     report: dict = {}
@@ -395,7 +395,7 @@ def _replica_gradients(check, runtime) -> bool:
 def _replicas_evaluate(check, runtime) -> tuple[float, float]:
     """The held-out loss with the site's replicas sharing 5 batches (3 and 2), and
     with this rank evaluating all 5 alone."""
-    from isthmus.deploy.run.setup import evaluate
+    from isthmus.training.rank_setup import evaluate
 
     model = torch.nn.Linear(4, 4)
     torch.nn.init.constant_(model.weight, 0.5)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from isthmus.deploy.run.compare import (
+from isthmus.deploy.launch.compare import (
     comparison_rows,
     held_out_curve,
     seconds_to_loss,

@@ -24,9 +24,8 @@ import pytest
 from needs import MOSQUITTO, needs_mosquitto
 from test_cli import in_process
 
-from isthmus.deploy.run.broker import EmbeddedBroker
-from isthmus.deploy.run.records import RecordTail, read_records
-from isthmus.inter.control import Broker, ControlPlane
+from isthmus.deploy.launch.broker import EmbeddedBroker
+from isthmus.inter.control_plane import Broker, ControlPlane
 from isthmus.inter.control_topics import (
     config_topic,
     decode,
@@ -36,6 +35,7 @@ from isthmus.inter.control_topics import (
     status_topic,
 )
 from isthmus.job.settings import TrainSettings
+from isthmus.training.records import RecordTail, read_records
 
 
 def free_port() -> int:
@@ -114,7 +114,7 @@ def test_an_embedded_broker_that_cannot_start_says_why_in_one_line():
     ended in a traceback. A port already taken fails amqtt the same way, for real."""
     import socket
 
-    from isthmus.deploy.run.broker import BrokerStartError
+    from isthmus.deploy.launch.broker import BrokerStartError
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -203,7 +203,7 @@ def test_a_clean_exit_is_the_last_word_at_the_broker(tmp_path):
 
 SITE_SCRIPT = """
 import sys, time
-from isthmus.inter.control import Broker, ControlPlane
+from isthmus.inter.control_plane import Broker, ControlPlane
 plane = ControlPlane(Broker("127.0.0.1", int(sys.argv[1])), "j", "victim", status={"ranks": 1})
 plane.start(wait_s=10)
 print("up", flush=True)
@@ -329,8 +329,8 @@ def test_tls_to_mosquitto_with_a_test_ca(tmp_path):
 
 @needs_mosquitto
 def test_mosquitto_with_the_jobs_certificates_admits_its_sites_and_nobody_else(tmp_path):
-    from isthmus.deploy.jobfile import parse_job
     from isthmus.deploy.render.certs import make_certs
+    from isthmus.job.file import parse_job
 
     certs, other = tmp_path / "certs", tmp_path / "other"
     make_certs("j", ["a", "b"], certs, broker=["127.0.0.1"])
@@ -373,7 +373,7 @@ def test_mosquitto_with_the_jobs_certificates_admits_its_sites_and_nobody_else(t
 
 @needs_mosquitto
 def test_job_file_names_a_tls_broker(tmp_path):
-    from isthmus.deploy.jobfile import parse_job
+    from isthmus.job.file import parse_job
 
     files = make_tls_files(tmp_path)
     text = (

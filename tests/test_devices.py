@@ -13,9 +13,6 @@ import torch
 from torch import nn
 
 from isthmus.deploy.cli import main
-from isthmus.deploy.jobfile import load_job
-from isthmus.deploy.run.setup import build_model, evaluate, to_device
-from isthmus.deploy.session.strategy_choice import outer_device
 from isthmus.intra.devices import (
     check_site_fits,
     compute_device,
@@ -26,8 +23,11 @@ from isthmus.intra.devices import (
 from isthmus.intra.model import GPT, config_for, lm_loss
 from isthmus.intra.parallelize import SiteModel, materialise
 from isthmus.intra.random_state import random_states, restore_random_states
+from isthmus.job.file import load_job
 from isthmus.job.layout import Layout
 from isthmus.job.settings import SettingError, TrainSettings
+from isthmus.training.rank_setup import build_model, evaluate, to_device
+from isthmus.training.strategy_choice import outer_device
 
 NEEDS_GPU = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a GPU: run python benchmarks/gpu.py there"

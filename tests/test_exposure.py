@@ -15,11 +15,11 @@ import yaml
 from needs import MOSQUITTO, needs_mosquitto
 
 from isthmus.deploy.cli import main
-from isthmus.deploy.jobfile import JobFileError, parse_job
-from isthmus.deploy.run.run_dir import PASSWORD_VARIABLE, RunError, resolve_job, resume_point
-from isthmus.deploy.run.run_state import RunState, SiteState
-from isthmus.deploy.run.summary import build_summary
+from isthmus.deploy.launch.run_dir import PASSWORD_VARIABLE, RunError, resolve_job, resume_point
+from isthmus.deploy.launch.run_state import RunState, SiteState
+from isthmus.deploy.launch.summary import build_summary
 from isthmus.job.exposure import exposed_sites, insecure_warning, on_this_machine, unprotected
+from isthmus.job.file import JobFileError, parse_job
 from isthmus.job.ports import free_port
 
 ACROSS = """\

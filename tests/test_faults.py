@@ -13,7 +13,7 @@ import json
 import pytest
 from test_run import explain, isthmus, write_job
 
-from isthmus.deploy.run.records import read_records
+from isthmus.training.records import read_records
 
 PARTITIONED_JOB = """\
 name: partitioned

@@ -267,7 +267,7 @@ def test_auto_weighs_the_uplink_caps_and_what_gather_must_hold(monkeypatch):
 
 
 def test_an_emulated_jobs_uplink_caps_reach_the_cost_model_per_lane():
-    from isthmus.deploy.jobfile import parse_job
+    from isthmus.job.file import parse_job
     from isthmus.sim.cost import job_uplinks
 
     text = (

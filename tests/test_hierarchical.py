@@ -10,15 +10,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+from site_worker import Recipe, load_site_parameters, reference_training
+from warm_popen import popen
 
-from isthmus.deploy.jobfile import free_port_blocks, load_job
-from isthmus.deploy.run.site_worker import Recipe, load_site_parameters, reference_training
-from isthmus.deploy.run.warm_popen import popen
 from isthmus.inter.lanes import MAX_LANES, lane_count, lane_owner, owned_lanes
 from isthmus.intra.launch import launch_ranks
+from isthmus.job.file import free_port_blocks, load_job
+
+SITE_WORKER = Path(__file__).resolve().parents[1] / "benchmarks" / "site_worker.py"
 
 STEPS, BATCH, LR, SEED, CORPUS = 4, 4, 0.05, 3, 300_000
 RECIPE = Recipe(seed=SEED, size="tiny", corpus_bytes=CORPUS, batch=BATCH)
@@ -60,7 +63,7 @@ def _run_sites(
     args += ["--corpus-bytes", str(CORPUS)]
     procs = []
     for name, ranks in sites.items():
-        command = [sys.executable, "-m", "isthmus.deploy.run.site_worker", "--site", name, *args]
+        command = [sys.executable, str(SITE_WORKER), "--site", name, *args]
         if ranks == 1:
             procs.append(popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
         else:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from isthmus.deploy.jobfile import JobFileError, load_job, parse_address, parse_job
+from isthmus.job.file import JobFileError, load_job, parse_address, parse_job
 from isthmus.sim.topology import Topology
 
 ISSUE_EXAMPLE = """\

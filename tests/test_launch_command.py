@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from isthmus.deploy.cli import main
-from isthmus.deploy.jobfile import free_port_blocks
+from isthmus.job.file import free_port_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 TWO_SITES = ROOT / "deploy" / "examples" / "two-sites.yaml"
@@ -88,8 +88,8 @@ def test_a_bad_command_or_join_timeout_is_refused(tmp_path, capsys, flags, messa
 )
 def test_a_resumed_run_runs_its_own_command_unless_given_another(tmp_path, monkeypatch, given, ran):
     from isthmus.deploy.cli import run as run_cli_module
-    from isthmus.deploy.run import run_dir
-    from isthmus.deploy.run.run_dir import save_command, saved_command
+    from isthmus.deploy.launch import run_dir
+    from isthmus.deploy.launch.run_dir import save_command, saved_command
 
     assert saved_command(tmp_path) is None  # a run from before commands were kept
     save_command(tmp_path, ["python", "train.py"])

@@ -429,7 +429,7 @@ def test_the_model_against_a_recorded_emulated_run():
     benchmarks/tuner_grid.py): the model, given the run's own compute time per step
     and its job file, predicts its wall time per step and utilisation within 10%."""
     from isthmus.deploy.cli.sim_scenario import job_scenario
-    from isthmus.deploy.run.summary import training_figures
+    from isthmus.deploy.launch.summary import training_figures
 
     summary = json.loads((RECORDED / "summary.json").read_text())
     sites = summary["sites"].values()

@@ -20,9 +20,9 @@ from isthmus.intra.devices import _GPU_DRIVER_NODES
 LAUNCHER = """
 import sys, tempfile
 from pathlib import Path
-import isthmus.deploy.cli.run, isthmus.deploy.run.execute, isthmus.deploy.run.report
-import isthmus.deploy.run.progress, isthmus.deploy.run.run_dir, isthmus.deploy.run.compare
-from isthmus.deploy.run.tensorboard import TensorBoardWriter
+import isthmus.deploy.cli.run, isthmus.deploy.launch.execute, isthmus.deploy.launch.report
+import isthmus.deploy.launch.progress, isthmus.deploy.launch.run_dir, isthmus.deploy.launch.compare
+from isthmus.deploy.launch.tensorboard import TensorBoardWriter
 from isthmus.intra.devices import emulated_gpu_map
 emulated_gpu_map([("a", 1), ("b", 2)], "auto")
 writer = TensorBoardWriter(Path(tempfile.mkdtemp()), ["a"])
@@ -33,7 +33,7 @@ print(sorted(m for m in ("torch", "grpc") if m in sys.modules))
 
 RANK = """
 import sys
-import isthmus.deploy.run.worker
+import isthmus.training.worker
 print(sorted(m for m in ("torch._dynamo", "torch.distributed.pipelining") if m in sys.modules))
 """
 
@@ -60,7 +60,7 @@ def test_tensorboard_events_still_take_tensors_once_torch_is_loaded(tmp_path):
     loaded; in a process that has torch, the same writer is the usual one."""
     code = (
         "import torch\nfrom pathlib import Path\n"
-        "from isthmus.deploy.run.tensorboard import TensorBoardWriter\n"
+        "from isthmus.deploy.launch.tensorboard import TensorBoardWriter\n"
         f"w = TensorBoardWriter(Path({str(tmp_path)!r}), ['a'])\n"
         "w.add({'site': 'a', 'kind': 'step', 't': 1.0, 'step': 1, 'loss': torch.tensor(2.0),"
         " 'tokens': 8, 'lr': 0.1})\nw.close()\nprint('ok')\n"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from isthmus.deploy.cli import main
-from isthmus.deploy.jobfile import JobFileError, parse_job
+from isthmus.job.file import JobFileError, parse_job
 from isthmus.job.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -332,8 +332,8 @@ def test_a_fault_at_a_round_of_any_site_lasts_for_seconds(probe, two_sites):
 
 
 def test_progress_reaches_the_emulator_through_its_control_service():
-    from isthmus.sim.control import ControlServer
-    from isthmus.sim.faults import Progress
+    from isthmus.sim.emulator_control import ControlServer
+    from isthmus.sim.fault_runner import Progress
 
     progress = Progress()
     server = ControlServer(object(), progress=progress)  # type: ignore[arg-type]

@@ -4,7 +4,7 @@ import textwrap
 
 import pytest
 
-from isthmus.deploy.jobfile import JobFileError, parse_job
+from isthmus.job.file import JobFileError, parse_job
 from isthmus.sim.proxy import LinkRuntime
 from isthmus.sim.router import PacketLink
 from isthmus.sim.topology import Topology

@@ -29,9 +29,9 @@ import yaml
 from needs import MOSQUITTO, needs_mosquitto
 
 from isthmus.deploy.cli import main
-from isthmus.deploy.jobfile import Job, SiteSpec, load_job
 from isthmus.deploy.render.certs import make_certs
 from isthmus.inter.tls import SiteTls
+from isthmus.job.file import Job, SiteSpec, load_job
 
 SITES = ("us-east", "eu-west", "asia-east")
 JOB = """\

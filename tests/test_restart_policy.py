@@ -4,8 +4,8 @@ dies again before it completes a round is given up after MAX_RESTARTS."""
 
 from __future__ import annotations
 
-from isthmus.deploy.run.launcher import MAX_RESTARTS
-from isthmus.deploy.run.run_state import SiteState, apply_record
+from isthmus.deploy.launch.launcher import MAX_RESTARTS
+from isthmus.deploy.launch.run_state import SiteState, apply_record
 
 
 def round_record(outer_steps: int) -> dict:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from test_cli import in_process
 
-from isthmus.deploy.run.records import RecordTail, parameter_digest, read_records
+from isthmus.training.records import RecordTail, parameter_digest, read_records
 
 SMALL_JOB = """\
 name: small
@@ -461,8 +461,8 @@ def test_parameter_digest_names_order_and_values():
 
 
 def test_learning_rate_warms_up_then_decays_to_a_tenth():
-    from isthmus.deploy.run.setup import learning_rate
     from isthmus.job.settings import TrainSettings
+    from isthmus.training.rank_setup import learning_rate
 
     settings = TrainSettings(steps=100, warmup_steps=10, inner_lr=1.0)
     rates = [learning_rate(settings, s) for s in range(100)]
@@ -472,8 +472,8 @@ def test_learning_rate_warms_up_then_decays_to_a_tenth():
 
 
 def test_a_constant_schedule_holds_the_peak_after_the_warm_up():
-    from isthmus.deploy.run.setup import learning_rate
     from isthmus.job.settings import TrainSettings
+    from isthmus.training.rank_setup import learning_rate
 
     settings = TrainSettings(steps=100, warmup_steps=10, inner_lr=1.0, lr_schedule="constant")
     rates = [learning_rate(settings, s) for s in range(100)]
@@ -482,8 +482,8 @@ def test_a_constant_schedule_holds_the_peak_after_the_warm_up():
 
 
 def test_wsd_holds_the_peak_then_decays_linearly_over_the_last_fifth():
-    from isthmus.deploy.run.setup import learning_rate
     from isthmus.job.settings import TrainSettings
+    from isthmus.training.rank_setup import learning_rate
 
     settings = TrainSettings(steps=100, warmup_steps=10, inner_lr=1.0, lr_schedule="wsd")
     rates = [learning_rate(settings, s) for s in range(100)]
@@ -496,8 +496,8 @@ def test_wsd_holds_the_peak_then_decays_linearly_over_the_last_fifth():
 def test_the_inner_optimizer_takes_the_job_files_adamw_settings():
     import torch
 
-    from isthmus.deploy.jobfile import parse_job
-    from isthmus.deploy.run.setup import inner_optimizer
+    from isthmus.job.file import parse_job
+    from isthmus.training.rank_setup import inner_optimizer
 
     job = parse_job(
         "name: j\nsites: [{name: a}]\ntrain: {inner_lr: 0.002, warmup_steps: 0, "
@@ -517,9 +517,9 @@ def test_the_inner_optimizer_takes_the_job_files_adamw_settings():
 def test_live_progress_renders_every_site_and_link(tmp_path):
     from rich.console import Console
 
-    from isthmus.deploy.jobfile import parse_job
-    from isthmus.deploy.run.progress import LiveProgress, PlainProgress
-    from isthmus.deploy.run.run_state import RunState, SiteState
+    from isthmus.deploy.launch.progress import LiveProgress, PlainProgress
+    from isthmus.deploy.launch.run_state import RunState, SiteState
+    from isthmus.job.file import parse_job
 
     job = parse_job("name: j\nsites: [{name: a}, {name: b}]\ntrain: {steps: 10}\n")
     state = RunState(
@@ -548,9 +548,9 @@ def test_live_progress_renders_every_site_and_link(tmp_path):
 def test_progress_with_many_sites_names_the_busiest_links_and_sums_the_rest(tmp_path):
     from rich.console import Console
 
-    from isthmus.deploy.jobfile import parse_job
-    from isthmus.deploy.run.progress import LINKS_SHOWN, LiveProgress, PlainProgress
-    from isthmus.deploy.run.run_state import RunState, SiteState
+    from isthmus.deploy.launch.progress import LINKS_SHOWN, LiveProgress, PlainProgress
+    from isthmus.deploy.launch.run_state import RunState, SiteState
+    from isthmus.job.file import parse_job
 
     names = [f"s{i:02d}" for i in range(16)]
     job = parse_job("name: j\nsites: [" + ", ".join(f"{{name: {n}}}" for n in names) + "]\n")

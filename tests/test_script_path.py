@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from site_kill import kill_after_rounds, loss_figures
 from test_run import explain
 
-from isthmus.deploy.run.site_kill import kill_after_rounds, loss_figures
-from isthmus.deploy.session.environment import LaunchEnvironment, NotLaunched
+from isthmus.training.environment import LaunchEnvironment, NotLaunched
 
 SCRIPT = Path(__file__).parent / "workers" / "script_train.py"
 

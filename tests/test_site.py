@@ -23,9 +23,9 @@ from test_control import Mosquitto
 
 from isthmus.deploy.cli import main
 from isthmus.deploy.cli.site import SiteProgress, torchrun_layout_flags
-from isthmus.deploy.jobfile import JobFileError, free_port_blocks, parse_job
-from isthmus.deploy.run.records import read_records
+from isthmus.job.file import JobFileError, free_port_blocks, parse_job
 from isthmus.sim.hosts import HostsUnavailable, check_support
+from isthmus.training.records import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 ISTHMUS = [sys.executable, "-m", "isthmus"]
@@ -407,7 +407,7 @@ def test_three_sites_on_separate_hosts_started_as_operators_would(tmp_path):
 
 
 def test_tcp_settings_that_slow_a_long_fat_link_are_named_with_their_fix(tmp_path):
-    from isthmus.deploy.run.host_tuning import read_sysctl, tcp_advice
+    from isthmus.deploy.launch.host_tuning import read_sysctl, tcp_advice
 
     defaults = {
         "net.ipv4.tcp_slow_start_after_idle": "1",
@@ -439,7 +439,7 @@ def test_log_format_json_prints_every_line_as_one_object(tmp_path, capsys, monke
     import json
     import logging
 
-    from isthmus.deploy.cli import log_format
+    from isthmus.training import log_format
 
     for variable in (log_format.LOG_FORMAT, log_format.LOG_SITE):
         # setenv first: monkeypatch then puts back what was there (nothing) after

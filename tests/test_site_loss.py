@@ -11,10 +11,10 @@ import subprocess
 import sys
 
 import pytest
+from site_kill import kill_after_rounds, loss_figures
 from test_run import explain, isthmus
 
-from isthmus.deploy.run.records import read_records
-from isthmus.deploy.run.site_kill import kill_after_rounds, loss_figures
+from isthmus.training.records import read_records
 
 JOB = """\
 name: site-loss

@@ -19,7 +19,7 @@ from test_control import Mosquitto
 from test_site import free_port_block, write
 
 from isthmus.deploy.cli import main
-from isthmus.deploy.cli.registry import UsageError
+from isthmus.deploy.usage import UsageError
 
 ISTHMUS = [sys.executable, "-m", "isthmus"]
 JOB = """\
@@ -147,9 +147,9 @@ def test_resume_refuses_a_directory_of_another_job_or_site(tmp_path, capsys):
 def test_sites_agree_on_the_newest_round_they_all_hold_and_leave_nothing_behind(tmp_path):
     from test_control import publish
 
-    from isthmus.deploy.jobfile import load_job
-    from isthmus.deploy.run.site_resume import plan_resume
+    from isthmus.deploy.launch.site_resume import plan_resume
     from isthmus.inter.control_topics import encode, membership_topic, status_topic
+    from isthmus.job.file import load_job
 
     broker = Mosquitto(tmp_path).start()
     try:
@@ -178,7 +178,7 @@ def test_every_node_of_a_site_answers_and_a_node_without_the_checkpoints_stops_a
     if every node holds it. A node that sees none (its run directory is not the
     one the other node wrote: no shared file system) stops every node and site,
     naming the cause, instead of letting b's nodes start from different rounds."""
-    from isthmus.deploy.jobfile import load_job
+    from isthmus.job.file import load_job
 
     broker = Mosquitto(tmp_path).start()
     try:
@@ -222,7 +222,7 @@ def _agree(job, held: dict[tuple[str, int], list[int]]) -> dict:
     machines would; its plan, or the error it was refused with."""
     import threading
 
-    from isthmus.deploy.run.site_resume import plan_resume
+    from isthmus.deploy.launch.site_resume import plan_resume
 
     plans: dict = {}
 

@@ -21,7 +21,7 @@ from slurm_cluster import SlurmCluster, missing
 from test_control import Mosquitto
 
 from isthmus.deploy.cli import main
-from isthmus.deploy.jobfile import free_port_blocks
+from isthmus.job.file import free_port_blocks
 
 # serial: one Slurm cluster at a time. Two at once (two xdist workers) never ran their
 # jobs to the end: both tests timed out.

@@ -1,5 +1,5 @@
 """A job started again on the same broker does not take an earlier run's retained
-view, live settings or statuses for its own (deploy/run/stale_run.py), with a
+view, live settings or statuses for its own (deploy/launch/stale_run.py), with a
 real Mosquitto."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from test_control import Mosquitto, publish
 from test_site import free_port_block, write
 from test_site_resume import _finish, _retained, _start
 
-from isthmus.deploy.jobfile import load_job, parse_job
 from isthmus.inter.control_topics import config_topic, encode, membership_topic, status_topic
+from isthmus.job.file import load_job, parse_job
 
 pytestmark = needs_mosquitto
 
@@ -44,7 +44,7 @@ def _leave_a_stopped_run(broker: Mosquitto, job: str) -> None:
 
 
 def test_an_earlier_runs_retained_state_is_cleared_unless_a_site_is_online(tmp_path):
-    from isthmus.deploy.run.stale_run import forget_stale_run
+    from isthmus.deploy.launch.stale_run import forget_stale_run
 
     broker = Mosquitto(tmp_path).start()
     try:
@@ -69,7 +69,7 @@ def test_an_earlier_runs_retained_state_is_cleared_unless_a_site_is_online(tmp_p
 
 
 def test_no_broker_there_is_left_to_the_control_plane_to_name():
-    from isthmus.deploy.run.stale_run import forget_stale_run
+    from isthmus.deploy.launch.stale_run import forget_stale_run
 
     job = parse_job(JOB.format(a=7100, b=7200, broker=free_port_block(1)))
     assert forget_stale_run(job, "a") == []

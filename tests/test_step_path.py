@@ -11,15 +11,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from isthmus.deploy.run.records import RecordWriter, read_records
-from isthmus.deploy.run.setup import to_device
-from isthmus.deploy.run.worker import _forward_backward
-from isthmus.deploy.session.host_values import LaterFloat
 from isthmus.intra.gradients import clip_grad_norm, clip_gradients
 from isthmus.intra.model import GPT, config_for, lm_loss
 from isthmus.intra.parallelize import SiteModel
 from isthmus.job.layout import Layout
 from isthmus.job.settings import TrainSettings
+from isthmus.training.host_values import LaterFloat
+from isthmus.training.rank_setup import to_device
+from isthmus.training.records import RecordWriter, read_records
+from isthmus.training.worker import _forward_backward
 
 NEEDS_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 

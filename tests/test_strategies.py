@@ -301,8 +301,8 @@ def test_bad_streaming_settings_are_refused(kwargs, field):
 def test_diloco_through_the_emulated_wan(tmp_path):
     """`isthmus.join` finds the emulator's state file of the job and the sites'
     traffic crosses its links (counted there)."""
-    from isthmus.deploy.bench.wan import wan_up
-    from isthmus.sim.control import ControlClient
+    from isthmus.deploy.bench.emulator_bench import wan_up
+    from isthmus.sim.emulator_control import ControlClient
 
     job = loopback_job(
         tmp_path / "job.yaml",
@@ -343,7 +343,7 @@ def _scripted_rounds(tmp_path, flags: dict[str, list[str]]) -> dict[str, dict]:
 
     worker = Path(__file__).parent / "workers" / "diloco_rounds.py"
     job = loopback_job(tmp_path / "job.yaml", "rounds", list(flags))
-    from isthmus.deploy.run.warm_popen import popen
+    from warm_popen import popen
 
     procs = {
         site: popen(

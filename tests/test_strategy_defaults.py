@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from isthmus.deploy.run.run_dir import resolve_job
+from isthmus.deploy.launch.run_dir import resolve_job
 from isthmus.job.settings import SettingError, TrainSettings
 
 

@@ -202,7 +202,7 @@ def test_certs_revoke_names_the_site_and_what_to_copy(tmp_path, capsys):
 
 
 def test_a_job_file_names_its_revocation_list(tmp_path):
-    from isthmus.deploy.jobfile import JobFileError, parse_job
+    from isthmus.job.file import JobFileError, parse_job
 
     base = (
         "name: j\nsites: [{name: a}]\ntls: {ca: c/ca.crt, cert: 'c/{site}.crt', key: 'c/{site}.key'"

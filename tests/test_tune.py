@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from test_cli import in_process
 
-from isthmus.deploy.jobfile import JobFileError, load_job, parse_job
-from isthmus.deploy.jobfile.edit import JobEditError, edit_train_keys, set_train_keys
+from isthmus.job.file import JobFileError, load_job, parse_job
+from isthmus.job.file.edit import JobEditError, edit_train_keys, set_train_keys
 from isthmus.sim.perf_model import Scenario, predict_run, uniform_links
 from isthmus.sim.tuner import (
     TuneError,
@@ -375,8 +375,8 @@ def test_the_online_controller_moves_h_and_every_site_switches_at_the_same_round
 def test_the_online_controller_decides_from_rounds_at_the_current_h_only():
     """The controller's bookkeeping, fed metrics as the control plane delivers them
     (the end-to-end run above uses a real broker)."""
-    from isthmus.deploy.tune.online import OnlineTuner
-    from isthmus.inter.control import Broker
+    from isthmus.deploy.launch.online_tuner import OnlineTuner
+    from isthmus.inter.control_plane import Broker
 
     job = parse_job(
         "name: j\nsites: [{name: a}, {name: b}]\n"

@@ -1,4 +1,4 @@
-"""Ranks forked from the warm template (isthmus.deploy.run.warm_start) behave as
+"""Ranks forked from the warm template (isthmus.deploy.launch.warm_start) behave as
 fresh interpreters would: their own session, log, environment, thread count and
 random state, their exit status (a signal's as its negative number), atexit
 handlers and non-daemon threads honoured, and the template gone with its
@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
+import warm_popen
 
-from isthmus.deploy.run import warm_popen
-from isthmus.deploy.run.warm_start import RankTemplate
+from isthmus.deploy.launch.warm_start import RankTemplate
 
 WORKERS = Path(__file__).parent / "workers"
 
@@ -80,10 +80,10 @@ def test_the_template_and_its_ranks_end_when_the_launcher_is_killed(tmp_path):
     # A launcher of its own, killed with SIGKILL while a rank runs.
     script = f"""
 import os, sys, time, pathlib
-sys.path.insert(0, {str(WORKERS)!r})
+sys.path[:0] = [{str(WORKERS)!r}, {str(WORKERS.parent.parent / "benchmarks")!r}]
 os.environ["PYTHONPATH"] = {str(WORKERS)!r}
-from isthmus.deploy.run import warm_popen
-from isthmus.deploy.run.warm_start import RankTemplate
+import warm_popen
+from isthmus.deploy.launch.warm_start import RankTemplate
 t = RankTemplate(pathlib.Path({str(tmp_path)!r}), pathlib.Path({str(tmp_path / "t.log")!r}))
 r = t.spawn([{str(tmp_path / "w.json")!r}, "--wait"], dict(os.environ),
             pathlib.Path({str(tmp_path / "w.log")!r}), module="warm_probe")

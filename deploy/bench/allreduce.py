@@ -26,14 +26,14 @@ from typing import Any
 
 import yaml
 
+from isthmus.deploy.bench.emulator_bench import wan_up
 from isthmus.deploy.bench.gloo_baseline import round_seconds, time_on_hosts
-from isthmus.deploy.bench.wan import wan_up
 from isthmus.inter.transport import connections_for, connections_of
 from isthmus.job.link import DirectionParams
 from isthmus.job.model import Job
 from isthmus.job.ports import free_ports
-from isthmus.sim.control import ControlClient
 from isthmus.sim.cost import LinkCost, job_costs, predict, sent_share
+from isthmus.sim.emulator_control import ControlClient
 from isthmus.sim.hosts import TCP_BUFFER_MAX
 
 ISTHMUS = [sys.executable, "-m", "isthmus"]

@@ -23,13 +23,13 @@ from pathlib import Path
 
 import torch
 
-from isthmus.deploy.jobfile import load_job
 from isthmus.inter.allocator import keep_freed_memory
 from isthmus.inter.allreduce import CorruptPayloads, CrossSiteAllReduce, RoundError
 from isthmus.inter.codecs import parse_codec
 from isthmus.inter.peer import Identity
 from isthmus.inter.transport import TransportSettings
 from isthmus.job.addressing import load_state
+from isthmus.job.file import load_job
 from isthmus.sim.cost import LinkCost, job_costs, job_uplinks
 
 

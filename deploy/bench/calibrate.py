@@ -37,7 +37,7 @@ from typing import Any
 
 import yaml
 
-from isthmus.deploy.jobfile import load_yaml
+from isthmus.job.file import load_yaml
 from isthmus.job.settings import TrainSettings
 
 ROUND_CAP = 50
@@ -192,8 +192,8 @@ def steady_calibration(
     steps slowed at every site alike (a round's own work) keep no one waiting;
     the standard deviation of single steps overstated the lateness 1.6x in a
     4-site DiLoCo run here."""
-    from isthmus.deploy.run.records import read_records
     from isthmus.sim.perf_model import expected_largest_normal
+    from isthmus.training.records import read_records
 
     by_site: dict[str, dict[int, float]] = {}
     written: dict[str, dict[int, float]] = {}
@@ -257,7 +257,7 @@ def machine_rate(job_path: Path, *, repeats: int = 3) -> tuple[float, int]:
     take the machine's time, not the link's (nine sites: 0.27 s against a link bound
     of 0.09 s)."""
     from isthmus.deploy.bench.allreduce import run_allreduce_bench
-    from isthmus.deploy.jobfile import parse_job
+    from isthmus.job.file import parse_job
 
     raw = load_yaml(job_path.read_text())
     unbounded = {

@@ -30,8 +30,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from isthmus.deploy.bench.emulator_bench import proxy_process
 from isthmus.deploy.bench.gloo_baseline import time_on_hosts
-from isthmus.deploy.bench.wan import proxy_process
 from isthmus.sim.cost import LinkCost, predict
 from isthmus.sim.probe import ProbeServer, measure_throughput
 

@@ -1,7 +1,7 @@
 """The ``isthmus`` command line: subcommands, one-line usage errors, exit codes.
 
 Each subcommand lives in a module of this package (``run``, ``site``, ``wan``, ...)
-that registers itself through :mod:`~isthmus.deploy.cli.registry` and imports
+that registers itself through :mod:`~isthmus.deploy.usage` and imports
 what it runs (torch, gRPC, the launcher) inside its handlers: ``isthmus --help``
 and every ``--help`` below it load neither torch nor gRPC.
 
@@ -18,8 +18,8 @@ import sys
 from collections.abc import Sequence
 
 from isthmus._version import __version__
-from isthmus.deploy.cli.log_format import say
-from isthmus.deploy.cli.registry import Command, Parser, UsageError, add_command
+from isthmus.deploy.usage import Command, Parser, UsageError, add_command
+from isthmus.training.log_format import say
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from isthmus.deploy.cli import (
         bench,
-        control,
+        config_watch,
         job,
         render,
         run,
@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run.register(commands)
     site.register(commands)
-    control.register(commands)
+    config_watch.register(commands)
     sim.register(commands)
     tune.register(commands)
     job.register(commands)
@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # a known kind of bad input may surface from deep inside
-        from isthmus.deploy.jobfile import JobFileError
+        from isthmus.job.file import JobFileError
 
         if isinstance(exc, JobFileError):
             for line in exc.lines():

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from isthmus.deploy.cli.registry import UsageError, add_command
+from isthmus.deploy.usage import UsageError, add_command
 
 
 def register(commands: Any) -> None:
@@ -116,7 +116,7 @@ def register(commands: Any) -> None:
 
 def _bench_job(args: argparse.Namespace) -> Any:
     """The job file of ``--job``, refused with the flags it replaces or a problem."""
-    from isthmus.deploy.jobfile import JobFileError, load_job
+    from isthmus.job.file import JobFileError, load_job
 
     flags = {
         "--sites": args.sites,
@@ -188,7 +188,7 @@ def _allreduce(args: argparse.Namespace) -> int:
         raise UsageError(f"--codec: {exc}") from None
     hosts = args.hosts or args.vs_gloo
     if args.tcp_rmem_max is not None:
-        from isthmus.deploy.wan_hosts import check_tcp_rmem_max
+        from isthmus.deploy.launch.wan_hosts import check_tcp_rmem_max
 
         check_tcp_rmem_max(args.tcp_rmem_max, hosts=hosts)
     if hosts:
@@ -252,7 +252,7 @@ def _codec(args: argparse.Namespace) -> int:
 
 
 def _wan(args: argparse.Namespace) -> int:
-    from isthmus.deploy.bench.wan import format_report, plot_report, run_wan_bench
+    from isthmus.deploy.bench.emulator_bench import format_report, plot_report, run_wan_bench
 
     if args.repeats < 1:
         raise UsageError(f"--repeats: must be >= 1, got {args.repeats}")

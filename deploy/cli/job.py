@@ -6,9 +6,9 @@ import argparse
 import sys
 from typing import Any
 
-from isthmus.deploy.cli.registry import add_command
-from isthmus.deploy.jobfile import Job, load_job
+from isthmus.deploy.usage import add_command
 from isthmus.job.exposure import insecure_warning
+from isthmus.job.file import Job, load_job
 from isthmus.sim.topology import Topology
 
 

@@ -12,10 +12,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy.cli.registry import UsageError, add_command
-from isthmus.deploy.jobfile import load_job
 from isthmus.deploy.render import cluster as render
 from isthmus.deploy.render import kubernetes
+from isthmus.deploy.usage import UsageError, add_command
+from isthmus.job.file import load_job
 
 
 def register(commands: Any) -> None:

@@ -10,12 +10,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy.cli.registry import UsageError, add_command
+from isthmus.deploy.usage import UsageError, add_command
 from isthmus.job.basics import FieldError
 from isthmus.job.settings import STRATEGIES
 
 EXIT_CODES = {"finished": 0, "failed": 1, "interrupted": 130}
-JOIN_TIMEOUT_S = 300.0  # isthmus.deploy.run.launcher's, not imported: --help stays light
+JOIN_TIMEOUT_S = 300.0  # isthmus.deploy.launch.launcher's, not imported: --help stays light
 
 
 def accept_command(parser: argparse.ArgumentParser) -> None:
@@ -131,7 +131,7 @@ def register(commands: Any) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     _check_command(args)  # before the imports below, which load torch
-    from isthmus.deploy.run.run_dir import RunError, default_run_dir, resolve_job
+    from isthmus.deploy.launch.run_dir import RunError, default_run_dir, resolve_job
 
     if args.resume is not None:
         return _resume(args)
@@ -169,7 +169,7 @@ def _launch_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _resume(args: argparse.Namespace) -> int:
-    from isthmus.deploy.run.run_dir import RunError, resume_point, saved_command
+    from isthmus.deploy.launch.run_dir import RunError, resume_point, saved_command
 
     if args.job is not None or args.compare or args.strategy or args.steps or args.out:
         raise UsageError(
@@ -206,10 +206,10 @@ def run_job(
     ``--resume``. ``join_timeout_s``: see ``--join-timeout``. ``report``: write
     report.md and its plots (about 1.5 CPU-seconds, most of it matplotlib).
     ``template``: a warm rank template shared with other runs (``--compare``)."""
-    from isthmus.deploy.run.execute import execute_run
-    from isthmus.deploy.run.progress import progress_for
-    from isthmus.deploy.run.report import write_report
-    from isthmus.deploy.run.run_dir import prepare_run_dir, save_command
+    from isthmus.deploy.launch.execute import execute_run
+    from isthmus.deploy.launch.progress import progress_for
+    from isthmus.deploy.launch.report import write_report
+    from isthmus.deploy.launch.run_dir import prepare_run_dir, save_command
     from isthmus.job.exposure import insecure_warning
 
     placement = _gpu_placement(job)  # refused before the run directory is made
@@ -304,9 +304,14 @@ def _print_outcome(summary: dict[str, Any]) -> None:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from isthmus.deploy.run.compare import write_comparison
-    from isthmus.deploy.run.run_dir import RunError, default_run_dir, prepare_run_dir, resolve_job
-    from isthmus.deploy.run.warm_start import template_for_runs
+    from isthmus.deploy.launch.compare import write_comparison
+    from isthmus.deploy.launch.run_dir import (
+        RunError,
+        default_run_dir,
+        prepare_run_dir,
+        resolve_job,
+    )
+    from isthmus.deploy.launch.warm_start import template_for_runs
 
     strategies = [s.strip() for s in args.compare.split(",") if s.strip()]
     unknown = [s for s in strategies if s not in STRATEGIES]
@@ -347,14 +352,14 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from isthmus.deploy.jobfile import load_job
-    from isthmus.deploy.run.records import parameter_digest
-    from isthmus.deploy.run.setup import (
+    from isthmus.job.file import load_job
+    from isthmus.training.rank_setup import (
         build_model,
         builtin_dataset,
         evaluate,
         held_out_batches,
     )
+    from isthmus.training.records import parameter_digest
 
     run_dir: Path = args.run_dir
     weights = run_dir / "model.safetensors"
@@ -392,7 +397,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from isthmus.deploy.run.report import write_report
+    from isthmus.deploy.launch.report import write_report
 
     if not (args.run_dir / "summary.json").is_file():
         raise UsageError(f"{args.run_dir}: no summary.json; give a directory 'isthmus run' wrote")

@@ -7,7 +7,6 @@ import json
 import math
 from typing import Any
 
-from isthmus.deploy.cli.registry import UsageError, add_command
 from isthmus.deploy.cli.sim_scenario import (
     DEFAULT_FABRIC_GBIT,
     DEFAULT_GPU,
@@ -17,7 +16,8 @@ from isthmus.deploy.cli.sim_scenario import (
     job_scenario,
     scenario_from,
 )
-from isthmus.deploy.jobfile import load_job
+from isthmus.deploy.usage import UsageError, add_command
+from isthmus.job.file import load_job
 from isthmus.sim.cost import predict
 from isthmus.sim.hardware import site_hardware
 from isthmus.sim.perf_model import (

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy.jobfile import Job, load_job
 from isthmus.job.compressor import is_sparse
+from isthmus.job.file import Job, load_job
 from isthmus.job.settings import TrainSettings
 from isthmus.sim.cost import LinkCost, Regions, job_costs
 from isthmus.sim.hardware import SiteHardware, site_hardware
@@ -294,13 +294,13 @@ def _job_params(job: Job) -> float:
         from isthmus.intra.plugins import load_model
 
         return float(sum(p.numel() for p in load_model(job.model).parameters()))
-    from isthmus.intra.sizes import config_for
+    from isthmus.job.sizes import config_for
 
     return float(config_for(job.model).parameter_count())
 
 
 def _job_tokens(job: Job) -> tuple[int, int]:
-    from isthmus.intra.sizes import config_for
+    from isthmus.job.sizes import config_for
 
     seq_len = config_for(job.model).seq_len if ":" not in job.model else 64
     return seq_len, job.train.batch_size

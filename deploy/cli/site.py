@@ -16,7 +16,7 @@ Two ways to start a site's ranks:
 
 Each rank runs the user's command after ``--`` (``isthmus site JOB --site NAME
 -- python train.py``), which learns its job, site and rank from the environment
-(:mod:`isthmus.deploy.session.environment`), or without one the built-in loop.
+(:mod:`isthmus.training.environment`), or without one the built-in loop.
 
 Nothing assumes one machine: addresses come from the job file (never
 loopback), each site writes only its own ``--out`` directory, and rounds, not
@@ -37,9 +37,6 @@ from typing import Any
 
 import yaml
 
-from isthmus.deploy.cli import log_format
-from isthmus.deploy.cli.log_format import FORMATS, say
-from isthmus.deploy.cli.registry import UsageError, add_command
 from isthmus.deploy.cli.run import accept_command
 
 # The checks before start and the progress lines live apart (one topic each).
@@ -51,10 +48,13 @@ from isthmus.deploy.cli.site_checks import (
     site_of,
 )
 from isthmus.deploy.cli.site_progress import SiteProgress, prints_progress, scheduler_node_index
-from isthmus.deploy.jobfile import Job, SiteSpec, load_job, parse_address
-from isthmus.deploy.run.host_tuning import tcp_advice
+from isthmus.deploy.launch.host_tuning import tcp_advice
+from isthmus.deploy.usage import UsageError, add_command
 from isthmus.job.exposure import insecure_warning
+from isthmus.job.file import Job, SiteSpec, load_job, parse_address
 from isthmus.job.ports import RDZV_PORT
+from isthmus.training import log_format
+from isthmus.training.log_format import FORMATS, say
 
 SPAWNED_BY_SITE = "ISTHMUS_SITE_LAUNCHER"
 """Set for the ranks this command starts through torchrun: the launcher prints progress."""
@@ -147,7 +147,7 @@ def _site(args: argparse.Namespace) -> int:
         out = _plan_resume(args, job, spec, launcher)
     elif not args.rejoin and (launcher is None or launcher.rank == 0):
         # A fresh start: what a stopped earlier run left at the broker is not this run's.
-        from isthmus.deploy.run.stale_run import forget_stale_run
+        from isthmus.deploy.launch.stale_run import forget_stale_run
 
         forget_stale_run(job, spec.name)
     if launcher is None or launcher.rank == 0:  # once per site, not once per rank
@@ -177,8 +177,8 @@ def _plan_resume(
     """--resume: agree with the other sites how to start (the round, or rejoining the
     live ones); the ranks learn it from ISTHMUS_RESUME_ROUND, or --rejoin. Returns
     the run directory the site goes on in."""
-    from isthmus.deploy.run.site_resume import check_run_dir, describe, plan_resume
-    from isthmus.deploy.session.environment import RESUME_ROUND
+    from isthmus.deploy.launch.site_resume import check_run_dir, describe, plan_resume
+    from isthmus.training.environment import RESUME_ROUND
 
     if args.out is not None or args.rejoin:
         raise UsageError(
@@ -231,7 +231,7 @@ def _node_rank(args: argparse.Namespace, spec: SiteSpec) -> int:
 
 
 def _resume_round() -> int | None:
-    from isthmus.deploy.session.environment import RESUME_ROUND
+    from isthmus.training.environment import RESUME_ROUND
 
     value = os.environ.get(RESUME_ROUND)
     return int(value) if value and value.isdigit() else None
@@ -284,7 +284,7 @@ def prepare_site_dir(job_path: Path, job_name: str, site: str, out: Path, rejoin
     """The site's run directory, as ``isthmus run`` lays one out for each site:
     ``job.yaml`` resolved (every default filled in, no emulated WAN) and
     ``sites/SITE/``. Every rank may call it: the file is replaced atomically."""
-    from isthmus.deploy.run.run_dir import RunError, resolve_job
+    from isthmus.deploy.launch.run_dir import RunError, resolve_job
 
     if _resume_round() is not None and (out / "job.yaml").is_file():
         return  # a resumed site goes on with its run's own job file
@@ -329,8 +329,8 @@ def _train_rank(
 ) -> int:
     """Train this process's rank of the site (rank 0 also prints the site's progress,
     unless this command's own launcher does)."""
-    from isthmus.deploy.run.site_errors import run_site_main
-    from isthmus.deploy.run.worker import train_until_stopped
+    from isthmus.training.site_errors import run_site_main
+    from isthmus.training.worker import train_until_stopped
 
     if not os.environ.get(SPAWNED_BY_SITE):  # else the launcher prepared it
         prepare_site_dir(job_path, job.name, spec.name, out, rejoin)
@@ -355,7 +355,7 @@ def _train_rank(
 def launch_environment(out: Path, site: str, rejoin: bool) -> dict[str, str]:
     """The ``ISTHMUS_*`` variables of the site's ranks; paths absolute, for a script
     that changes its directory."""
-    from isthmus.deploy.session.environment import LaunchEnvironment
+    from isthmus.training.environment import LaunchEnvironment
 
     run_dir = out.resolve()
     return LaunchEnvironment(
@@ -388,8 +388,8 @@ def run_one_rank(
     """A one-rank site without torchrun: the command as a child with torchrun's
     variables and the launcher's, the operator's signals passed on, the site's
     progress printed; returns the command's exit status (128 + N for signal N)."""
-    from isthmus.deploy.run.orphan import parent_environment
     from isthmus.intra.launch import free_port, rank_environment
+    from isthmus.training.orphan import parent_environment
 
     prepare_site_dir(job_path, job.name, spec.name, out, rejoin)
     env = {**os.environ, **rank_environment(0, 1, free_port())}

@@ -9,10 +9,10 @@ import errno
 import socket
 from typing import Any
 
-from isthmus.deploy.cli.registry import UsageError
-from isthmus.deploy.jobfile import Job, SiteSpec
+from isthmus.deploy.usage import UsageError
 from isthmus.job.addressing import resolve
 from isthmus.job.basics import FieldError
+from isthmus.job.file import Job, SiteSpec
 from isthmus.job.ports import RDZV_PORT
 
 

@@ -11,8 +11,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy.cli.log_format import say
-from isthmus.deploy.jobfile import SiteSpec
+from isthmus.job.file import SiteSpec
+from isthmus.training.log_format import say
 
 
 def scheduler_node_index() -> tuple[str, str] | None:
@@ -54,7 +54,7 @@ class SiteProgress:
     POLL_S = 1.0
 
     def __init__(self, out: Path, site: str) -> None:
-        from isthmus.deploy.run.records import RecordTail
+        from isthmus.training.records import RecordTail
 
         self.site = site
         self._tail = RecordTail(out / "sites" / site / "metrics.jsonl", from_end=True)

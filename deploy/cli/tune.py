@@ -24,8 +24,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy.cli.registry import UsageError, add_command
-from isthmus.deploy.jobfile import Job, load_job
+from isthmus.deploy.usage import UsageError, add_command
+from isthmus.job.file import Job, load_job
 from isthmus.sim.perf_model import ScenarioError
 from isthmus.sim.tuner import (
     Candidate,
@@ -78,7 +78,7 @@ def register(commands: Any) -> None:
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from isthmus.deploy.run.run_dir import RunError, prepare_run_dir
+    from isthmus.deploy.launch.run_dir import RunError, prepare_run_dir
 
     job_path = Path(args.job)
     job = load_job(job_path)
@@ -219,8 +219,8 @@ def _plan(
 def _run_trials(
     job_path: Path, planned: list[Candidate], steps: int, folder: Path, log: Any
 ) -> list[Any]:
-    from isthmus.deploy.run.run_dir import RunError
-    from isthmus.deploy.run.warm_start import template_for_runs
+    from isthmus.deploy.launch.run_dir import RunError
+    from isthmus.deploy.launch.warm_start import template_for_runs
     from isthmus.deploy.tune.trials import TrialProgress, run_trial
 
     results = []
@@ -312,8 +312,8 @@ def _brief(c: Candidate) -> dict[str, Any]:
 
 
 def _write(out: Path, result: dict[str, Any]) -> None:
-    from isthmus.deploy.run.records import write_json_atomic
     from isthmus.deploy.tune.report import markdown, plot
+    from isthmus.training.records import write_json_atomic
 
     write_json_atomic(out / "tune.json", result)
     plot(result, out / "tune.png")
@@ -321,7 +321,7 @@ def _write(out: Path, result: dict[str, Any]) -> None:
 
 
 def _apply(job_path: Path, choice: Candidate, log: Any) -> None:
-    from isthmus.deploy.jobfile.edit import JobEditError, set_train_keys
+    from isthmus.job.file.edit import JobEditError, set_train_keys
 
     try:
         set_train_keys(job_path, choice.settings())

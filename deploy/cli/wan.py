@@ -15,16 +15,16 @@ from pathlib import Path
 from typing import Any
 
 from isthmus.deploy.cli.job import describe_link
-from isthmus.deploy.cli.registry import UsageError, add_command
-from isthmus.deploy.jobfile import Job, load_job, load_yaml, parse_address
-from isthmus.deploy.run.orphan import end_with_parent
+from isthmus.deploy.usage import UsageError, add_command
 from isthmus.inter.allocator import keep_freed_memory
 from isthmus.job.addressing import AddressError, default_state_path, load_state
+from isthmus.job.file import Job, load_job, load_yaml, parse_address
 from isthmus.job.link import LinkConfigError, LinkParams
-from isthmus.sim.control import ControlClient, ControlError, ControlServer, format_stats
+from isthmus.job.presets import PRESETS
 from isthmus.sim.emulator import BackgroundEmulator, Emulator
-from isthmus.sim.presets import PRESETS
+from isthmus.sim.emulator_control import ControlClient, ControlError, ControlServer, format_stats
 from isthmus.sim.topology import Site, Topology
+from isthmus.training.orphan import end_with_parent
 
 STATE_VERSION = 1
 
@@ -269,11 +269,11 @@ def _up(args: argparse.Namespace) -> int:
         raise UsageError(f"--stats-every: must be >= 0 seconds, got {args.stats_every}")
     end_with_parent()  # started by `isthmus run`: stop when it is gone
     if args.tcp_rmem_max is not None:
-        from isthmus.deploy.wan_hosts import check_tcp_rmem_max
+        from isthmus.deploy.launch.wan_hosts import check_tcp_rmem_max
 
         check_tcp_rmem_max(args.tcp_rmem_max, hosts=args.hosts)
     if args.hosts:
-        from isthmus.deploy.wan_hosts import serve_hosts
+        from isthmus.deploy.launch.wan_hosts import serve_hosts
 
         return serve_hosts(job, state_path, write_json_atomic, tcp_rmem_max=args.tcp_rmem_max)
     keep_freed_memory()  # the proxy's reads are buffers of 256 KiB: reuse them
@@ -281,7 +281,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _exec(args: argparse.Namespace) -> int:
-    from isthmus.deploy.wan_hosts import exec_in_host
+    from isthmus.deploy.launch.wan_hosts import exec_in_host
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     job = load_job(args.job)

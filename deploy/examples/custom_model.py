@@ -1,6 +1,6 @@
 """An example of a user's own model and data, plugged in by import path.
 
-    python -m isthmus.deploy.run.site_worker --job JOB.yaml --site a --out DIR \\
+    python -m site_worker --job JOB.yaml --site a --out DIR \\
         --model isthmus.deploy.examples.custom_model:model \\
         --data isthmus.deploy.examples.custom_model:data
 

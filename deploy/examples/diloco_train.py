@@ -28,12 +28,12 @@ from typing import Any
 import torch
 
 import isthmus
-from isthmus.deploy.jobfile import free_port_blocks
-from isthmus.deploy.run.site_errors import run_site_main
 from isthmus.inter.allocator import keep_freed_memory
 from isthmus.intra.data import Dataset, ShardSpec, stdlib_corpus
 from isthmus.intra.model import GPT, config_for, lm_loss
 from isthmus.intra.schedule import SCHEDULES, learning_rate_at
+from isthmus.job.file import free_port_blocks
+from isthmus.training.site_errors import run_site_main
 
 
 @torch.no_grad()
@@ -91,7 +91,7 @@ def run_sites(
     """Run this example once per site, each a separate process, and return every
     site's report (written to ``out/SITE.json``). Raises with the end of each
     failing site's stderr: a site that crashes makes its peers fail later."""
-    from isthmus.deploy.run.warm_popen import popen
+    from warm_popen import popen
 
     # Forked from a warm template (one torch import, not one per site and call).
     procs = {

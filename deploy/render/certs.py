@@ -30,8 +30,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from isthmus.deploy.cli.registry import UsageError, add_command
-from isthmus.deploy.jobfile import load_job
+from isthmus.deploy.usage import UsageError, add_command
+from isthmus.job.file import load_job
 
 VALID_DAYS = 365
 

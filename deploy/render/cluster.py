@@ -21,9 +21,9 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from isthmus.deploy.cli.registry import UsageError
-from isthmus.deploy.jobfile import Job, SiteSpec
+from isthmus.deploy.usage import UsageError
 from isthmus.inter.control_topics import config_topic, membership_topic, metrics_topic, status_topic
+from isthmus.job.file import Job, SiteSpec
 from isthmus.job.ports import RDZV_PORT
 
 TARGETS = ("slurm", "kubernetes")

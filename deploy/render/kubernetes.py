@@ -17,14 +17,14 @@ from typing import Any
 
 import yaml
 
-from isthmus.deploy.cli.registry import UsageError
-from isthmus.deploy.jobfile import Job, SiteSpec
 from isthmus.deploy.render.cluster import (
     broker_files,
     broker_port,
     certs_dir,
     check_job,
 )
+from isthmus.deploy.usage import UsageError
+from isthmus.job.file import Job, SiteSpec
 from isthmus.job.model import MetricsSpec
 from isthmus.job.ports import RDZV_PORT
 

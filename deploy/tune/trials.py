@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from isthmus.deploy.run.records import read_records
-from isthmus.deploy.run.run_dir import prepare_run_dir, resolve_job
-from isthmus.deploy.run.run_state import RunState
+from isthmus.deploy.launch.run_dir import prepare_run_dir, resolve_job
+from isthmus.deploy.launch.run_state import RunState
 from isthmus.sim.tuner import Candidate
+from isthmus.training.records import read_records
 
 RUN_OVERHEAD_S = 12.0
 """Seconds a short run spends outside its steps here: starting the emulator, the
@@ -71,7 +71,7 @@ def run_trial(
     """One short run of the job with the candidate's settings; never the online
     controller (the trial measures the setting itself). ``template``: the warm rank
     template the trials share."""
-    from isthmus.deploy.run.execute import execute_run
+    from isthmus.deploy.launch.execute import execute_run
 
     job, raw = resolve_job(
         job_path,
@@ -87,7 +87,7 @@ def run_trial(
 def result_from_summary(
     candidate: Candidate, run_dir: Path, summary: dict[str, Any]
 ) -> TrialResult:
-    from isthmus.deploy.run.summary import training_figures
+    from isthmus.deploy.launch.summary import training_figures
 
     sites = list(summary["sites"].values())
     tokens = sum(s.get("tokens") or 0 for s in sites)

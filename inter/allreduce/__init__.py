@@ -23,8 +23,8 @@ By topic:
 - :mod:`.faults`: faults for tests, passed in as a chunk filter.
 """
 
+from isthmus.inter.allreduce.corruption import CorruptPayloads
 from isthmus.inter.allreduce.engine import FLUSH_ON_CLOSE_S, LENIENT_HELLO_S, CrossSiteAllReduce
-from isthmus.inter.allreduce.faults import CorruptPayloads
 from isthmus.inter.allreduce.incoming import MAX_ROUNDS_AHEAD, Inbox, Incoming
 from isthmus.inter.allreduce.rounds import RoundError, RoundStats, all_finite, slice_bounds
 from isthmus.inter.allreduce.sending import ChunkFilter

@@ -1,0 +1,134 @@
+"""``summary.json``: a run's figures, a contract for tooling (documented in docs/run.md)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from itertools import combinations
+from pathlib import Path
+from typing import Any
+
+from isthmus.deploy.launch.run_state import RunState
+from isthmus.job.exposure import insecure_warning
+
+SITE_FIELDS = (
+    "status",
+    "final_loss",
+    "eval_loss",
+    "tokens",
+    "inner_steps",
+    "outer_steps",
+    "compute_seconds",
+    "wall_seconds",
+    "eval_seconds",
+    "all_reduce_rounds",
+    "param_sha256",
+)
+
+
+def build_summary(state: RunState, *, ended: float | None = None) -> dict[str, Any]:
+    ended = ended if ended is not None else time.time()
+    sites: dict[str, dict[str, Any]] = {}
+    sent_to: dict[str, dict[str, int]] = {}
+    for name, site in state.sites.items():
+        result = _read_result(state.run_dir / "sites" / name / "result.json")
+        if site.status in ("finished", "left") and result is not None:
+            entry = {key: result.get(key) for key in SITE_FIELDS}
+            if "late_contributions_applied" in result:  # async only
+                entry["late_contributions_applied"] = result["late_contributions_applied"]
+            sent_to[name] = result.get("wan_bytes_sent_to", {})
+        else:  # what its records said last
+            entry = {
+                "status": site.status if site.status in ("failed", "lost") else "lost",
+                "final_loss": site.loss,
+                "eval_loss": site.eval_loss,
+                "tokens": site.tokens,
+                "inner_steps": site.step,
+                "outer_steps": site.outer_steps,
+                "compute_seconds": site.compute_s,
+                "wall_seconds": ended - site.started if site.started else 0.0,
+                "eval_seconds": site.eval_s,
+                "all_reduce_rounds": None,
+                "param_sha256": None,
+            }
+            sent_to[name] = site.wan_bytes_sent_to
+        if site.reason:
+            entry["reason"] = site.reason
+        sites[name] = entry
+    by_link = {
+        f"{a}<->{b}": sent_to[a].get(b, 0) + sent_to[b].get(a, 0)
+        for a, b in combinations([s.name for s in state.job.sites], 2)
+    }
+    utilisation = [u for s in sites.values() if (u := compute_utilization(s)) is not None]
+    summary: dict[str, Any] = {
+        "job": state.job.name,
+        "strategy": state.job.train.strategy,
+        "command": state.command,
+        "status": state.status,
+        "started": state.started,
+        "wall_seconds": ended - state.started,
+        "compute_utilization": statistics.fmean(utilisation) if utilisation else 0.0,
+        "wan_bytes": sum(by_link.values()),
+        "wan_bytes_by_link": by_link,
+    }
+    if state.links:
+        summary["emulator_wire_bytes"] = int(sum(v["bytes"] for v in state.links.values()))
+        summary["emulator_wire_bytes_by_link"] = {
+            k: int(v["bytes"]) for k, v in state.links.items()
+        }
+    summary["settings"] = state.job.train.to_dict()
+    # Said at every start, kept with the results: this run crossed networks in plaintext.
+    summary["insecure"] = insecure_warning(state.job) is not None
+    if state.job.tune.online:
+        summary["sync_every_changes"] = state.sync_every_changes
+    summary["model"] = state.job.model
+    summary["data"] = state.job.data
+    summary["sites"] = sites
+    return summary
+
+
+def _read_result(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def compute_utilization(site: dict[str, Any]) -> float | None:
+    """A site's compute utilisation, the one definition (docs/run.md; the performance
+    model predicts the same): its compute seconds over its training wall time, which
+    runs from its first step to the end of its final synchronisation, less the
+    held-out evaluations in it (neither training nor waiting for the network)."""
+    training = (site.get("wall_seconds") or 0.0) - (site.get("eval_seconds") or 0.0)
+    if training <= 0:
+        return None
+    return (site.get("compute_seconds") or 0.0) / training
+
+
+def training_figures(run_dir: Path, summary: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per site: wall seconds per inner step and compute utilisation, held-out
+    evaluations left out (what the performance model predicts)."""
+    from isthmus.training.records import read_records
+
+    records = None
+    figures = {}
+    for name, site in summary["sites"].items():
+        if not site.get("inner_steps") or not site.get("wall_seconds"):
+            continue
+        if site.get("eval_seconds") is None:  # a summary from before eval_seconds
+            if records is None:
+                records = read_records(run_dir / "metrics.jsonl")
+            site = site | {
+                "eval_seconds": sum(
+                    r.get("seconds") or 0.0
+                    for r in records
+                    if r.get("site") == name and r.get("kind") == "eval"
+                )
+            }
+        wall = site["wall_seconds"] - site["eval_seconds"]
+        figures[name] = {
+            "step_s": wall / site["inner_steps"],
+            "utilization": compute_utilization(site) or 0.0,
+        }
+    return figures
