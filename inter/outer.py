@@ -19,6 +19,17 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch import nn
+
+
+def outer_device(outer_state: str, model: nn.Module) -> torch.device:
+    """Where the DiLoCo family keeps its outer state (``train.outer_state``): beside
+    the model (``device``) or in host memory (``host``, pinned when the model is on a
+    GPU, so each round's copies run at full PCIe speed)."""
+    first = next(model.parameters(), None)
+    if outer_state == "host" or first is None:
+        return torch.device("cpu")
+    return first.device
 
 
 class OuterOptimizer:

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from isthmus.job.settings import MAX_CONNECTIONS_PER_PEER
+from isthmus.job.setting_groups import MAX_CONNECTIONS_PER_PEER
 
 if TYPE_CHECKING:
     from isthmus.inter.tls import SiteTls

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from isthmus.job.settings import SCHEDULES
+from isthmus.job.setting_groups import SCHEDULES
 
 WSD_DECAY_FRACTION = 0.2
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from isthmus.deploy.cli import main
+from isthmus.inter.outer import outer_device
 from isthmus.intra.devices import (
     check_site_fits,
     compute_device,
@@ -27,7 +28,6 @@ from isthmus.job.file import load_job
 from isthmus.job.layout import Layout
 from isthmus.job.settings import SettingError, TrainSettings
 from isthmus.training.rank_setup import build_model, evaluate, to_device
-from isthmus.training.strategy_choice import outer_device
 
 NEEDS_GPU = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a GPU: run python benchmarks/gpu.py there"
@@ -115,8 +115,8 @@ def test_bf16_computes_in_bfloat16_and_keeps_float32_weights_and_gradients():
 
 def test_outer_state_lives_beside_the_model_or_in_host_memory():
     model = nn.Linear(2, 2)
-    assert outer_device(TrainSettings(outer_state="device"), model) == torch.device("cpu")
-    assert outer_device(TrainSettings(outer_state="host"), model) == torch.device("cpu")
+    assert outer_device("device", model) == torch.device("cpu")
+    assert outer_device("host", model) == torch.device("cpu")
 
 
 def test_every_random_state_survives_a_checkpoint_loaded_weights_only():

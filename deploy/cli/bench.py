@@ -225,7 +225,7 @@ def _allreduce(args: argparse.Namespace) -> int:
 
 def _connections_flag(value: str) -> int | None:
     """``--connections``: a count, or None for auto."""
-    from isthmus.job.settings import MAX_CONNECTIONS_PER_PEER
+    from isthmus.job.setting_groups import MAX_CONNECTIONS_PER_PEER
 
     if value == "auto":
         return None

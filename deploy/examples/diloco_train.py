@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         strategy = isthmus.AsyncDiLoCo(site, model, inner, **outer, **common)
     else:
         overlap = {"bucket_mb": args.bucket_mb, "overlap": not args.no_overlap}
-        clip = {"max_grad_norm": args.grad_clip or None}
+        clip = {"grad_clip": args.grad_clip}
         strategy = isthmus.Sync(site, model, inner, **overlap, **clip, **common)
     with site, strategy:
         started = time.perf_counter()

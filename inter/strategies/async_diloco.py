@@ -18,13 +18,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from isthmus.inter.codecs import Codec
 from isthmus.inter.hierarchical import PendingAverage, StepReport
 from isthmus.inter.join import SiteRuntime, runtime_of
 from isthmus.inter.member_rounds import EarlyExchange
 from isthmus.inter.membership import View
 from isthmus.inter.state_transfer import StateUnavailable
-from isthmus.inter.strategies.base import static_weights, validated
+from isthmus.inter.strategies.base import configure, settings_doc, static_weights
 from isthmus.inter.strategies.local_steps import LocalSteps
 from isthmus.proto import wire_pb2
 
@@ -64,30 +63,13 @@ class AsyncDiLoCo(LocalSteps):
         model: nn.Module,
         inner_optimizer: torch.optim.Optimizer,
         *,
-        sync_every: int = 50,
-        outer_lr: float = 1.0,
-        outer_momentum: float = 0.0,
-        codec: str | Codec = "none",
-        error_feedback: bool = False,
         tokens_per_step: int = 1,
-        outer_device: str = "cpu",
-        rejoin_timeout_s: float = 600.0,
-        late_contributions: str = "drop",
-        staleness_weight: float = 0.5,
+        **settings: Any,
     ) -> None:
+        settings, codec = configure("async", settings)
         site = runtime_of(site)  # isthmus.join() gives a Site that holds one
-        validated(
-            "async",
-            codec,
-            sync_every=sync_every,
-            outer_lr=outer_lr,
-            outer_momentum=outer_momentum,
-            error_feedback=error_feedback,
-            late_contributions=late_contributions,
-            staleness_weight=staleness_weight,
-        )
-        self.late_contributions = late_contributions
-        self.staleness_weight = float(staleness_weight)
+        self.late_contributions = settings.late_contributions
+        self.staleness_weight = float(settings.staleness_weight)
         self.late_contributions_applied = 0
         """Late pseudo-gradients this site added to a later contribution."""
         self._late: list[torch.Tensor] | None = None
@@ -97,13 +79,9 @@ class AsyncDiLoCo(LocalSteps):
             site,
             model,
             inner_optimizer,
-            sync_every=sync_every,
-            outer_lr=outer_lr,
-            outer_momentum=outer_momentum,
+            settings=settings,
             codec=codec,
             tokens_per_step=tokens_per_step,
-            outer_device=outer_device,
-            error_feedback=error_feedback,
         )
         self.weights = static_weights(self.layouts, tokens_per_step)
         self._sent_at = 0
@@ -111,7 +89,7 @@ class AsyncDiLoCo(LocalSteps):
         self._resume: dict[str, Any] | None = None
         """The exchange a checkpoint caught in flight, to send again (see
         :meth:`load_state_dict`)."""
-        self.member = self._hold_member_rounds(rejoin_timeout_s)
+        self.member = self._hold_member_rounds(settings.rejoin_timeout_s)
 
     def state_dict(self) -> dict[str, Any]:
         """Also the exchange in flight: the pseudo-gradient sent, the local
@@ -291,3 +269,6 @@ class _AsyncExchange:
     own: bool = True
     """Whether ``sent`` is still this site's own pseudo-gradient (not the zeros of a
     site that caught up and takes part with nothing of its own)."""
+
+
+AsyncDiLoCo.__doc__ = (AsyncDiLoCo.__doc__ or "") + settings_doc("async")

@@ -9,7 +9,7 @@ byte counters, and its :class:`~isthmus.inter.member_rounds.MemberRounds`,
 which runs each round under the membership view that holds for it.
 
 Settings are checked by their one definition, :class:`TrainSettings`
-(:func:`validated`), so a job file and a script calling the API get the same
+(:func:`configure`), so a job file and a script calling the API get the same
 message for the same mistake.
 """
 
@@ -32,16 +32,34 @@ from isthmus.inter.join import SiteRuntime
 from isthmus.inter.member_rounds import MemberRounds
 from isthmus.inter.membership import View
 from isthmus.job.layout import Layout
-from isthmus.job.settings import SettingError, TrainSettings
+from isthmus.job.settings import SettingError, TrainSettings, strategy_keys, strategy_settings
 
 
-def validated(strategy: str, codec: str | Codec, **fields: Any) -> TrainSettings:
-    """Check a strategy's keyword arguments as a job file's ``train:`` section is
-    checked (the same rules, the same messages), before anything is built. A
-    :class:`Codec` object is the caller's own, already valid."""
-    if not isinstance(codec, Codec):
-        fields["codec"] = codec
-    return TrainSettings(strategy=strategy, **fields)
+def configure(strategy: str, given: dict[str, Any]) -> tuple[Any, str | Codec]:
+    """A strategy's keyword arguments checked as a job file's ``train:`` section is
+    checked (the same rules, defaults and messages:
+    :func:`isthmus.job.settings.strategy_settings`), before anything is built.
+    Returns the settings and the codec: a :class:`Codec` object given as ``codec``
+    is the caller's own, already valid (and then error feedback is off unless
+    asked for)."""
+    given = dict(given)
+    own = given.get("codec")
+    if isinstance(own, Codec):
+        given["codec"] = "none"
+        given.setdefault("error_feedback", False)
+    settings = strategy_settings(strategy, given)
+    return settings, own if isinstance(own, Codec) else settings.codec
+
+
+def settings_doc(strategy: str) -> str:
+    """The keyword settings a strategy class takes, with their defaults: appended to
+    its docstring, so ``help()`` shows what the job file's defaults are."""
+    defaults = TrainSettings(strategy=strategy)
+    lines = [f"    {name}={getattr(defaults, name)!r}" for name in strategy_keys(strategy)]
+    return (
+        "\n\n    Settings (keyword arguments; the job file's ``train:`` keys, with its "
+        "defaults and checks: docs/job-file.md):\n\n" + "\n".join(lines) + "\n"
+    )
 
 
 def parsed_codec(value: str | Codec) -> Codec:

@@ -19,12 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from isthmus.inter.codecs import Codec
 from isthmus.inter.commit import PendingSeal, Seal, start_seal
 from isthmus.inter.hierarchical import PendingAverage
 from isthmus.inter.join import SiteRuntime, runtime_of
 from isthmus.inter.membership import View
-from isthmus.inter.strategies.base import validated
+from isthmus.inter.strategies.base import configure, settings_doc
 from isthmus.inter.strategies.local_steps import LocalSteps
 from isthmus.intra import collectives
 
@@ -58,27 +57,12 @@ class DiLoCo(LocalSteps):
         model: nn.Module,
         inner_optimizer: torch.optim.Optimizer,
         *,
-        sync_every: int = 50,
-        outer_lr: float = 1.0,
-        outer_momentum: float = 0.0,
-        codec: str | Codec = "none",
-        error_feedback: bool = False,
         tokens_per_step: int = 1,
-        outer_device: str = "cpu",
-        round_seconds: float | None = None,
-        rejoin_timeout_s: float = 600.0,
+        **settings: Any,
     ) -> None:
+        settings, codec = configure("diloco", settings)
         site = runtime_of(site)  # isthmus.join() gives a Site that holds one
-        validated(
-            "diloco",
-            codec,
-            sync_every=sync_every,
-            outer_lr=outer_lr,
-            outer_momentum=outer_momentum,
-            error_feedback=error_feedback,
-            round_seconds=round_seconds,
-        )
-        self.round_seconds = round_seconds
+        self.round_seconds = settings.round_seconds
         self.training_over = False
         """True once a site has said, in a round's seal, that it stopped training."""
         self.last_seal: Seal | None = None
@@ -92,15 +76,11 @@ class DiLoCo(LocalSteps):
             site,
             model,
             inner_optimizer,
-            sync_every=sync_every,
-            outer_lr=outer_lr,
-            outer_momentum=outer_momentum,
+            settings=settings,
             codec=codec,
             tokens_per_step=tokens_per_step,
-            outer_device=outer_device,
-            error_feedback=error_feedback,
         )
-        self.member = self._hold_member_rounds(rejoin_timeout_s)
+        self.member = self._hold_member_rounds(settings.rejoin_timeout_s)
 
     def __enter__(self) -> DiLoCo:
         self._round_clock = time.perf_counter()  # the first round starts with training
@@ -447,3 +427,6 @@ class DiLoCo(LocalSteps):
 def _nonfinite(tensors: Sequence[torch.Tensor]) -> int:
     """How many values of ``tensors`` are NaN or infinite."""
     return sum(int(t.numel() - torch.isfinite(t).sum()) for t in tensors)
+
+
+DiLoCo.__doc__ = (DiLoCo.__doc__ or "") + settings_doc("diloco")

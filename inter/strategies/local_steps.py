@@ -22,7 +22,7 @@ from isthmus.inter.hierarchical import PendingAverage, StepReport
 from isthmus.inter.join import SiteRuntime, runtime_of
 from isthmus.inter.member_rounds import EarlyExchange, shapes_match
 from isthmus.inter.membership import View
-from isthmus.inter.outer import OuterOptimizer
+from isthmus.inter.outer import OuterOptimizer, outer_device
 from isthmus.inter.strategies.base import Strategy, static_weights
 
 
@@ -38,13 +38,9 @@ class LocalSteps(Strategy):
         model: nn.Module,
         inner_optimizer: torch.optim.Optimizer,
         *,
-        sync_every: int,
-        outer_lr: float,
-        outer_momentum: float,
+        settings: Any,
         codec: str | Codec,
         tokens_per_step: int,
-        outer_device: str,
-        error_feedback: bool,
     ) -> None:
         site = runtime_of(site)  # isthmus.join() gives a Site that holds one
         super().__init__(
@@ -53,14 +49,17 @@ class LocalSteps(Strategy):
             inner_optimizer,
             codec=codec,
             tokens_per_step=tokens_per_step,
-            error_feedback=error_feedback,
+            error_feedback=settings.error_feedback,
         )
-        self.sync_every = sync_every
+        self.sync_every = settings.sync_every
         self.round_steps = 0
         """Inner steps since the last exchange started: a round ends after exactly
         ``sync_every`` of them, also when ``sync_every`` changes mid-run."""
         self.outer = OuterOptimizer(
-            self.params, lr=outer_lr, momentum=outer_momentum, device=outer_device
+            self.params,
+            lr=settings.outer_lr,
+            momentum=settings.outer_momentum,
+            device=outer_device(settings.outer_state, model),
         )
         self._hooks.append(inner_optimizer.register_step_post_hook(self._after_step))
         # Until a round says otherwise, every site takes its data-parallel share;

@@ -21,13 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from isthmus.inter.codecs import Codec
 from isthmus.inter.fragments import assign_fragments, count_blocks, sync_offsets
 from isthmus.inter.hierarchical import PendingAverage, StepReport
 from isthmus.inter.join import SiteRuntime, runtime_of
 from isthmus.inter.member_rounds import EarlyExchange
 from isthmus.inter.membership import View
-from isthmus.inter.strategies.base import static_weights, validated
+from isthmus.inter.strategies.base import configure, settings_doc, static_weights
 from isthmus.inter.strategies.local_steps import LocalSteps
 from isthmus.job.settings import SettingError
 
@@ -63,34 +62,15 @@ class StreamingDiLoCo(LocalSteps):
         model: nn.Module,
         inner_optimizer: torch.optim.Optimizer,
         *,
-        sync_every: int = 50,
-        fragments: int = 2,
-        overlap_steps: int = 0,
-        alpha: float = 0.5,
-        merge: str = "mix",
-        outer_lr: float = 1.0,
-        outer_momentum: float = 0.0,
-        codec: str | Codec = "none",
-        error_feedback: bool = False,
         tokens_per_step: int = 1,
-        outer_device: str = "cpu",
-        rejoin_timeout_s: float = 600.0,
+        **settings: Any,
     ) -> None:
-        site = runtime_of(site)  # isthmus.join() gives a Site that holds one
         # The general rules first (the checks below rely on them), then what only a
         # strategy holding the model can check.
-        validated(
-            "streaming",
-            codec,
-            sync_every=sync_every,
-            outer_lr=outer_lr,
-            outer_momentum=outer_momentum,
-            error_feedback=error_feedback,
-            fragments=fragments,
-            overlap_steps=overlap_steps,
-            alpha=alpha,
-            merge=merge,
-        )
+        settings, codec = configure("streaming", settings)
+        site = runtime_of(site)  # isthmus.join() gives a Site that holds one
+        sync_every, fragments = settings.sync_every, settings.fragments
+        overlap_steps = settings.overlap_steps
         self.fragments = fragments
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         blocks = count_blocks(names)
@@ -119,17 +99,13 @@ class StreamingDiLoCo(LocalSteps):
             site,
             model,
             inner_optimizer,
-            sync_every=sync_every,
-            outer_lr=outer_lr,
-            outer_momentum=outer_momentum,
+            settings=settings,
             codec=codec,
             tokens_per_step=tokens_per_step,
-            outer_device=outer_device,
-            error_feedback=error_feedback,
         )
         self.overlap_steps = overlap_steps
-        self.alpha = float(alpha)
-        self.merge = merge
+        self.alpha = float(settings.alpha)
+        self.merge = settings.merge
         assignment = assign_fragments(names, fragments)
         self.members = [[i for i, f in enumerate(assignment) if f == p] for p in range(fragments)]
         self.offsets = sync_offsets(sync_every, fragments)
@@ -141,7 +117,7 @@ class StreamingDiLoCo(LocalSteps):
         self._resume: dict[str, Any] | None = None
         """An exchange a checkpoint caught in flight, to start again (see
         :meth:`load_state_dict`)."""
-        self.member = self._hold_member_rounds(rejoin_timeout_s)
+        self.member = self._hold_member_rounds(settings.rejoin_timeout_s)
 
     def state_dict(self) -> dict[str, Any]:
         """Also what is in flight: the fragment's pseudo-gradient, and the site's
@@ -328,3 +304,6 @@ class _FragmentExchange:
     that catches it in flight goes back to them."""
     anchor: list[torch.Tensor] | None = None
     """``merge: eager``: the fragment's parameters when it started."""
+
+
+StreamingDiLoCo.__doc__ = (StreamingDiLoCo.__doc__ or "") + settings_doc("streaming")

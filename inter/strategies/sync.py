@@ -17,13 +17,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from isthmus.inter.codecs import Codec
 from isthmus.inter.hierarchical import PendingAverage
 from isthmus.inter.join import SiteRuntime, runtime_of
 from isthmus.inter.member_rounds import shapes_match
 from isthmus.inter.membership import View
 from isthmus.inter.state_transfer import StateUnavailable
-from isthmus.inter.strategies.base import Strategy, local, static_weights, validated
+from isthmus.inter.strategies.base import Strategy, configure, local, settings_doc, static_weights
 from isthmus.intra.gradients import clip_grad_norm
 from isthmus.job.settings import SettingError
 from isthmus.proto import wire_pb2
@@ -66,27 +65,19 @@ class Sync(Strategy):
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
-        codec: str | Codec = "none",
-        error_feedback: bool = False,
         tokens_per_step: int = 1,
         bucket_mb: float = 25.0,
         overlap: bool = True,
-        rejoin_timeout_s: float = 600.0,
-        max_grad_norm: float | None = None,
         stage_group: dist.ProcessGroup | None = None,
+        **settings: Any,
     ) -> None:
+        settings, codec = configure("sync", settings)
         site = runtime_of(site)  # isthmus.join() gives a Site that holds one
-        validated("sync", codec, error_feedback=error_feedback)
+        # Not settings of a job: how this class buckets and overlaps its exchanges.
         if not (isinstance(bucket_mb, int | float) and bucket_mb > 0):
             raise SettingError("bucket_mb", f"must be a number > 0, got {bucket_mb!r}")
-        if max_grad_norm is not None and not (
-            isinstance(max_grad_norm, int | float) and max_grad_norm > 0
-        ):
-            raise SettingError(
-                "max_grad_norm",
-                f"must be a gradient norm > 0 (None: no clipping), got {max_grad_norm!r}",
-            )
-        self.max_grad_norm = max_grad_norm
+        self.max_grad_norm = settings.grad_clip or None
+        """The averaged gradient's largest norm (``grad_clip``; 0: None, no clipping)."""
         self._stage_group = stage_group
         super().__init__(
             site,
@@ -94,7 +85,7 @@ class Sync(Strategy):
             optimizer,
             codec=codec,
             tokens_per_step=tokens_per_step,
-            error_feedback=error_feedback,
+            error_feedback=settings.error_feedback,
         )
         self.weights = static_weights(self.layouts, tokens_per_step)
         # FSDP sets its sharded gradients itself, after its own reduce-scatter:
@@ -117,7 +108,7 @@ class Sync(Strategy):
         self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
         if site.membership is not None:
             self._hooks.append(optimizer.register_step_post_hook(self._after_member_step))
-        self.member = self._hold_member_rounds(rejoin_timeout_s)
+        self.member = self._hold_member_rounds(settings.rejoin_timeout_s)
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         bucket = self._bucket_of[id(param)]
@@ -279,3 +270,6 @@ def _buckets(params: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[tor
         buckets[-1].append(p)
         size += p.numel() * 4
     return [b for b in buckets if b]
+
+
+Sync.__doc__ = (Sync.__doc__ or "") + settings_doc("sync")

@@ -40,7 +40,7 @@ def scripted(args, site, model, inner, inner_step) -> dict:
     with (
         site,
         isthmus.DiLoCo(
-            site, model, inner, sync_every=10_000, outer_lr=1.0, outer_momentum=0.0
+            site, model, inner, sync_every=10_000, outer_lr=1.0, outer_momentum=0.0, codec="none"
         ) as diloco,
     ):
         first_share = getattr(inner, "batch_share", None)
@@ -116,7 +116,12 @@ def main() -> int:
         with (
             site,
             isthmus.DiLoCo(
-                site, model, inner, sync_every=10_000, round_seconds=args.round_seconds
+                site,
+                model,
+                inner,
+                sync_every=10_000,
+                round_seconds=args.round_seconds,
+                codec="none",
             ) as diloco,
         ):
             for _ in range(args.steps):
