@@ -84,7 +84,7 @@ def test_every_api_default_equals_the_job_files(strategy, monkeypatch):
     configure = base.configure
 
     def spy(name, given):
-        settings, codec = configure(name, given)
+        settings, _ = configure(name, given)
         seen["settings"] = settings
         raise _Recorder
 
