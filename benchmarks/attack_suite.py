@@ -42,8 +42,8 @@ from typing import Any
 
 import grpc
 import torch
+from example_sites import loopback_job
 
-from isthmus.deploy.examples.diloco_train import loopback_job
 from isthmus.deploy.render.certs import make_certs, revoke_site
 from isthmus.inter.chunks import encode_chunks
 from isthmus.inter.codecs import parse_codec

@@ -32,7 +32,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from isthmus.deploy.examples.diloco_train import add_recipe_arguments, loopback_job, run_sites
+from example_sites import loopback_job, run_sites
+
+from isthmus.deploy.examples.diloco_train import add_recipe_arguments
 
 SITES = ["s0", "s1", "s2", "s3"]
 # Means of closing the gap to sync at a small fraction of its bytes: an outer

@@ -26,8 +26,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from example_sites import run_sites
+
 from isthmus.deploy.bench.emulator_bench import wan_up
-from isthmus.deploy.examples.diloco_train import run_sites
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "deploy" / "examples" / "three-continents.yaml"
 SITES = ["us-east", "eu-west", "asia-east"]

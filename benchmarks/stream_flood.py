@@ -186,7 +186,7 @@ def main() -> int:
 
 
 def _drive(args: argparse.Namespace) -> int:
-    from isthmus.deploy.examples.diloco_train import free_port_blocks
+    from isthmus.job.file import free_port_blocks
 
     work = Path(tempfile.mkdtemp(prefix="isthmus-flood-"))
     make_certs(JOB, SITES, work / "certs")

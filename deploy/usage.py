@@ -8,7 +8,8 @@ because ``isthmus --help`` imports every command module.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 
@@ -35,3 +36,29 @@ def add_command(
     )
     sub.set_defaults(handler=handler, prog=sub.prog)
     return sub
+
+
+def accept_command(parser: argparse.ArgumentParser) -> None:
+    """Everything after the first ``--`` is a command to run, left whole in
+    ``args.command`` (None without ``--``).
+
+    argparse alone cannot do it: a ``nargs="*"`` positional after an optional
+    one is filled (empty) at the first positional, and it drops every ``--`` of
+    the command itself. The subcommand's parser is called with its own
+    arguments, so it splits them before it parses them.
+    """
+    parse = parser.parse_known_args
+
+    def parse_known_args(
+        args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        given = list(sys.argv[1:] if args is None else args)
+        command = None
+        if "--" in given:
+            split = given.index("--")
+            given, command = given[:split], given[split + 1 :]
+        namespace, extras = parse(given, namespace)
+        namespace.command = command
+        return namespace, extras
+
+    parser.parse_known_args = parse_known_args  # type: ignore[method-assign]

@@ -201,3 +201,17 @@ def _check_non_negative(name: str, value: Any) -> None:
 def _check_fraction(name: str, value: Any) -> None:
     if not (is_number(value) and 0 <= value <= 1):
         raise LinkConfigError(name, f"must be a fraction in [0, 1] (0.01 means 1%), got {value!r}")
+
+
+def describe_link(p: Any, rtt_ms: float) -> str:
+    """One line for a link direction's settings, as the emulator prints them."""
+    bw = f"{p.bandwidth_mbit:g} Mbit/s" if p.bandwidth_mbit else "uncapped"
+    parts = [f"rtt {rtt_ms:g} ms", bw]
+    if p.jitter_ms:
+        parts.append(f"jitter {p.jitter_ms:g} ms ({p.jitter_distribution})")
+    if p.loss:
+        burst = f", bursts of {p.loss_burst_segments:g}" if p.loss_burst_segments > 1 else ""
+        parts.append(f"loss {p.loss:g}{burst}")
+    if p.corrupt:
+        parts.append(f"corrupt {p.corrupt:g}")
+    return ", ".join(parts)

@@ -22,7 +22,7 @@ from needs import MOSQUITTO, needs_mosquitto
 from test_control import Mosquitto
 
 from isthmus.deploy.cli import main
-from isthmus.deploy.cli.site import SiteProgress, torchrun_layout_flags
+from isthmus.deploy.launch.cluster_site import SiteProgress, torchrun_layout_flags
 from isthmus.job.file import JobFileError, free_port_blocks, parse_job
 from isthmus.sim.hosts import HostsUnavailable, check_support
 from isthmus.training.records import read_records
@@ -475,7 +475,7 @@ def test_log_format_json_prints_every_line_as_one_object(tmp_path, capsys, monke
 
 
 def test_only_the_first_node_of_a_site_prints_its_progress(monkeypatch):
-    from isthmus.deploy.cli.site import prints_progress
+    from isthmus.deploy.launch.cluster_site import prints_progress
 
     job = parse_job(MULTI_NODE)
     east, west = job.sites

@@ -10,8 +10,8 @@ import json
 
 import pytest
 import torch
+from example_sites import loopback_job, run_sites
 
-from isthmus.deploy.examples.diloco_train import loopback_job, run_sites
 from isthmus.intra.data import Dataset, ShardSpec, stdlib_corpus
 from isthmus.intra.model import GPT, config_for, lm_loss
 

@@ -171,7 +171,7 @@ def test_missing_tls_files_name_the_field(tmp_path):
 
 @pytest.mark.slow
 def test_sites_train_over_mutual_tls_named_in_the_job_file(tmp_path):
-    from isthmus.deploy.examples.diloco_train import loopback_job, run_sites
+    from example_sites import loopback_job, run_sites
 
     job = loopback_job(tmp_path / "job.yaml", "tlsjob", ["a", "b"])
     done = subprocess.run(

@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from isthmus.deploy.cli import (
         bench,
+        certs,
         config_watch,
         job,
         render,
@@ -44,7 +45,6 @@ def build_parser() -> argparse.ArgumentParser:
         tune,
         wan,
     )
-    from isthmus.deploy.render import certs
 
     run.register(commands)
     site.register(commands)

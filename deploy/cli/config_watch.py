@@ -6,12 +6,14 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from isthmus.deploy.launch.broker import control_state_path
 from isthmus.deploy.usage import UsageError, add_command
-from isthmus.inter.control_plane import Broker, ControlPlane
 from isthmus.inter.control_topics import LIVE_SETTINGS, parse_config
+from isthmus.job.broker import Broker
+
+if TYPE_CHECKING:
+    from isthmus.inter.control_plane import ControlPlane
 from isthmus.job.file import Job, load_job, load_yaml
 
 CONNECT_S = 5.0
@@ -31,6 +33,8 @@ def broker_for(job: Job, url: str | None) -> Broker:
             raise UsageError(f"--broker: {exc}") from None
     if job.control is not None:
         return job.control.broker_for(None)
+    from isthmus.deploy.launch.broker import control_state_path  # asyncio: not for --help
+
     state = control_state_path(job)
     try:
         return Broker.from_url(json.loads(state.read_text())["broker"])
@@ -112,6 +116,8 @@ class _observer:
     """A site-less control-plane client that has heard the retained messages."""
 
     def __init__(self, broker: Broker, job: Job) -> None:
+        from isthmus.inter.control_plane import ControlPlane  # MQTT: not for --help
+
         self.plane = ControlPlane(broker, job.name, None, settings=job.train)
 
     def __enter__(self) -> ControlPlane:

@@ -9,6 +9,7 @@ from typing import Any
 from isthmus.deploy.usage import add_command
 from isthmus.job.exposure import insecure_warning
 from isthmus.job.file import Job, load_job
+from isthmus.job.link import describe_link
 from isthmus.sim.topology import Topology
 
 
@@ -107,16 +108,3 @@ def describe_job(job: Job) -> str:
     settings = ", ".join(f"{k}={v}" for k, v in job.train.to_dict().items())
     lines.append(f"  train: {settings}")
     return "\n".join(lines)
-
-
-def describe_link(p: Any, rtt_ms: float) -> str:
-    bw = f"{p.bandwidth_mbit:g} Mbit/s" if p.bandwidth_mbit else "uncapped"
-    parts = [f"rtt {rtt_ms:g} ms", bw]
-    if p.jitter_ms:
-        parts.append(f"jitter {p.jitter_ms:g} ms ({p.jitter_distribution})")
-    if p.loss:
-        burst = f", bursts of {p.loss_burst_segments:g}" if p.loss_burst_segments > 1 else ""
-        parts.append(f"loss {p.loss:g}{burst}")
-    if p.corrupt:
-        parts.append(f"corrupt {p.corrupt:g}")
-    return ", ".join(parts)

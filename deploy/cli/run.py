@@ -6,42 +6,15 @@ import argparse
 import json
 import shlex
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy.usage import UsageError, add_command
+from isthmus.deploy.usage import UsageError, accept_command, add_command
 from isthmus.job.basics import FieldError
 from isthmus.job.settings import STRATEGIES
 
 EXIT_CODES = {"finished": 0, "failed": 1, "interrupted": 130}
 JOIN_TIMEOUT_S = 300.0  # isthmus.deploy.launch.launcher's, not imported: --help stays light
-
-
-def accept_command(parser: argparse.ArgumentParser) -> None:
-    """Everything after the first ``--`` is a command to run, left whole in
-    ``args.command`` (None without ``--``).
-
-    argparse alone cannot do it: a ``nargs="*"`` positional after an optional
-    one is filled (empty) at the first positional, and it drops every ``--`` of
-    the command itself. The subcommand's parser is called with its own
-    arguments, so it splits them before it parses them.
-    """
-    parse = parser.parse_known_args
-
-    def parse_known_args(
-        args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
-    ) -> tuple[argparse.Namespace, list[str]]:
-        given = list(sys.argv[1:] if args is None else args)
-        command = None
-        if "--" in given:
-            split = given.index("--")
-            given, command = given[:split], given[split + 1 :]
-        namespace, extras = parse(given, namespace)
-        namespace.command = command
-        return namespace, extras
-
-    parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
 
 
 def register(commands: Any) -> None:

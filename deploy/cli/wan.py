@@ -4,29 +4,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import os
-import signal
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy.cli.job import describe_link
 from isthmus.deploy.usage import UsageError, add_command
 from isthmus.inter.allocator import keep_freed_memory
 from isthmus.job.addressing import AddressError, default_state_path, load_state
-from isthmus.job.file import Job, load_job, load_yaml, parse_address
-from isthmus.job.link import LinkConfigError, LinkParams
+from isthmus.job.file import load_job, load_yaml, parse_address
+from isthmus.job.link import LinkConfigError, LinkParams, describe_link
 from isthmus.job.presets import PRESETS
-from isthmus.sim.emulator import BackgroundEmulator, Emulator
-from isthmus.sim.emulator_control import ControlClient, ControlError, ControlServer, format_stats
+from isthmus.sim.emulator import BackgroundEmulator
+from isthmus.sim.emulator_control import ControlClient, ControlError, format_stats
 from isthmus.sim.topology import Site, Topology
 from isthmus.training.orphan import end_with_parent
-
-STATE_VERSION = 1
+from isthmus.training.records import write_json_atomic
 
 # Flags of `wan proxy` and `wan demo` -> link settings (units in the names).
 LINK_FLAGS: list[tuple[str, str, type, str]] = [
@@ -196,63 +190,9 @@ def _proxy(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     keep_freed_memory()  # the proxy's reads are buffers of 256 KiB: reuse them
-    return asyncio.run(_serve_proxy(topology, listen, connect))
+    from isthmus.deploy.launch.wan_serve import serve_proxy
 
-
-async def _serve_proxy(
-    topology: Topology, listen: tuple[str, int], connect: tuple[str, int]
-) -> int:
-    stop = _stop_on_signals()
-    emulator = Emulator(topology, listen={("client", "server", 0): listen})
-    try:
-        await emulator.start()
-    except OSError as exc:
-        raise UsageError(f"--listen: {exc.strerror}") from None
-    if not await _reachable(connect):
-        print(
-            f"warning: --connect {connect[0]}:{connect[1]} is not reachable yet; "
-            "connections will be closed until it is",
-            file=sys.stderr,
-        )
-    params = topology.link_params("client", "server")
-    print(
-        f"ready: {listen[0]}:{listen[1]} -> {connect[0]}:{connect[1]} "
-        f"({describe_link(params.a_to_b, params.rtt_ms)})",
-        flush=True,
-    )
-    await stop.wait()
-    counters = emulator.stats()["links"][0]
-    await emulator.stop()
-    for direction, label in (("client->server", "to upstream"), ("server->client", "to client")):
-        c = counters[direction]
-        print(
-            f"{label}: bytes={c['bytes']} segments={c['segments']} "
-            f"segments_delayed={c['segments_delayed']} lost_segments={c['lost_segments']} "
-            f"stalls={c['stalls']} corrupted_bytes={c['corrupted_bytes']} "
-            f"connections={c['connections']} resets={c['resets']} "
-            f"disconnects={c['disconnects']} upstream_failures={c['upstream_failures']}",
-            flush=True,
-        )
-    return 0
-
-
-async def _reachable(address: tuple[str, int]) -> bool:
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(*address), timeout=2)
-    except (TimeoutError, OSError):
-        return False
-    writer.close()
-    return True
-
-
-def _stop_on_signals() -> asyncio.Event:
-    """An event set by SIGINT or SIGTERM. Install it before printing "ready", so a
-    signal sent as soon as the line is seen still shuts down cleanly."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    return stop
+    return asyncio.run(serve_proxy(topology, listen, connect))
 
 
 # -- wan up -----------------------------------------------------------------------------
@@ -277,7 +217,9 @@ def _up(args: argparse.Namespace) -> int:
 
         return serve_hosts(job, state_path, write_json_atomic, tcp_rmem_max=args.tcp_rmem_max)
     keep_freed_memory()  # the proxy's reads are buffers of 256 KiB: reuse them
-    return asyncio.run(_serve_topology(job, state_path, args.host, args.stats_every))
+    from isthmus.deploy.launch.wan_serve import serve_topology
+
+    return asyncio.run(serve_topology(job, state_path, args.host, args.stats_every))
 
 
 def _exec(args: argparse.Namespace) -> int:
@@ -306,81 +248,6 @@ def _refuse_a_second_emulator(state_path: Path) -> None:
         f"an emulator is already running for {state_path} (pid {state.get('pid')}); "
         "stop it, or pass another --state"
     )
-
-
-async def _serve_topology(job: Job, state_path: Path, host: str, stats_every: float) -> int:
-    stop = _stop_on_signals()
-    ranks = job.rank_addresses(host)
-    emulator = Emulator(Topology.for_job(job, ranks), host=host)
-    try:
-        await emulator.start()
-    except OSError as exc:
-        raise UsageError(str(exc.strerror)) from None
-    control = ControlServer(emulator, host="127.0.0.1", progress=emulator.progress)
-    control_address = await control.start()
-    state = {
-        "version": STATE_VERSION,
-        "job": job.name,
-        "backend": "proxy",
-        "pid": os.getpid(),
-        "control": "{}:{}".format(*control_address),
-        "sites": {
-            s.name: {
-                "ranks": s.ranks,
-                "listen": ["{}:{}".format(*a) for a in ranks[s.name]],
-                "dial": emulator.dial_map()[s.name],
-            }
-            for s in job.sites
-        },
-    }
-    write_json_atomic(state_path, state)
-    topology = emulator.topology
-    for a, b in topology.pairs():
-        p = topology.link_params(a, b)
-        print(f"link {a}<->{b}: {describe_link(p.a_to_b, p.rtt_ms)}")
-    for name, site in state["sites"].items():
-        print(f"site {name}: ranks listen on {', '.join(site['listen'])}")
-    print(f"ready: {len(topology.pairs())} links up; addresses to dial in {state_path}", flush=True)
-    reporter = asyncio.ensure_future(_report_throughput(emulator, stats_every))
-    try:
-        await stop.wait()
-    finally:
-        reporter.cancel()
-        stats = emulator.stats()
-        await control.stop()
-        await emulator.stop()
-        with contextlib.suppress(FileNotFoundError):
-            state_path.unlink()
-    print(format_stats(stats), flush=True)
-    return 0
-
-
-async def _report_throughput(emulator: Emulator, every_s: float) -> None:
-    """Print, every ``every_s``, the throughput of each link direction that carried bytes."""
-    if every_s <= 0:
-        return
-    last: dict[tuple[str, str], int] = {}
-    while True:
-        await asyncio.sleep(every_s)
-        busy = []
-        for link in emulator.links.values():
-            for d in (link.a_to_b, link.b_to_a):
-                sent = d.counters.bytes - last.get((d.src, d.dst), 0)
-                last[(d.src, d.dst)] = d.counters.bytes
-                if sent:
-                    busy.append(f"{d.src}->{d.dst} {sent * 8 / every_s / 1e6:.1f} Mbit/s")
-        if busy:
-            print("traffic: " + ", ".join(busy), flush=True)
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON so a reader sees the old file or the whole new one, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 # -- wan set / cut / heal / stats -------------------------------------------------------

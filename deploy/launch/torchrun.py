@@ -3,7 +3,7 @@
 When a rank fails, torchrun's agent prints a Python traceback of its own and a
 table of the failed ranks, after the rank has already said why in one line
 (``isthmus site: error: ...``). Here torchrun runs as ``python -m
-isthmus.deploy.cli.torchrun`` with the same arguments: a failed rank becomes
+isthmus.deploy.launch.torchrun`` with the same arguments: a failed rank becomes
 one line that names it and how it ended (which matters where it printed
 nothing: a rank killed by a signal), and the exit status is the rank's.
 """
