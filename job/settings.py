@@ -199,10 +199,20 @@ TrainSettings: Any = _compose()
 SETTING_NAMES = tuple(f.name for f in dataclasses.fields(TrainSettings))
 
 
-def strategy_settings(strategy: str, given: dict[str, Any]) -> Any:
+def loop_keys() -> tuple[str, ...]:
+    """The settings of the loop that drives a strategy, not of any strategy class
+    (schedule, inner optimizer, checkpoints, timeouts, network, placement)."""
+    taken = {name for strategy in STRATEGIES for name in strategy_keys(strategy)}
+    skip = taken | {"strategy", *STRATEGY_DEPENDENT}
+    return tuple(name for name in SETTING_NAMES if name not in skip)
+
+
+def strategy_settings(strategy: str, given: dict[str, Any], job: Any = None) -> Any:
     """A strategy class's keyword arguments checked as a job file's ``train:`` section
     is (the same rules, the same messages), with the job file's defaults for the rest.
-    A key the class does not take is refused, naming the ones it does."""
+    A key the class does not take is refused, naming the ones it does. ``job``: the
+    settings of the job the site runs, whose loop settings (the round deadline, ...)
+    the rules between fields are checked against."""
     keys = strategy_keys(strategy)
     for name in given:
         if name not in keys:
@@ -212,4 +222,5 @@ def strategy_settings(strategy: str, given: dict[str, Any]) -> Any:
                 else "not a setting"
             )
             raise SettingError(name, f"{where}; the {strategy} class takes {', '.join(keys)}")
-    return TrainSettings(strategy=strategy, **given)
+    loop = {name: getattr(job, name) for name in loop_keys()} if job is not None else {}
+    return TrainSettings(strategy=strategy, **loop, **given)

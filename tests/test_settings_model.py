@@ -41,9 +41,13 @@ class _Blocks(torch.nn.Module):
 
 
 def _build(strategy: str, **settings):
+    return _build_on(None, strategy, **settings)
+
+
+def _build_on(site, strategy: str, **settings):
     model = _Blocks()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    return CLASSES[strategy](None, model, optimizer, **settings)  # type: ignore[arg-type]
+    return CLASSES[strategy](site, model, optimizer, **settings)  # type: ignore[arg-type]
 
 
 def test_each_field_lives_in_exactly_one_group():
@@ -83,8 +87,8 @@ def test_every_api_default_equals_the_job_files(strategy, monkeypatch):
     seen = {}
     configure = base.configure
 
-    def spy(name, given):
-        settings, _ = configure(name, given)
+    def spy(name, given, site):
+        settings, _ = configure(name, given, site)
         seen["settings"] = settings
         raise _Recorder
 
@@ -152,3 +156,18 @@ def test_a_setting_a_class_does_not_take_is_refused_naming_those_it_does():
     with pytest.raises(SettingError) as typo:
         _build("sync", sync_evry=3)
     assert "not a setting" in str(typo.value)
+
+
+def test_the_rules_between_fields_see_the_sites_job():
+    """A class's ``rejoin_timeout_s`` is checked against the job's round deadline (the
+    loop's setting), not the default's: a job with short deadlines takes a short
+    rejoin timeout."""
+    from types import SimpleNamespace
+
+    from isthmus.inter.strategies.base import configure
+
+    job = SimpleNamespace(train=TrainSettings(round_deadline_s=5, collective_timeout_s=2))
+    settings, _ = configure("diloco", {"rejoin_timeout_s": 10}, SimpleNamespace(job=job))
+    assert (settings.rejoin_timeout_s, settings.round_deadline_s) == (10, 5)
+    with pytest.raises(SettingError, match="longer than round_deadline_s"):
+        _build("diloco", rejoin_timeout_s=10)  # no job: the default deadline, 120 s

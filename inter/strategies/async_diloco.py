@@ -66,7 +66,7 @@ class AsyncDiLoCo(LocalSteps):
         tokens_per_step: int = 1,
         **settings: Any,
     ) -> None:
-        settings, codec = configure("async", settings)
+        settings, codec = configure("async", settings, site)
         site = runtime_of(site)  # isthmus.join() gives a Site that holds one
         self.late_contributions = settings.late_contributions
         self.staleness_weight = float(settings.staleness_weight)

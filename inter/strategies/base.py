@@ -28,26 +28,27 @@ from torch.distributed.tensor import DTensor
 
 from isthmus.inter.codecs import Codec, parse_codec
 from isthmus.inter.hierarchical import PendingAverage, StepReport
-from isthmus.inter.join import SiteRuntime
+from isthmus.inter.join import SiteRuntime, runtime_of
 from isthmus.inter.member_rounds import MemberRounds
 from isthmus.inter.membership import View
 from isthmus.job.layout import Layout
 from isthmus.job.settings import SettingError, TrainSettings, strategy_keys, strategy_settings
 
 
-def configure(strategy: str, given: dict[str, Any]) -> tuple[Any, str | Codec]:
+def configure(strategy: str, given: dict[str, Any], site: Any) -> tuple[Any, str | Codec]:
     """A strategy's keyword arguments checked as a job file's ``train:`` section is
     checked (the same rules, defaults and messages:
     :func:`isthmus.job.settings.strategy_settings`), before anything is built.
-    Returns the settings and the codec: a :class:`Codec` object given as ``codec``
-    is the caller's own, already valid (and then error feedback is off unless
-    asked for)."""
+    The rules between fields see the site's job (its round deadline, ...). Returns
+    the settings and the codec: a :class:`Codec` object given as ``codec`` is the
+    caller's own, already valid (and then error feedback is off unless asked for)."""
     given = dict(given)
     own = given.get("codec")
     if isinstance(own, Codec):
         given["codec"] = "none"
         given.setdefault("error_feedback", False)
-    settings = strategy_settings(strategy, given)
+    job = getattr(runtime_of(site), "job", None)
+    settings = strategy_settings(strategy, given, getattr(job, "train", None))
     return settings, own if isinstance(own, Codec) else settings.codec
 
 

@@ -60,7 +60,7 @@ class DiLoCo(LocalSteps):
         tokens_per_step: int = 1,
         **settings: Any,
     ) -> None:
-        settings, codec = configure("diloco", settings)
+        settings, codec = configure("diloco", settings, site)
         site = runtime_of(site)  # isthmus.join() gives a Site that holds one
         self.round_seconds = settings.round_seconds
         self.training_over = False

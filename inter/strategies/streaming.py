@@ -67,7 +67,7 @@ class StreamingDiLoCo(LocalSteps):
     ) -> None:
         # The general rules first (the checks below rely on them), then what only a
         # strategy holding the model can check.
-        settings, codec = configure("streaming", settings)
+        settings, codec = configure("streaming", settings, site)
         site = runtime_of(site)  # isthmus.join() gives a Site that holds one
         sync_every, fragments = settings.sync_every, settings.fragments
         overlap_steps = settings.overlap_steps

@@ -71,7 +71,7 @@ class Sync(Strategy):
         stage_group: dist.ProcessGroup | None = None,
         **settings: Any,
     ) -> None:
-        settings, codec = configure("sync", settings)
+        settings, codec = configure("sync", settings, site)
         site = runtime_of(site)  # isthmus.join() gives a Site that holds one
         # Not settings of a job: how this class buckets and overlaps its exchanges.
         if not (isinstance(bucket_mb, int | float) and bucket_mb > 0):
