@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from podman import Images, Network, build_images
+from podman import Images, Network, PodmanError, build_images
 
 ISTHMUS = [sys.executable, "-m", "isthmus"]
 PORT = 7100
@@ -190,7 +190,15 @@ def run_sites(folder: Path, images: Images, *, kill: str | None = None) -> Outco
             logs_before = net.logs(kill)
             net.remove(kill)
             start_site(net, folder, kill, images.site, "--rejoin")
-        codes = {site: net.wait(site, timeout=420) for site in sites}
+        # One deadline for all: a site still running then fails the run with every
+        # site's last lines (what it waits for), not a bare timeout.
+        deadline = time.monotonic() + 300
+        try:
+            codes = {site: net.wait(site, timeout=max(5.0, deadline - time.monotonic()))
+                     for site in sites}  # fmt: skip
+        except PodmanError:
+            tails = "\n".join(f"--- {s}\n{net.logs(s)[-3000:]}" for s in sites)
+            raise RuntimeError(f"sites still running 300 s after the start:\n{tails}") from None
         logs = {site: net.logs(site) for site in sites}
         if kill:
             logs[kill] = logs_before + "\n--- started again with --rejoin ---\n" + logs[kill]

@@ -94,6 +94,7 @@ def test_a_build_context_without_the_lock_or_wheels_fails_naming_the_file(podman
     assert "missing requirements.lock in the build context: build with scripts/image.sh" in said
 
 
+@pytest.mark.timeout(900)  # builds the images when alone; its own deadlines are shorter
 def test_a_site_container_killed_mid_run_rejoins_and_every_site_ends_identical(
     images, tmp_path, record_property
 ):
