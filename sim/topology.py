@@ -20,7 +20,7 @@ from isthmus.sim.token_bucket import TokenBucket
 
 
 @dataclass(frozen=True, kw_only=True)
-class Site:
+class EmulatedSite:
     """One site as the emulator sees it: where its ranks listen, and its uplink cap."""
 
     name: str
@@ -39,7 +39,7 @@ class Site:
 class Topology:
     """Sites, one link per pair of sites, and the fault schedule."""
 
-    sites: tuple[Site, ...]
+    sites: tuple[EmulatedSite, ...]
     links: dict[frozenset[str], tuple[tuple[str, str], LinkParams]]
     faults: tuple[Fault, ...] = ()
     seed: int = 0
@@ -49,7 +49,7 @@ class Topology:
     """Regions whose long-haul capacity is capped: Mbit/s shared by all traffic
     leaving the region for others, and separately by all traffic entering it."""
 
-    def site(self, name: str) -> Site:
+    def site(self, name: str) -> EmulatedSite:
         for site in self.sites:
             if site.name == name:
                 return site
@@ -79,7 +79,7 @@ class Topology:
     @classmethod
     def full_mesh(
         cls,
-        sites: list[Site],
+        sites: list[EmulatedSite],
         *,
         default: LinkParams,
         overrides: dict[frozenset[str], tuple[tuple[str, str], LinkParams]] | None = None,
@@ -115,7 +115,7 @@ class Topology:
         each rank."""
         wan = job.wan or WanSpec(default=LinkParams())
         sites = [
-            Site(name=s.name, listen=tuple(listen[s.name]), uplink_mbit=s.uplink_mbit)
+            EmulatedSite(name=s.name, listen=tuple(listen[s.name]), uplink_mbit=s.uplink_mbit)
             for s in job.sites
         ]
         region_of = job.region_of()

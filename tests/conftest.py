@@ -16,7 +16,7 @@ from needs import record_figure, record_skip
 from isthmus.job.link import LinkParams
 from isthmus.sim.emulator import BackgroundEmulator
 from isthmus.sim.probe import ProbeServer
-from isthmus.sim.topology import Fault, Site, Topology
+from isthmus.sim.topology import EmulatedSite, Fault, Topology
 
 DURATIONS = Path(__file__).with_name("durations.json")
 """Seconds each test took in a recent whole-suite run (scripts/test_durations.py)."""
@@ -74,7 +74,7 @@ def _two_sites(
 ) -> Iterator[BackgroundEmulator]:
     """Site "a" (clients only) linked to site "b", whose rank 0 is ``upstream``."""
     topology = Topology.full_mesh(
-        [Site(name="a", listen=()), Site(name="b", listen=(upstream,))],
+        [EmulatedSite(name="a", listen=()), EmulatedSite(name="b", listen=(upstream,))],
         default=params,
         faults=faults,
         seed=seed,

@@ -561,7 +561,7 @@ def test_a_round_ends_when_its_result_is_in_and_its_last_sends_finish_after():
     can: the round returns without waiting for it, and the send completes after."""
     from isthmus.job.link import LinkParams
     from isthmus.sim.emulator import BackgroundEmulator
-    from isthmus.sim.topology import Site, Topology
+    from isthmus.sim.topology import EmulatedSite, Topology
 
     async def main():
         names = ["a", "b"]
@@ -571,7 +571,7 @@ def test_a_round_ends_when_its_result_is_in_and_its_last_sends_finish_after():
             members[name] = CrossSiteAllReduce(identity, {}, deadline_s=30.0)
             ports[name] = await members[name].start("127.0.0.1", 0)
         topology = Topology.full_mesh(
-            [Site(name=n, listen=(("127.0.0.1", ports[n]),)) for n in names],
+            [EmulatedSite(name=n, listen=(("127.0.0.1", ports[n]),)) for n in names],
             default=LinkParams.symmetric(rtt_ms=1000),
         )
         inputs = _inputs(names, 10_007)

@@ -20,7 +20,7 @@ from isthmus.inter.transport import TransportSettings
 from isthmus.job.link import LinkParams
 from isthmus.proto import wire_pb2
 from isthmus.sim.emulator import BackgroundEmulator
-from isthmus.sim.topology import Site, Topology
+from isthmus.sim.topology import EmulatedSite, Topology
 
 JOB = "corruption-test"
 SMALL_CHUNKS = TransportSettings(max_chunk_bytes=1024, stall_s=2.0)
@@ -90,7 +90,7 @@ async def _through_the_emulator(names, params, *, seed=0, settings=SMALL_CHUNKS)
     """Connected engines for ``names`` whose every link is the emulator's, with ``params``."""
     members = await _mesh(names, settings)
     topology = Topology.full_mesh(
-        [Site(name=n, listen=(("127.0.0.1", members[n].server.port),)) for n in names],
+        [EmulatedSite(name=n, listen=(("127.0.0.1", members[n].server.port),)) for n in names],
         default=params,
         seed=seed,
     )

@@ -18,7 +18,7 @@ import pytest
 from isthmus.job.link import LinkConfigError, LinkParams
 from isthmus.sim.emulator import BackgroundEmulator
 from isthmus.sim.probe import measure_one_way_ms, measure_rtt_ms, measure_throughput
-from isthmus.sim.topology import Fault, Site, Topology
+from isthmus.sim.topology import EmulatedSite, Fault, Topology
 
 pytestmark = pytest.mark.serial  # the proxy's rates and delays are measured: alone on the machine
 
@@ -119,9 +119,9 @@ def test_connections_of_a_link_share_its_bandwidth(probe, two_sites):
 def test_site_uplink_cap_is_shared_by_all_its_links(probe):
     topology = Topology.full_mesh(
         [
-            Site(name="a", listen=(), uplink_mbit=60),
-            Site(name="b", listen=(probe.address,)),
-            Site(name="c", listen=(probe.address,)),
+            EmulatedSite(name="a", listen=(), uplink_mbit=60),
+            EmulatedSite(name="b", listen=(probe.address,)),
+            EmulatedSite(name="c", listen=(probe.address,)),
         ],
         default=LinkParams.symmetric(bandwidth_mbit=1000),
     )
@@ -144,7 +144,7 @@ def test_site_uplink_cap_is_shared_by_all_its_links(probe):
 def test_a_regions_egress_is_shared_by_its_sites_links_to_other_regions(probe):
     """us = {a, b} with 60 Mbit/s of egress, eu = {c, d}: a->c and b->d share the 60,
     while a->b, inside the region, is held only by its own link."""
-    sites = [Site(name=n, listen=(probe.address,)) for n in "abcd"]
+    sites = [EmulatedSite(name=n, listen=(probe.address,)) for n in "abcd"]
     topology = Topology.full_mesh(
         sites,
         default=LinkParams.symmetric(bandwidth_mbit=1000),

@@ -18,7 +18,7 @@ from isthmus.job.link import LinkConfigError, LinkParams, describe_link
 from isthmus.job.presets import PRESETS
 from isthmus.sim.emulator import BackgroundEmulator
 from isthmus.sim.emulator_control import ControlClient, ControlError, format_stats
-from isthmus.sim.topology import Site, Topology
+from isthmus.sim.topology import EmulatedSite, Topology
 from isthmus.training.orphan import end_with_parent
 from isthmus.training.records import write_json_atomic
 
@@ -185,7 +185,7 @@ def _proxy(args: argparse.Namespace) -> int:
     connect = _address(args.connect, "--connect")
     params = _link_from_flags(args)
     topology = Topology.full_mesh(
-        [Site(name="client", listen=()), Site(name="server", listen=(connect,))],
+        [EmulatedSite(name="client", listen=()), EmulatedSite(name="server", listen=(connect,))],
         default=params,
         seed=args.seed,
     )
@@ -315,7 +315,10 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"emulating one link ({args.preset}): {describe_link(p, params.rtt_ms)}")
     with ProbeServer() as server:
         topology = Topology.full_mesh(
-            [Site(name="here", listen=()), Site(name="there", listen=(server.address,))],
+            [
+                EmulatedSite(name="here", listen=()),
+                EmulatedSite(name="there", listen=(server.address,)),
+            ],
             default=params,
         )
         with BackgroundEmulator(topology) as wan:
