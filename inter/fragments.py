@@ -44,9 +44,3 @@ def assign_fragments(names: Sequence[str], fragments: int) -> list[int]:
             current = position % fragments
         out.append(current)
     return out
-
-
-def sync_offsets(sync_every: int, fragments: int) -> list[int]:
-    """The inner step (1-based, within each period of ``sync_every``) after which
-    each fragment starts its exchange."""
-    return [(p + 1) * sync_every // fragments for p in range(fragments)]

@@ -430,3 +430,18 @@ class Placement:
         one_of("device", self.device, DEVICES, "where each rank computes")
         one_of("precision", self.precision, PRECISIONS, "the compute precision")
         boolean("compile", self.compile)
+
+
+def sync_offsets(sync_every: int, fragments: int) -> list[int]:
+    """The inner step (1-based, within each period of ``sync_every``) after which
+    each fragment starts its exchange."""
+    return [(p + 1) * sync_every // fragments for p in range(fragments)]
+
+
+def fragment_spacing(sync_every: int, fragments: int) -> int:
+    """The fewest inner steps between two fragments' exchanges: the most steps one
+    exchange may overlap (``overlap_steps``) so it ends before the next starts. An
+    exchange due at the step the next one starts is completed first, so the spacing
+    itself is allowed."""
+    offsets = sync_offsets(sync_every, fragments)
+    return min(b - a for a, b in zip([0, *offsets], offsets, strict=False))

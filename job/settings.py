@@ -136,12 +136,30 @@ class _Composed:
                 f"time-budgeted rounds are a diloco setting; strategy {self.strategy!r} "
                 "keeps every site in step (remove round_seconds or use strategy: diloco)",
             )
+        if self.strategy == "streaming":
+            self._check_streaming_schedule()
         if self.late_contributions != "drop" and self.strategy != "async":
             raise SettingError(
                 "late_contributions",
                 f"late contributions are an async setting; strategy {self.strategy!r} "
                 "applies every round's average in that round (remove late_contributions "
                 "or use strategy: async)",
+            )
+
+    def _check_streaming_schedule(self) -> None:
+        """Every fragment syncs once a period, and one exchange ends before the next."""
+        if self.fragments > self.sync_every:
+            raise SettingError(
+                "fragments",
+                f"{self.fragments} fragments cannot sync within sync_every={self.sync_every}",
+            )
+        spacing = groups.fragment_spacing(self.sync_every, self.fragments)
+        if self.overlap_steps > spacing:
+            raise SettingError(
+                "overlap_steps",
+                f"must be an integer in [0, {spacing}] (the steps between two fragments' "
+                f"exchanges, sync_every / fragments) so one fragment's exchange ends before "
+                f"the next starts, got {self.overlap_steps!r}",
             )
 
     def group(self, group: type) -> Any:

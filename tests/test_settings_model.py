@@ -132,6 +132,8 @@ BAD = [
     ("streaming", "overlap_steps", True),
     ("streaming", "alpha", 1.5),
     ("streaming", "merge", "blend"),
+    ("streaming", "fragments", 60),  # more than sync_every (50): checked by isthmus check too
+    ("streaming", "overlap_steps", 26),  # past the 25 steps between the 2 fragments' exchanges
 ]
 
 

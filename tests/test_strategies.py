@@ -263,7 +263,8 @@ def test_every_strategy_ends_identical_on_every_site(tmp_path, flags):
 
 
 def test_fragments_are_strided_over_blocks_and_staggered():
-    from isthmus.inter.fragments import assign_fragments, count_blocks, sync_offsets
+    from isthmus.inter.fragments import assign_fragments, count_blocks
+    from isthmus.job.setting_groups import sync_offsets
 
     names = [n for n, _ in GPT(config_for("small")).named_parameters()]
     assert count_blocks(names) == 4

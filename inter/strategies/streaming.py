@@ -21,13 +21,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from isthmus.inter.fragments import assign_fragments, count_blocks, sync_offsets
+from isthmus.inter.fragments import assign_fragments, count_blocks
 from isthmus.inter.hierarchical import PendingAverage, StepReport
 from isthmus.inter.join import SiteRuntime, runtime_of
 from isthmus.inter.member_rounds import EarlyExchange
 from isthmus.inter.membership import View
 from isthmus.inter.strategies.base import configure, settings_doc, static_weights
 from isthmus.inter.strategies.local_steps import LocalSteps
+from isthmus.job.setting_groups import sync_offsets
 from isthmus.job.settings import SettingError
 
 
@@ -79,21 +80,6 @@ class StreamingDiLoCo(LocalSteps):
                 "fragments",
                 f"{fragments} fragments, but the model has {blocks} layers (numbered blocks); "
                 f"use fragments <= {max(1, blocks)}",
-            )
-        if fragments > sync_every:
-            raise SettingError(
-                "fragments", f"{fragments} fragments cannot sync within sync_every={sync_every}"
-            )
-        # An exchange due at the step the next one starts is completed first (see
-        # _after_step), so the spacing of the offsets itself is allowed.
-        offsets = sync_offsets(sync_every, fragments)
-        spacing = min(b - a for a, b in zip([0, *offsets], offsets, strict=False))
-        if not (isinstance(overlap_steps, int) and 0 <= overlap_steps <= spacing):
-            raise SettingError(
-                "overlap_steps",
-                f"must be an integer in [0, {spacing}] (the steps between two fragments' "
-                f"exchanges, sync_every / fragments) so one fragment's exchange ends before "
-                f"the next starts, got {overlap_steps!r}",
             )
         super().__init__(
             site,
