@@ -242,3 +242,53 @@ def strategy_settings(strategy: str, given: dict[str, Any], job: Any = None) -> 
             raise SettingError(name, f"{where}; the {strategy} class takes {', '.join(keys)}")
     loop = {name: getattr(job, name) for name in loop_keys()} if job is not None else {}
     return TrainSettings(strategy=strategy, **loop, **given)
+
+
+def settings_problems(given: dict[str, Any]) -> tuple[Any, list[SettingError]]:
+    """A ``train:`` section's settings, or every problem in it at once: each group
+    is checked alone (a bad value in one does not hide another's), then, when they
+    all pass, the rules between them."""
+    strategy = given.get("strategy", _Strategy.strategy)
+    problems: list[SettingError] = []
+    if strategy not in STRATEGIES:
+        try:
+            TrainSettings(strategy=strategy)
+        except SettingError as exc:
+            problems.append(exc)
+        strategy = _Strategy.strategy
+    for group in GROUPS:
+        mine = {f.name: given[f.name] for f in dataclasses.fields(group) if f.name in given}
+        try:
+            if group is groups.Exchange:  # filled for the strategy first
+                TrainSettings(strategy=strategy, **mine)
+            else:  # the group's own rules only: the others' defaults are not the file's
+                group(**mine)
+        except SettingError as exc:
+            problems.append(exc)
+    if problems:
+        return None, problems
+    try:
+        return TrainSettings(**given), []
+    except SettingError as exc:
+        return None, [exc]
+
+
+def settings_warnings(given: dict[str, Any], settings: Any) -> list[tuple[str, str]]:
+    """(field, why) for each setting a ``train:`` section gives that cannot take
+    effect as written: another strategy's, or a round that never comes."""
+    found = []
+    mine = set(strategy_keys(settings.strategy)) | set(loop_keys()) | set(STRATEGY_DEPENDENT)
+    for name in given:
+        if name == "strategy" or name in mine:
+            continue
+        owners = [s for s in STRATEGIES if name in strategy_keys(s)]
+        found.append(
+            (name, f"a setting of {' and '.join(owners)}; strategy {settings.strategy} does "
+             "not use it (it applies if --strategy or --compare picks one that does)")
+        )  # fmt: skip
+    if settings.strategy != "sync" and settings.sync_every > settings.steps:
+        found.append(
+            ("sync_every", f"{settings.sync_every} is more than steps ({settings.steps}): no "
+             "round completes, the sites never exchange")
+        )  # fmt: skip
+    return found

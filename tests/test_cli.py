@@ -198,6 +198,62 @@ def test_usage_errors_are_one_line_with_exit_2(capsys, args, expected):
     assert expected in lines[0]
 
 
+def test_check_names_every_problem_at_once(tmp_path, capsys):
+    """Six problems in four sections, two of them in different groups of train:
+    six lines, exit 2."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "name: demo\n"
+        "sites:\n  - {name: a, ranks: -2}\n  - {name: b}\n"
+        "wan:\n  default: {rtt_ms: -1}\n"
+        "train:\n  steps: 0\n  codec: int3\n  device: tpu\n"
+        "tune:\n  target_utilization: 2\n"
+    )
+    code, _, err = in_process(capsys, "check", str(bad))
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    fields = ["sites[0].ranks", "wan.default.rtt_ms", "train.steps", "train.codec",
+              "train.device", "tune.target_utilization"]  # fmt: skip
+    assert len(lines) == 6, err
+    for field in fields:
+        assert any(f": {field}: " in line for line in lines), (field, err)
+
+
+def test_check_warns_of_settings_that_cannot_take_effect_and_imports_plugins(tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "name: demo\nsites: [{name: a}]\nwan: {default: {preset: transatlantic}}\n"
+        "train: {strategy: sync, fragments: 3, steps: 10}\n"
+    )
+    code, out, err = in_process(capsys, "check", str(job))
+    assert code == 0, err
+    assert "warning: train.fragments: a setting of streaming; strategy sync does not use it" in err
+    assert "warning: wan: a one-site job has no links to emulate" in err
+    assert "  train (sync):" in out and max(len(line) for line in out.splitlines()) < 200
+    diloco = tmp_path / "diloco.yaml"
+    diloco.write_text("name: demo\nsites: [{name: a}, {name: b}]\ntrain: {steps: 10}\n")
+    _, _, err = in_process(capsys, "check", str(diloco))
+    assert "warning: train.sync_every: 50 is more than steps (10)" in err
+    plugin = tmp_path / "plugin.yaml"
+    plugin.write_text("name: demo\nsites: [{name: a}, {name: b}]\nmodel: mypkg.nothere:build\n")
+    code, _, err = in_process(capsys, "check", str(plugin))
+    assert code == 2
+    assert "model: cannot import 'mypkg.nothere'" in err
+
+
+def test_check_into_a_closed_pipe_ends_quietly():
+    """`isthmus check JOB | true`: the reader is gone before the first line."""
+    import subprocess
+
+    job = Path(__file__).parents[1] / "deploy" / "examples" / "three-continents.yaml"
+    done = subprocess.run(
+        f"{sys.executable} -m isthmus check {job} | true; echo status=${{PIPESTATUS[0]}}",
+        shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+    assert "status=0" in done.stdout
+
+
 def test_check_accepts_a_good_job_and_explains_a_bad_one(tmp_path, capsys):
     good = tmp_path / "good.yaml"
     good.write_text(

@@ -26,15 +26,52 @@ def register(commands: Any) -> None:
 def _check(args: argparse.Namespace) -> int:
     job = load_job(args.job, require_tls=True)
     print(describe_job(job))
-    warning = insecure_warning(job)
-    if warning:
+    for warning in job_warnings(job):
         print(f"warning: {warning}", file=sys.stderr)
     lines, problems = check_certificates(job)
+    problems += plugin_problems(job)
     for line in lines:
         print(line)
     for problem in problems:
         print(f"{args.job}: {problem}", file=sys.stderr)
     return 2 if problems else 0
+
+
+def job_warnings(job: Job) -> list[str]:
+    """What a valid job file says that cannot take effect as written, and an exposed
+    job's warning: one line each."""
+    from isthmus.job.settings import settings_warnings
+
+    found = [insecure_warning(job)] if insecure_warning(job) else []
+    raw_train = job.raw.get("train") if isinstance(job.raw.get("train"), dict) else {}
+    found += [f"train.{f}: {why}" for f, why in settings_warnings(raw_train, job.train)]
+    if job.wan is not None and len(job.sites) < 2:
+        found.append("wan: a one-site job has no links to emulate; add a site or remove wan:")
+    return found
+
+
+def plugin_problems(job: Job) -> list[str]:
+    """``model:`` and ``data:`` given as ``package.module:function``, imported here as
+    a rank will import them (from the current directory): what ``run`` would refuse."""
+    import os
+    from pathlib import Path
+
+    specs = [("model", job.model)] if ":" in job.model else []
+    if ":" in job.data and not Path(job.data).exists():
+        specs.append(("data", job.data))
+    if not specs:
+        return []
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # a rank's `python -m` has it first
+    from isthmus.intra.plugins import load_callable  # torch: only for a job that needs it
+
+    problems = []
+    for what, spec in specs:
+        try:
+            load_callable(spec, what)
+        except ValueError as exc:
+            problems.append(str(exc))
+    return problems
 
 
 EXPIRY_WARNING_DAYS = 30
@@ -105,6 +142,20 @@ def describe_job(job: Job) -> str:
             lines.append(
                 f"  fault at {f.describe_start()}: {f.action} {f.link[0]}<->{f.link[1]}{lasting}"
             )
-    settings = ", ".join(f"{k}={v}" for k, v in job.train.to_dict().items())
-    lines.append(f"  train: {settings}")
+    lines += describe_train(job.train)
     return "\n".join(lines)
+
+
+def describe_train(train: Any) -> list[str]:
+    """The settings that apply to the job's strategy, one line per group."""
+    import dataclasses
+
+    from isthmus.job.settings import GROUPS, STRATEGY_GROUPS
+
+    theirs = {g for groups in STRATEGY_GROUPS.values() for g in groups}
+    applies = [g for g in GROUPS if g not in theirs or g in STRATEGY_GROUPS[train.strategy]]
+    lines = [f"  train ({train.strategy}):"]
+    for group in applies:
+        values = ", ".join(f"{f.name}={getattr(train, f.name)}" for f in dataclasses.fields(group))
+        lines.append(f"    {group.__name__.removesuffix('Settings').lower()}: {values}")
+    return lines

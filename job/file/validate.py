@@ -20,7 +20,7 @@ from isthmus.job.file.wan_section import FAULT_KEYS, WAN_KEYS, wan_section
 from isthmus.job.file.words import bad_name, join_path, kind, suggest, unknown
 from isthmus.job.layout import Layout, LayoutError, check_sites
 from isthmus.job.model import ControlSpec, Job, MetricsSpec, SiteSpec, TlsSpec
-from isthmus.job.settings import SETTING_NAMES, SettingError, TrainSettings
+from isthmus.job.settings import SETTING_NAMES, TrainSettings, settings_problems
 from isthmus.job.sizes import SIZES
 from isthmus.job.tune import LIVE_SYNC_EVERY, TUNE_KEYS, TuneError, TuneSettings
 
@@ -485,11 +485,10 @@ class Validator:
         if raw is None:
             return None
         known = {k: v for k, v in raw.items() if k in SETTING_NAMES}
-        try:
-            return TrainSettings(**known)
-        except SettingError as exc:
-            self.fail(f"train.{exc.field}", exc.reason)
-            return None
+        settings, problems = settings_problems(known)
+        for problem in problems:
+            self.fail(f"train.{problem.field}", problem.reason)
+        return settings
 
     # -- tune ----------------------------------------------------------------------------
     def tune(self, raw: Any, train: TrainSettings | None) -> TuneSettings | None:
