@@ -124,6 +124,14 @@ class RankEndpoint:
                 total[site] = total.get(site, 0) + count
         return total
 
+    def bytes_received_from(self) -> dict[str, int]:
+        """Payload bytes this rank has received from each site, over every lane."""
+        total: dict[str, int] = {}
+        for engine in self.engines.values():
+            for site, count in list(engine.bytes_received_from.items()):
+                total[site] = total.get(site, 0) + count
+        return total
+
     def rounds_by_algorithm(self) -> dict[str, int]:
         """How many rounds each all-reduce algorithm ran on this rank (its first lane's:
         every lane runs each round)."""

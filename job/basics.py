@@ -37,3 +37,22 @@ def is_number(value: Any, *, finite: bool = True) -> bool:
 
 
 __all__ = ["CODECS", "FieldError", "is_number"]
+
+
+def finite_or_none(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, inf) made None, through lists, tuples
+    and dicts: JSON has no NaN, and strict parsers refuse a file that writes one."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_or_none(v) for v in value]
+    return value
+
+
+def to_json(value: Any, *, indent: int | None = None, default: Any = None) -> str:
+    """Strict JSON: non-finite floats written as null (:func:`finite_or_none`)."""
+    import json
+
+    return json.dumps(finite_or_none(value), indent=indent, default=default, allow_nan=False)

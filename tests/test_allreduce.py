@@ -796,3 +796,42 @@ def test_connections_for_a_link_fill_its_bandwidth_delay_product():
     assert connections_for(100e9 / 8, 0.3, window) == 16  # at most MAX_CONNECTIONS_PER_PEER
     with pytest.raises(ValueError, match="connections_per_peer"):
         TransportSettings(connections_per_peer=0)
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "codec"),
+    [("direct", "int2+zstd"), ("gather", "int8"), ("ring", "int4+zstd"), ("direct", "topk")],
+)
+def test_each_site_receives_the_bytes_its_peers_sent_it(algorithm, codec):
+    """Bytes received count what crossed the WAN (the encoded payload), not the decoded
+    float32 volume: each site's figure is the sum of what its peers sent it, and the
+    sites' received bytes add up to their sent bytes."""
+
+    async def main():
+        names, members = await _group(3, codec)
+        w = {s: 1.0 for s in names}
+        inputs = _inputs(names, 50_000, seed=5)
+        try:
+            await asyncio.gather(
+                *[
+                    members[s].allreduce(
+                        inputs[s], round=0, participants=names, weights=w, algorithm=algorithm
+                    )
+                    for s in names
+                ]
+            )
+            stats = {s: members[s].last for s in names}
+            sent_to = {s: dict(members[s].bytes_sent_to) for s in names}
+        finally:
+            await _close(members)
+        return names, stats, sent_to
+
+    names, stats, sent_to = asyncio.run(main())
+    for site in names:
+        from_peers = sum(sent_to[peer].get(site, 0) for peer in names if peer != site)
+        assert stats[site].bytes_received == from_peers > 0, (site, stats[site])
+        # Far below the decoded volume: each peer's share of 50,000 float32 values.
+        assert stats[site].bytes_received < 2 * 50_000 * 4
+    assert sum(s.bytes_received for s in stats.values()) == sum(
+        s.bytes_sent for s in stats.values()
+    )

@@ -448,3 +448,24 @@ def test_wan_up_replaces_a_stale_state_file(tmp_path):
     proc, _ = _start("wan", "up", str(job), "--state", str(state))
     _, err = _stop(proc)
     assert "replacing" in err and "left by an emulator that is gone" in err
+
+
+def test_wan_commands_find_a_running_isthmus_runs_emulator(tmp_path, monkeypatch):
+    """`isthmus wan cut/heal/stats JOB` during `isthmus run JOB`: the run's emulator is
+    found through ./JOB.control.json (as `watch` finds the run's broker)."""
+    import json
+
+    from isthmus.deploy.cli.wan import _find_state
+    from isthmus.job.file import load_job
+
+    monkeypatch.chdir(tmp_path)
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text("name: found\nsites: [{name: a}, {name: b}]\nwan: {default: {rtt_ms: 5}}\n")
+    job = load_job(job_file)
+    own = _find_state(job)
+    assert not own.exists()  # nothing running: the wan up default, named in the error
+    run_dir = tmp_path / "runs" / "r1"
+    run_dir.mkdir(parents=True)
+    (run_dir / "wan.json").write_text(json.dumps({"control": "127.0.0.1:1"}))
+    (tmp_path / "found.control.json").write_text(json.dumps({"run_dir": str(run_dir)}))
+    assert _find_state(job) == run_dir / "wan.json"

@@ -188,6 +188,11 @@ def test_every_rank_serves_metrics_that_rise_and_end_at_the_summary_s_figures(tm
     ]
     ended = [samples(p.read_text()) for p in finals]
     assert sum(total(f, "isthmus_wan_bytes_sent_total") for f in ended) == summary["wan_bytes"]
+    # Received counts the same bytes from the other end: a's is what b's ranks sent.
+    received_a = total(ended[0], "isthmus_wan_bytes_received_total")
+    sent_b = sum(total(f, "isthmus_wan_bytes_sent_total") for f in ended[1:])
+    assert received_a == sent_b > 0
+    assert sum(total(f, "isthmus_wan_bytes_received_total") for f in ended) == summary["wan_bytes"]
     assert total(ended[0], "isthmus_inner_steps_total") == summary["sites"]["a"]["inner_steps"]
     # The Grafana dashboard asks only for series a rank serves.
     dashboard = json.loads((ROOT / "deploy" / "grafana" / "isthmus-dashboard.json").read_text())

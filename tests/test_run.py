@@ -104,6 +104,10 @@ def test_a_small_job_end_to_end(tmp_path, capsys, monkeypatch):
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["job"] == "small" and summary["strategy"] == "diloco"
+    for path in [*out.rglob("*.json"), *out.rglob("*.jsonl")]:  # strict JSON: no NaN
+        text = path.read_text()
+        for line in text.splitlines() if path.suffix == ".jsonl" else [text]:
+            json.loads(line, parse_constant=lambda c, p=path: pytest.fail(f"{p}: {c}"))
     assert summary["status"] == "finished"
     assert summary["wall_seconds"] > 0 and 0 < summary["compute_utilization"] <= 1
     # 10 steps, sync_every 4: rounds at 4 and 8, and the final synchronisation.

@@ -213,3 +213,22 @@ def test_user_corpora_and_their_errors(tmp_path):
         load_corpus(str(tmp_path / "missing.txt"))
     with pytest.raises(ValueError, match="too few"):
         Dataset(load_corpus(str(text)), 20_000)
+
+
+def test_json_files_are_strict_json_whatever_the_values(tmp_path):
+    """NaN and infinity are not JSON: every file Isthmus writes says null instead."""
+    import json
+    import math
+
+    from isthmus.training.records import RecordWriter, write_json_atomic
+
+    write_json_atomic(tmp_path / "s.json", {"final_loss": math.nan, "x": [math.inf, 1.0]})
+    strict = {"parse_constant": lambda c: pytest.fail(f"non-JSON constant {c}")}
+    assert json.loads((tmp_path / "s.json").read_text(), **strict) == {
+        "final_loss": None, "x": [None, 1.0],
+    }  # fmt: skip
+    writer = RecordWriter(tmp_path / "m.jsonl", "a")
+    writer.write("step", loss=-math.inf)
+    writer.close()
+    record = json.loads((tmp_path / "m.jsonl").read_text(), **strict)
+    assert record["loss"] is None and record["kind"] == "step"

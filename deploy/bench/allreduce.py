@@ -115,7 +115,10 @@ def run_sites(
             entries = [
                 {"name": n, "address": f"127.0.0.1:{p}"} for n, p in zip(names, ports, strict=True)
             ]
-        data: dict[str, Any] = {"name": "bench-allreduce", "sites": entries}
+        # A name of its own: two benches at once (of one job or two) must not claim
+        # the same network namespaces or state files.
+        name = f"{job.name if job else 'bench'}-{os.getpid()}"
+        data: dict[str, Any] = {"name": name, "sites": entries}
         if job is not None:
             data |= {k: job.raw[k] for k in ("regions", "wan") if k in job.raw}
         else:

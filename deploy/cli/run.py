@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from isthmus.deploy.usage import UsageError, accept_command, add_command
-from isthmus.job.basics import FieldError
+from isthmus.job.basics import FieldError, to_json
 from isthmus.job.settings import STRATEGIES
 
 EXIT_CODES = {"finished": 0, "failed": 1, "interrupted": 130}
@@ -365,7 +365,7 @@ def _eval(args: argparse.Namespace) -> int:
             s["param_sha256"] for s in json.loads(summary_path.read_text())["sites"].values()
         }
         result["matches_summary"] = result["param_sha256"] in digests
-    print(json.dumps(result, indent=2))
+    print(to_json(result, indent=2))
     return 0
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from typing import Any
 
@@ -17,6 +16,7 @@ from isthmus.deploy.cli.sim_scenario import (
     scenario_from,
 )
 from isthmus.deploy.usage import UsageError, add_command
+from isthmus.job.basics import to_json
 from isthmus.job.file import load_job
 from isthmus.sim.cost import predict
 from isthmus.sim.hardware import site_hardware
@@ -187,7 +187,7 @@ def _sim(args: argparse.Namespace) -> int:
         "validation": validated_range(scenario),
     }
     if args.json:
-        print(json.dumps(out, indent=2))
+        print(to_json(out, indent=2))
         return 0
     sc = out["scenario"]
     print(

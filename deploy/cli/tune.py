@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from isthmus.deploy.usage import UsageError, add_command
+from isthmus.job.basics import to_json
 from isthmus.job.file import Job, load_job
 from isthmus.sim.perf_model import ScenarioError
 from isthmus.sim.tuner import (
@@ -138,7 +138,7 @@ def _tune(args: argparse.Namespace) -> int:
         _apply(job_path, choice, log)
         result["applied"] = True
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(to_json(result, indent=2))
     else:
         from isthmus.deploy.tune.report import print_table
 

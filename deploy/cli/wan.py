@@ -13,7 +13,7 @@ from typing import Any
 from isthmus.deploy.usage import UsageError, add_command
 from isthmus.inter.allocator import keep_freed_memory
 from isthmus.job.addressing import AddressError, default_state_path, load_state
-from isthmus.job.file import load_job, load_yaml, parse_address
+from isthmus.job.file import Job, load_job, load_yaml, parse_address
 from isthmus.job.link import LinkConfigError, LinkParams, describe_link
 from isthmus.job.presets import PRESETS
 from isthmus.sim.emulator import BackgroundEmulator
@@ -253,14 +253,31 @@ def _refuse_a_second_emulator(state_path: Path) -> None:
 # -- wan set / cut / heal / stats -------------------------------------------------------
 def _client(args: argparse.Namespace) -> ControlClient:
     job = load_job(args.job)
-    path = Path(args.state) if args.state else default_state_path(job)
+    path = Path(args.state) if args.state else _find_state(job)
     if not path.exists():
         raise UsageError(
             f"no running emulator for job {job.name!r}: {path} does not exist "
-            "(start 'isthmus wan up' first, or pass --state)"
+            "(start 'isthmus wan up' or 'isthmus run' first, or pass --state)"
         )
     state = load_state(path)
     return ControlClient(_address(str(state.get("control")), "--state"))
+
+
+def _find_state(job: Job) -> Path:
+    """The emulator of ``isthmus wan up`` (its default state file), else that of a
+    running ``isthmus run`` of the job (found as ``watch`` finds its broker:
+    ./JOB.control.json names the run directory, whose wan.json it is)."""
+    from isthmus.deploy.launch.broker import control_state_path
+
+    own = default_state_path(job)
+    control = control_state_path(job)
+    if own.exists() or not control.exists():
+        return own
+    try:
+        run_dir = Path(json.loads(control.read_text())["run_dir"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return own
+    return run_dir / "wan.json" if (run_dir / "wan.json").exists() else own
 
 
 def _control(call: Any) -> Any:

@@ -24,7 +24,6 @@ one-site run ends with its site. Either way every child process is stopped
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -50,6 +49,7 @@ from isthmus.deploy.launch.site_processes import (
 from isthmus.deploy.launch.stale_run import forget_stale_run
 from isthmus.deploy.launch.warm_start import ForkedRank, RankTemplate, TemplateError
 from isthmus.job.addressing import load_state
+from isthmus.job.basics import to_json
 from isthmus.job.file import Job
 from isthmus.job.ports import free_ports
 from isthmus.training.environment import METRICS_PORTS
@@ -277,7 +277,7 @@ class Launcher:
         change = decision.to_dict()
         self.state.sync_every_changes.append(change)
         assert self._metrics is not None
-        self._metrics.write(json.dumps({**change, "site": None, "kind": "tune"}) + "\n")
+        self._metrics.write(to_json({**change, "site": None, "kind": "tune"}) + "\n")
 
     def _start_emulator(self) -> None:
         log = (self.run_dir / "logs" / "wan.log").open("ab")
@@ -419,7 +419,7 @@ class Launcher:
         for name, tail in self._tails.items():
             site = self.state.sites[name]
             for record in tail.read():
-                self._metrics.write(json.dumps(record) + "\n")
+                self._metrics.write(to_json(record) + "\n")
                 apply_record(site, record)
                 if self.tensorboard is not None:
                     self.tensorboard.add(record)
@@ -459,7 +459,7 @@ class Launcher:
             self.state.links[key] = {"bytes": wire, "mbit_s": rate}
             record["links"][key] = wire
         assert self._metrics is not None
-        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.write(to_json(record) + "\n")
 
     # -- stop ----------------------------------------------------------------------
     def stop(self) -> None:

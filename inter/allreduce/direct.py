@@ -137,12 +137,10 @@ class DirectRound:
         )
         if self.lost is not None:
             self.feedback.keep(self.key, self.lost)  # type: ignore[arg-type]
-        # This site's slice from every other site, and every other slice's result.
-        a, b = self.a, self.b
+        # This site's slice from every other site, and every other slice's result:
+        # the bytes that came over the WAN, as their senders counted them.
         received = sum(
-            (b - a + (hi - lo if self.gather else 0)) * 4
-            for j, _ in self.others
-            for lo, hi in [self.bounds(j)]
+            c.received_bytes for c in (*self.contributions.values(), *self.results.values())
         )
         stats = RoundStats(sum(self.sent), received, loop.time() - self.round.started, self.phases)
         return self.out, stats

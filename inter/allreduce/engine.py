@@ -142,6 +142,11 @@ class CrossSiteAllReduce:
         return self.outgoing.bytes_sent_to
 
     @property
+    def bytes_received_from(self) -> dict[str, int]:
+        """Payload bytes received from each site over this engine's life (per link)."""
+        return self.inbox.bytes_received_from
+
+    @property
     def resent_chunks(self) -> int:
         """Chunks sent again: refused as corrupted, or unanswered when a stream broke."""
         return self.outgoing.resent_chunks

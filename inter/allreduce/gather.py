@@ -137,7 +137,7 @@ class GatherRound:
             self.outgoing.outlive(r.number, list(zip(self.receivers, self.sends, strict=True)))
         if self.lost is not None:
             self.feedback.keep(self.key, self.lost)  # type: ignore[arg-type]
-        received = 4 * self.flat.numel() * len(self.senders)
+        received = sum(c.received_bytes for c in self.contributions.values())
         stats = RoundStats(sum(self.sent), received, loop.time() - r.started, self.phases)
         return self.out, stats
 

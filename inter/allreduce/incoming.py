@@ -44,6 +44,9 @@ class Incoming:
         self.pending_bytes = 0
         """Encoded bytes of ``pending``: what this buffer holds before its round opens."""
         self.seen: set[int] = set()
+        self.received_bytes = 0
+        """Payload bytes of the distinct chunks that came (what crossed the WAN for
+        this buffer; a chunk sent again counts once, as the sender counts it)."""
         self.count: int | None = None
         self.done = asyncio.Event()
         self.progress = asyncio.Event()
@@ -87,6 +90,7 @@ class Incoming:
         if chunk.index in self.seen or self.error is not None:
             return  # a re-sent chunk already placed
         self.count = chunk.count
+        self.received_bytes += len(chunk.encoded.payload)
         if self.buffer is None:
             self.pending.append(chunk)
             self.pending_bytes += len(chunk.encoded.payload)
@@ -126,6 +130,10 @@ class Inbox:
 
     def __init__(self, max_early_bytes_per_site: int) -> None:
         self.buffers: dict[BufferKey, Incoming] = {}
+        self.bytes_received_from: dict[str, int] = {}
+        """Payload bytes of every chunk that came from each site over this engine's
+        life (per link): the mirror of the sender's ``bytes_sent_to``, re-sent and
+        stale chunks included, as they crossed the WAN too."""
         self.max_early_bytes_per_site = max_early_bytes_per_site
         """(``TransportSettings.max_early_bytes_per_site``) Chunks of a site beyond
         this many bytes held before their rounds open are not taken (ROUND_AHEAD: its
@@ -168,6 +176,8 @@ class Inbox:
     def receive(self, chunk: ReceivedChunk) -> bool:
         """Take a verified chunk; raise :class:`ChunkError` to refuse one that no
         round can use. False: dropped (its round is over here), not applied."""
+        counted = self.bytes_received_from.get(chunk.site, 0)
+        self.bytes_received_from[chunk.site] = counted + len(chunk.encoded.payload)
         floor = self.floor()
         if chunk.round < floor:
             # A straggler of a round that is over, or a replay of one: nobody waits for

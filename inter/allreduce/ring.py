@@ -90,7 +90,7 @@ class RingRound:
     async def run(self) -> tuple[torch.Tensor, RoundStats]:
         """Both phases' streams to the successor and the reduction of this site's
         segment run at once; the round is over here once every segment is in."""
-        r, n, succ = self.round, self.n, self.succ
+        r, succ = self.round, self.succ
         tasks = [
             asyncio.ensure_future(
                 self.outgoing.send(
@@ -113,10 +113,7 @@ class RingRound:
             raise
         self.outgoing.outlive(r.number, [(succ, tasks[0]), (succ, tasks[2])])
         # Every step brought one segment from the predecessor, in each phase.
-        i = self.i
-        received = 4 * sum(
-            self.size(k) for t in range(n - 1) for k in ((i - t - 1) % n, (i - t) % n)
-        )
+        received = sum(c.received_bytes for c in (*self.rs_in.values(), *self.ag_in.values()))
         seconds = asyncio.get_running_loop().time() - r.started
         return self.out, RoundStats(sum(self.sent), received, seconds)
 

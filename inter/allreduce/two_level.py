@@ -264,8 +264,8 @@ class TwoLevelRound:
 
         async def collect() -> None:
             for site, incoming in results:
-                buffer = await self.inbox.wait_for(r, self.gather_shard, site, incoming)
-                self.received += buffer.numel() * 4
+                await self.inbox.wait_for(r, self.gather_shard, site, incoming)
+                self.received += incoming.received_bytes
 
         try:
             await unless_a_send_fails(collect(), [task for _, task in sends])

@@ -104,11 +104,14 @@ class SiteCollector:
         for peer, value in sorted(runtime.endpoint.bytes_sent_to().items()):
             sent.add_metric([*me, peer], value)
         yield sent
-        yield counter(
+        received = CounterMetricFamily(
             "isthmus_wan_bytes_received",
-            "Payload bytes this rank received from other sites",
-            strategy.wan_bytes_received if strategy is not None else 0,
+            "Payload bytes this rank received from each peer site",
+            labels=[*labels, "peer_site"],
         )
+        for peer, value in sorted(runtime.endpoint.bytes_received_from().items()):
+            received.add_metric([*me, peer], value)
+        yield received
         refused = CounterMetricFamily(
             "isthmus_peer_refusals",
             "Calls, streams and chunks this rank's peer service refused, by kind "

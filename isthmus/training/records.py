@@ -34,13 +34,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 import os
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from isthmus.job.basics import finite_or_none, to_json
 
 if TYPE_CHECKING:  # the launcher reads records without importing torch
     from torch import nn
@@ -99,7 +100,7 @@ class RecordWriter:
     def _append(self, record: dict[str, Any]) -> None:
         assert self._file is not None
         record = {k: float(v) if _later(v) else v for k, v in record.items()}
-        self._file.write(json.dumps(record, default=_plain) + "\n")
+        self._file.write(to_json(record, default=_plain) + "\n")
         self._file.flush()
 
 
@@ -115,8 +116,8 @@ def _ends_with_newline(path: Path) -> bool:
 
 
 def _plain(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
+    if hasattr(value, "item"):  # a tensor or numpy scalar
+        return finite_or_none(value.item())
     raise TypeError(f"not JSON: {value!r}")
 
 
@@ -156,7 +157,7 @@ def write_json_atomic(path: Path, value: Any) -> None:
     """Write ``value`` as JSON: readers see the old file or the new one, never half."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(value, indent=2, default=_plain) + "\n")
+    tmp.write_text(to_json(value, indent=2, default=_plain) + "\n")
     tmp.replace(path)
 
 
