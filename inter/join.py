@@ -135,11 +135,13 @@ class SiteRuntime:
         for engine in self.endpoint.engines.values():
             engine.codec = codec
 
-    def close(self) -> None:
+    def close(self, flush_s: float | None = None) -> None:
+        """Close the peer service; ``flush_s``: how long to wait for the peers'
+        acknowledgements first (None: the engine's default; 0: the run was stopped)."""
         if self.loop.loop.is_closed():
             return
         try:
-            self.loop.run(self.endpoint.close(), timeout=30)
+            self.loop.run(self.endpoint.close(flush_s), timeout=30)
         finally:
             self.loop.close()
 

@@ -149,9 +149,9 @@ class RankEndpoint:
         for lane, address in lane_addresses.items():
             self.engines[lane].add_peer(site, address)
 
-    async def close(self) -> None:
+    async def close(self, flush_s: float | None = None) -> None:
         for engine in self.engines.values():
-            await engine.close()
+            await (engine.close() if flush_s is None else engine.close(flush_s))
         await self.server.stop()
 
     async def allreduce(

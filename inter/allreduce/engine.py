@@ -217,8 +217,10 @@ class CrossSiteAllReduce:
             peer_site=site,
         )
 
-    async def close(self) -> None:
-        await self.flush(FLUSH_ON_CLOSE_S)
+    async def close(self, flush_s: float = FLUSH_ON_CLOSE_S) -> None:
+        """Wait up to ``flush_s`` for the acknowledgements a peer may still need (0: a
+        stopped run, whose peers are stopping too: give them up at once), then close."""
+        await self.flush(flush_s)
         for client in self.clients.values():
             await client.close()
         if self._owns_server:

@@ -73,6 +73,8 @@ class Site:
         )
         self.leave_requested = False
         """Set by SIGUSR1 (an operator asks this site to leave at the next round)."""
+        self.stopped = False
+        """SIGTERM came (the launcher stops the run): closing waits for no peer."""
         self.run: TrainingRun | None = None
         self.metrics: MetricsEndpoint | None = None
         """This rank's ``/metrics`` (a job with ``metrics:``, launched)."""
@@ -198,7 +200,9 @@ class Site:
             self.control.close(done=self._done)
         finally:
             self.records.close()
-            self.runtime.close()
+            # Stopped (SIGTERM: the launcher stops every site): no peer will wait for
+            # this site's last acknowledgements, so do not wait for them either.
+            self.runtime.close(flush_s=0.0 if self.stopped else None)
 
     def __enter__(self) -> Site:
         return self
@@ -350,6 +354,7 @@ def _install_signals(site: Site) -> None:
         site.leave_requested = True
 
     def stop(signum: int, frame: object) -> None:
+        site.stopped = True
         raise Stopped(143)
 
     signal.signal(signal.SIGUSR1, leave)
