@@ -130,6 +130,11 @@ class Network:
         )  # fmt: skip
         return started
 
+    def address(self, what: str) -> str:
+        """``what``'s IP address on this network."""
+        template = f'{{{{(index .NetworkSettings.Networks "{self.name}").IPAddress}}}}'
+        return podman("inspect", "--format", template, self.host(what)).stdout.strip()
+
     def wait(self, what: str, timeout: float) -> int:
         """``what``'s exit status, once its container has stopped."""
         done = podman("wait", self.host(what), timeout=timeout + 30, check=False)
