@@ -469,3 +469,20 @@ def test_wan_commands_find_a_running_isthmus_runs_emulator(tmp_path, monkeypatch
     (run_dir / "wan.json").write_text(json.dumps({"control": "127.0.0.1:1"}))
     (tmp_path / "found.control.json").write_text(json.dumps({"run_dir": str(run_dir)}))
     assert _find_state(job) == run_dir / "wan.json"
+
+
+def test_every_positional_and_flag_has_help():
+    import argparse
+
+    missing = []
+
+    def walk(parser: argparse.ArgumentParser, path: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, f"{path} {name}")
+            elif action.help is None:
+                missing.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
+
+    walk(build_parser(), "isthmus")
+    assert not missing, missing

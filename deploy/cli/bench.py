@@ -37,7 +37,12 @@ def register(commands: Any) -> None:
         "instead of --sites identical ones",
     )
     allreduce.add_argument("--sites", type=int, help="2-8 (default 3), without --job")
-    allreduce.add_argument("--size-mib", type=float, default=64.0)
+    allreduce.add_argument(
+        "--size-mib",
+        type=float,
+        default=64.0,
+        help="MiB of float32 each site averages (default 64)",
+    )
     allreduce.add_argument("--rtt-ms", type=float, help="every link's RTT (default 50)")
     allreduce.add_argument("--bandwidth-mbit", type=float, help="every link's rate (default 200)")
     allreduce.add_argument("--codec", default="none", help="e.g. none, bf16, int8, int4+zstd")
@@ -73,7 +78,9 @@ def register(commands: Any) -> None:
         "them. auto (default): enough that each carries at most its TCP window per round "
         "trip (the emulator's 16 MiB; with --hosts the hosts' largest receive buffer)",
     )
-    allreduce.add_argument("--repeats", type=int, default=3)
+    allreduce.add_argument(
+        "--repeats", type=int, default=3, help="all-reduces timed per size (the median is reported)"
+    )
     allreduce.add_argument(
         "--idle-s",
         type=float,

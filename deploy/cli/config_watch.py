@@ -57,8 +57,13 @@ def register(commands: Any) -> None:
         f"Live settings: {', '.join(LIVE_SETTINGS)}",
     )
     config_set.set_defaults(handler=_config, prog="isthmus config set")
-    config_set.add_argument("job", metavar="JOB.yaml")
-    config_set.add_argument("settings", nargs="+", metavar="KEY=VALUE")
+    config_set.add_argument("job", metavar="JOB.yaml", help="the running job's file")
+    config_set.add_argument(
+        "settings",
+        nargs="+",
+        metavar="KEY=VALUE",
+        help="live settings, e.g. sync_every=25 codec=int8",
+    )
     config_set.add_argument("--broker", metavar="URL", help="mqtt://host:port (default: see docs)")
     config_set.add_argument(
         "--from-round",
@@ -69,7 +74,7 @@ def register(commands: Any) -> None:
     watch = add_command(
         commands, "watch", _watch, help="a live table of a job's sites and metrics, from its broker"
     )
-    watch.add_argument("job", metavar="JOB.yaml")
+    watch.add_argument("job", metavar="JOB.yaml", help="the running job's file")
     watch.add_argument("--broker", metavar="URL", help="mqtt://host:port (default: see docs)")
     watch.add_argument(
         "--once", type=float, metavar="SECONDS", help="listen this long, print once, exit"

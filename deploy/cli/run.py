@@ -95,11 +95,18 @@ def register(commands: Any) -> None:
         _eval,
         help="evaluate a run's final model (model.safetensors) on the held-out split",
     )
-    evaluate.add_argument("run_dir", metavar="RUN_DIR", type=Path)
+    evaluate.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        type=Path,
+        help="a finished run's directory (isthmus run --out)",
+    )
     report = add_command(
         commands, "report", _report, help="write a run's report.md and plots again from its files"
     )
-    report.add_argument("run_dir", metavar="RUN_DIR", type=Path)
+    report.add_argument(
+        "run_dir", metavar="RUN_DIR", type=Path, help="a run's directory (isthmus run --out)"
+    )
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -86,10 +86,12 @@ def register(commands: Any) -> None:
         "traffic to other regions (each way; default: not shared)",
     )
     what.add_argument("--strategy", choices=STRATEGIES, help="mark this strategy")
-    what.add_argument("--sync-every", type=int)
-    what.add_argument("--fragments", type=int)
-    what.add_argument("--overlap-steps", type=int)
-    what.add_argument("--codec", choices=sorted(CODEC_BYTES_PER_VALUE))
+    what.add_argument("--sync-every", type=int, help="inner steps between rounds (H)")
+    what.add_argument("--fragments", type=int, help="streaming: fragments of the model")
+    what.add_argument("--overlap-steps", type=int, help="streaming: steps an exchange overlaps")
+    what.add_argument(
+        "--codec", choices=sorted(CODEC_BYTES_PER_VALUE), help="how values cross the WAN"
+    )
     what.add_argument(
         "--fabric-gbit",
         type=float,

@@ -38,7 +38,7 @@ def register(commands: Any) -> None:
         "environment (ISTHMUS_JOB, ISTHMUS_SITE, RANK, ...; see docs/run.md)."
     )
     accept_command(sub)
-    sub.add_argument("job", metavar="JOB.yaml")
+    sub.add_argument("job", metavar="JOB.yaml", help="the job file, the same on every site")
     sub.add_argument("--site", required=True, metavar="NAME", help="which of the job's sites")
     sub.add_argument(
         "--out",

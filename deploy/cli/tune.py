@@ -51,7 +51,7 @@ def register(commands: Any) -> None:
         help="recommend sync_every, codec and fragments for a job's links: the performance "
         "model's pick, confirmed by short emulated trials",
     )
-    tune.add_argument("job", metavar="JOB.yaml")
+    tune.add_argument("job", metavar="JOB.yaml", help="the job file (its wan: links and train:)")
     tune.add_argument(
         "--budget-minutes",
         type=float,

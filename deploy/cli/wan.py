@@ -22,6 +22,8 @@ from isthmus.sim.topology import EmulatedSite, Topology
 from isthmus.training.orphan import end_with_parent
 from isthmus.training.records import write_json_atomic
 
+STATE_HELP = "the emulator's state file (default: the job's `wan up`, else its `isthmus run`)"
+
 # Flags of `wan proxy` and `wan demo` -> link settings (units in the names).
 LINK_FLAGS: list[tuple[str, str, type, str]] = [
     ("--rtt-ms", "rtt_ms", float, "round-trip time added by the link (each way rtt/2)"),
@@ -62,7 +64,7 @@ def register(commands: Any) -> None:
     up = add_command(
         verbs, "up", _up, help="run every link of a job's topology until SIGINT/SIGTERM"
     )
-    up.add_argument("job", metavar="JOB.yaml")
+    up.add_argument("job", metavar="JOB.yaml", help="the job file whose wan: links to emulate")
     up.add_argument(
         "--state",
         metavar="FILE",
@@ -122,13 +124,19 @@ def register(commands: Any) -> None:
         description="Run COMMAND in the network namespace of SITE, as if on that host: "
         "isthmus wan exec JOB.yaml SITE -- COMMAND [ARGS...]",
     )
-    exe.add_argument("job", metavar="JOB.yaml")
-    exe.add_argument("site", metavar="SITE")
-    exe.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND")
+    exe.add_argument("job", metavar="JOB.yaml", help="the job file of the running emulator")
+    exe.add_argument("site", metavar="SITE", help="the site whose emulated host runs it")
+    exe.add_argument(
+        "command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command to run there"
+    )
 
     stats = add_command(verbs, "stats", _stats, help="print the counters of every running link")
-    stats.add_argument("job", metavar="JOB.yaml")
-    stats.add_argument("--state", metavar="FILE")
+    stats.add_argument("job", metavar="JOB.yaml", help="the job file of the running emulator")
+    stats.add_argument(
+        "--state",
+        metavar="FILE",
+        help=STATE_HELP,
+    )
     stats.add_argument("--json", action="store_true", help="print JSON")
 
     demo = add_command(
@@ -139,7 +147,9 @@ def register(commands: Any) -> None:
         description="Start one emulated link in this process and measure its round trip "
         "and throughput as a user's traffic would see them.",
     )
-    demo.add_argument("--preset", default="transatlantic", choices=sorted(PRESETS))
+    demo.add_argument(
+        "--preset", default="transatlantic", choices=sorted(PRESETS), help="the link to emulate"
+    )
     _add_link_flags(demo, defaults_from_preset=True)
     demo.add_argument("--seconds", type=float, default=3.0, help="length of the throughput test")
 
@@ -153,10 +163,14 @@ def _add_link_flags(parser: argparse.ArgumentParser, defaults_from_preset: bool 
 
 
 def _add_link_target(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("job", metavar="JOB.yaml")
-    parser.add_argument("site_a", metavar="SITE")
-    parser.add_argument("site_b", metavar="SITE")
-    parser.add_argument("--state", metavar="FILE")
+    parser.add_argument("job", metavar="JOB.yaml", help="the job file of the running emulator")
+    parser.add_argument("site_a", metavar="SITE", help="one end of the link")
+    parser.add_argument("site_b", metavar="SITE", help="the other end")
+    parser.add_argument(
+        "--state",
+        metavar="FILE",
+        help=STATE_HELP,
+    )
 
 
 def _link_from_flags(args: argparse.Namespace) -> LinkParams:
