@@ -277,7 +277,8 @@ def settings_warnings(given: dict[str, Any], settings: Any) -> list[tuple[str, s
     """(field, why) for each setting a ``train:`` section gives that cannot take
     effect as written: another strategy's, or a round that never comes."""
     found = []
-    mine = set(strategy_keys(settings.strategy)) | set(loop_keys()) | set(STRATEGY_DEPENDENT)
+    # sync_every is every strategy's: without eval_every it sets when the loop evaluates.
+    mine = {*strategy_keys(settings.strategy), *loop_keys(), *STRATEGY_DEPENDENT, "sync_every"}
     for name in given:
         if name == "strategy" or name in mine:
             continue
@@ -289,6 +290,6 @@ def settings_warnings(given: dict[str, Any], settings: Any) -> list[tuple[str, s
     if settings.strategy != "sync" and settings.sync_every > settings.steps:
         found.append(
             ("sync_every", f"{settings.sync_every} is more than steps ({settings.steps}): no "
-             "round completes, the sites never exchange")
+             "round runs before the run's final synchronisation")
         )  # fmt: skip
     return found

@@ -42,7 +42,8 @@ def job_warnings(job: Job) -> list[str]:
     job's warning: one line each."""
     from isthmus.job.settings import settings_warnings
 
-    found = [insecure_warning(job)] if insecure_warning(job) else []
+    exposed = insecure_warning(job)
+    found = [exposed] if exposed else []
     raw_train = job.raw.get("train") if isinstance(job.raw.get("train"), dict) else {}
     found += [f"train.{f}: {why}" for f, why in settings_warnings(raw_train, job.train)]
     if job.wan is not None and len(job.sites) < 2:
