@@ -46,9 +46,15 @@ log = logging.getLogger("isthmus.control")
 MAX_IN_FLIGHT = 8
 """Publishes handed to the client and not yet written: beyond it, metrics are
 dropped (counted) and status updates wait to send only the latest."""
-KEEPALIVE_S = 1
-"""MQTT keepalive: a broker drops a silent client after 1.5 keepalives, which is
-what bounds how fast a dead site's Last Will goes out."""
+KEEPALIVE_S = 5
+"""MQTT keepalive. A dead process's Last Will goes out at once (the kernel closes
+its socket); the keepalive only bounds how fast a hung or cut-off host is found
+(the broker drops a silent client after 1.5 keepalives; Mosquitto checks every
+few seconds). It is also how long the client waits for a PINGRESP before it
+drops the connection itself: at 1 s, a client thread or broker starved of CPU
+for a second (three sites' containers and a broker on 2 cores) lost its
+connection mid-run, its Last Will went out, and the site was left out of the
+next view."""
 BACKOFF_S = (0.2, 5.0)
 
 

@@ -104,8 +104,9 @@ use_identity_as_username true
 allow_anonymous false
 acl_file {acl}
 
-# Sites set a 1 s keepalive; a dead site's Last Will goes out 1.5 s after its
-# last packet, so the others know within 2 s.
+# Sites set a 5 s keepalive: a killed site's Last Will goes out at once (its
+# socket closes); a hung host's 7.5 s after its last packet, at the broker's
+# next keepalive check.
 max_keepalive 60
 """
 
