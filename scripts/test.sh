@@ -28,6 +28,12 @@ cd "$(dirname "$0")/.."
 # set (about 0.3 CPU-s a rank, and 5 s of every pass's collection, whose asserts
 # pytest rewrites): the bytecode goes to __pycache__/ (git ignores it).
 unset PYTHONDONTWRITEBYTECODE
+# One compute thread a process: two workers and their sites' ranks share the
+# machine's cores, and torch's default (a thread per core in every process) spent
+# a third of the CPU spinning OpenMP threads that had no core to run on (two
+# multi-site tests: 134 CPU-s, 86 with one thread). `isthmus run` sets its ranks'
+# count itself; this reaches the `isthmus site` processes and the workers.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
 if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   packages=()

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+
+# Before torch is imported, here and in every process the tests start: one compute
+# thread a process, as scripts/test.sh sets it (the processes share the cores).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 import statistics
 from collections.abc import Iterator
 from contextlib import contextmanager
