@@ -54,21 +54,29 @@ from podman import SITE_IMAGE, Network, build_images, environment, podman, wait_
 
 ISTHMUS = [sys.executable, "-m", "isthmus"]
 INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
-# `kubectl create secret generic NAME --from-file=KEY=PATH ...`, as secrets.sh
-# runs it, made a podman secret: a Secret-shaped YAML document with the files'
-# text as plain values, the form podman 4.3's secret volumes write out as is.
+# `kubectl create secret generic NAME --from-file=KEY=PATH ... --dry-run=client -o
+# yaml | kubectl apply -f -`, as secrets.sh runs it, made a podman secret (replaced
+# when it exists): a Secret-shaped YAML document with the files' text as plain
+# values, the form podman 4.3's secret volumes write out as is.
 KUBECTL = r"""#!/usr/bin/env bash
 set -euo pipefail
+if [ "$*" = "apply -f -" ]; then
+  doc=$(cat)
+  name=$(printf '%s\n' "$doc" | sed -n 's/^  name: //p' | sed -n 1p)
+  podman secret rm "$name" >/dev/null 2>&1 || true
+  printf '%s\n' "$doc" | podman secret create "$name" - >/dev/null
+  exit 0
+fi
 if [ "$1 $2 $3" != "create secret generic" ]; then
-  echo "kubectl (podman): only 'create secret generic'" >&2; exit 2
+  echo "kubectl (podman): only 'create secret generic ... | apply -f -'" >&2; exit 2
 fi
 name=$4; shift 4
-{ echo "kind: Secret"; echo "data:"
-  for source in "$@"; do
-    source=${source#--from-file=}
-    echo "  ${source%%=*}: |"; sed 's/^/    /' "${source#*=}"
-  done
-} | podman secret create "$name" - >/dev/null
+echo "kind: Secret"; echo "metadata:"; echo "  name: $name"; echo "data:"
+for source in "$@"; do
+  case "$source" in --from-file=*) ;; *) continue ;; esac
+  source=${source#--from-file=}
+  echo "  ${source%%=*}: |"; sed 's/^/    /' "${source#*=}"
+done
 """
 
 

@@ -21,7 +21,34 @@ class Parser(argparse.ArgumentParser):
     """argparse with a one-line usage error that points at --help."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+        hint = self._nested_hint(message)
+        self.exit(2, f"{self.prog}: error: {message}{hint} (see '{self.prog} --help')\n")
+
+    def _nested_hint(self, message: str) -> str:
+        """For ``invalid choice: 'render'``: the command one level down that has that
+        name (``isthmus deploy render``), or the nearest spelling."""
+        import difflib
+        import re
+
+        found = re.search(r"invalid choice: '([^']+)'", message)
+        if not found:
+            return ""
+        wanted = found.group(1)
+        commands = argparse._SubParsersAction
+        nested, names = [], []
+        for action in self._actions:
+            if isinstance(action, commands):
+                for name, sub in action.choices.items():
+                    names.append(name)
+                    nested += [
+                        f"{self.prog} {name} {wanted}"
+                        for inner in sub._actions
+                        if isinstance(inner, commands) and wanted in inner.choices
+                    ]
+        if nested:
+            return f"; did you mean '{nested[0]}'?"
+        close = difflib.get_close_matches(wanted, names, n=1)
+        return f"; did you mean '{self.prog} {close[0]}'?" if close else ""
 
 
 Command = Callable[[argparse.Namespace], int]

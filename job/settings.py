@@ -225,6 +225,46 @@ def loop_keys() -> tuple[str, ...]:
     return tuple(name for name in SETTING_NAMES if name not in skip)
 
 
+BUILTIN_LOOP_SETTINGS = (
+    "warmup_steps",
+    "lr_schedule",
+    "eval_every",
+    "inner_optimizer",
+    "inner_lr",
+    "inner_beta1",
+    "inner_beta2",
+    "inner_weight_decay",
+    "grad_clip",
+    "batch_size",
+    "precision",
+    "compile",
+)
+"""Settings only the built-in loop applies (its optimizer, schedule, batches, held-out
+evaluations and numerics). A script (``isthmus run JOB -- CMD``) trains with its
+own, so its records leave these out; a strategy class that takes one of them
+(``sync`` clips the averaged gradient: ``grad_clip``) applies it for scripts too."""
+
+
+def applied_keys(strategy: str, *, builtin_loop: bool = True) -> tuple[str, ...]:
+    """The settings that take effect in a run of ``strategy``, in the job file's order:
+    the strategy's own and its loop's (``builtin_loop``: the built-in loop's too);
+    never another strategy's. ``sync_every`` is every strategy's: without
+    ``eval_every`` it sets when the built-in loop evaluates, and it numbers rounds."""
+    mine = {"strategy", *strategy_keys(strategy), *loop_keys(), *STRATEGY_DEPENDENT, "sync_every"}
+    if builtin_loop:
+        mine |= set(BUILTIN_LOOP_SETTINGS)  # grad_clip: the loop clips for the DiLoCo family
+    else:
+        mine -= set(BUILTIN_LOOP_SETTINGS) - set(strategy_keys(strategy))
+    return tuple(name for name in SETTING_NAMES if name in mine)
+
+
+def applied_settings(settings: Any, *, builtin_loop: bool = True) -> dict[str, Any]:
+    """``settings`` as a run records them: only what took effect (:func:`applied_keys`)."""
+    values = settings.to_dict()
+    keys = applied_keys(settings.strategy, builtin_loop=builtin_loop)
+    return {name: values[name] for name in keys}
+
+
 def strategy_settings(strategy: str, given: dict[str, Any], job: Any = None) -> Any:
     """A strategy class's keyword arguments checked as a job file's ``train:`` section
     is (the same rules, the same messages), with the job file's defaults for the rest.
@@ -277,10 +317,9 @@ def settings_warnings(given: dict[str, Any], settings: Any) -> list[tuple[str, s
     """(field, why) for each setting a ``train:`` section gives that cannot take
     effect as written: another strategy's, or a round that never comes."""
     found = []
-    # sync_every is every strategy's: without eval_every it sets when the loop evaluates.
-    mine = {*strategy_keys(settings.strategy), *loop_keys(), *STRATEGY_DEPENDENT, "sync_every"}
+    mine = applied_keys(settings.strategy)
     for name in given:
-        if name == "strategy" or name in mine:
+        if name in mine:
             continue
         owners = [s for s in STRATEGIES if name in strategy_keys(s)]
         found.append(

@@ -167,6 +167,9 @@ class Scenario:
     host_hardware: str = "cpu"
     """Where the host work runs (``isthmus.sim.hardware``): what the codec, outer-step
     and overhead figures above were taken from; reported with the prediction."""
+    model: str = ""
+    """What the compute and parameters are of, as the prediction names it (the built-in
+    model, a script's calibration run, or the flags given): no input to the model."""
     outer_overlaps_backward: bool = False
     """The DiLoCo family's exchange may overlap the backward pass of the step that
     ends its round, as sync's gradient buckets do. Isthmus starts it after that

@@ -121,6 +121,8 @@ def test_help_imports_neither_torch_nor_grpc(command):
     [
         ((), "required: COMMAND"),
         (("frobnicate",), "invalid choice: 'frobnicate'"),
+        (("render", "job.yaml"), "did you mean 'isthmus deploy render'?"),
+        (("chek", "job.yaml"), "did you mean 'isthmus check'?"),
         (("wan", "proxy", "--listen", "127.0.0.1:1"), "required: --connect"),
         (
             ("wan", "proxy", "--listen", "nope", "--connect", "127.0.0.1:1"),

@@ -482,6 +482,16 @@ def test_config_set_is_applied_by_every_site_at_the_same_round(tmp_path, kind):
         assert after[:2] == [applied[site]["step"] + 2, applied[site]["step"] + 4]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "interrupted"
+    # The run's description: the change with its round, once, and the final values.
+    (change,) = summary["live_changes"]
+    assert (change["round"], change["step"]) == (applied["a"]["round"], applied["a"]["step"])
+    assert change["settings"] == {"sync_every": 2, "codec": "int8"}
+    assert change["sites"] == ["a", "b", "c"]
+    assert summary["settings"]["sync_every"] != 2
+    assert (summary["final_settings"]["sync_every"], summary["final_settings"]["codec"]) == (
+        2,
+        "int8",
+    )
     assert not (tmp_path / "ctl.control.json").exists()  # removed with the run
     assert any(r["kind"] == "config" for r in read_records(out / "metrics.jsonl"))
 

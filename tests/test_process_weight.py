@@ -25,7 +25,7 @@ import isthmus.deploy.launch.progress, isthmus.deploy.launch.run_dir, isthmus.de
 from isthmus.deploy.launch.tensorboard import TensorBoardWriter
 from isthmus.intra.devices import emulated_gpu_map
 emulated_gpu_map([("a", 1), ("b", 2)], "auto")
-writer = TensorBoardWriter(Path(tempfile.mkdtemp()), ["a"])
+writer = TensorBoardWriter(Path(tempfile.mkdtemp()), ["a"], {})
 writer.add({"site": "a", "kind": "step", "t": 1.0, "step": 1, "loss": 2.0, "tokens": 8, "lr": 0.1})
 writer.close()
 print(sorted(m for m in ("torch", "grpc") if m in sys.modules))
@@ -61,7 +61,7 @@ def test_tensorboard_events_still_take_tensors_once_torch_is_loaded(tmp_path):
     code = (
         "import torch\nfrom pathlib import Path\n"
         "from isthmus.deploy.launch.tensorboard import TensorBoardWriter\n"
-        f"w = TensorBoardWriter(Path({str(tmp_path)!r}), ['a'])\n"
+        f"w = TensorBoardWriter(Path({str(tmp_path)!r}), ['a'], {{}})\n"
         "w.add({'site': 'a', 'kind': 'step', 't': 1.0, 'step': 1, 'loss': torch.tensor(2.0),"
         " 'tokens': 8, 'lr': 0.1})\nw.close()\nprint('ok')\n"
     )

@@ -175,6 +175,7 @@ def test_every_rank_serves_metrics_that_rise_and_end_at_the_summary_s_figures(tm
         )
         codec = [dict(k[1]) for k in second if k[0] == "isthmus_settings"]
         assert codec and codec[0]["strategy"] == '"diloco"'
+        assert (codec[0]["model"], codec[0]["inner_optimizer"]) == ('"tiny"', '"SiteAdamW"')
         _, stderr = run.communicate(timeout=600)
     finally:
         run.kill()

@@ -126,9 +126,12 @@ def secret_branches(script: str) -> dict[str, dict[str, Path]]:
     """secrets.sh's ``case`` branches: who -> {Secret key: file}."""
     branches = {}
     for who, body in re.findall(r"^  ([\w-]+)\)\n(.*?)\n    ;;", script, re.M | re.S):
-        words = shlex.split(body.replace("\\\n", " "))
+        create, _, apply = body.replace("\\\n", " ").partition("|")
+        words = shlex.split(create)
         if words[:4] == ["kubectl", "create", "secret", "generic"]:
-            pairs = [w.removeprefix("--from-file=").split("=", 1) for w in words[5:]]
+            assert words[-3:] == ["--dry-run=client", "-o", "yaml"], words
+            assert shlex.split(apply) == ["kubectl", "apply", "-f", "-"], apply  # rerunnable
+            pairs = [w.removeprefix("--from-file=").split("=", 1) for w in words[5:-3]]
             branches[who] = {key: Path(path) for key, path in pairs}
     return branches
 
@@ -369,6 +372,9 @@ def test_gpus_and_paths_come_from_the_flags(capsys, job_file, tmp_path):
     assert code == 0, stderr
     text = (tmp_path / "cpus" / "us-east.sbatch").read_text()
     assert "#SBATCH --cpus-per-task=8" in text and "srun --cpus-per-task=8 " in text
+    # The limits a cluster may ask for, commented out where an operator fills them in.
+    for line in ("##SBATCH --time=HH:MM:SS", "##SBATCH --partition=", "##SBATCH --account="):
+        assert line in text, line
     assert "RUN_DIR=/shared/jobs/runs/us-east" in text  # relative: from the job file's folder
     code, _, stderr = render(
         capsys, job_file, tmp_path / "none", "--target", "slurm", "--cpus-per-rank", "0"
@@ -549,7 +555,11 @@ def test_pods_declare_every_ranks_metrics_port_for_prometheus(capsys, job_file, 
     for site in load_job(scraped).sites:
         indexed_job = site_objects(out, site.name)[2]
         template = indexed_job["spec"]["template"]
-        assert template["metadata"]["annotations"] == {"prometheus.io/scrape": "true"}
+        assert template["metadata"]["annotations"] == {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": "9400",
+            "prometheus.io/path": "/metrics",
+        }
         (container,) = template["spec"]["containers"]
         metrics = [p for p in container["ports"] if p["name"].startswith("metrics-")]
         assert [p["containerPort"] for p in metrics] == [

@@ -70,6 +70,26 @@ class Calibration:
     their per-step collective was timed outside compute, and 13-43 ms (1-2 ms a
     step of bookkeeping) once it counted inside (docs/performance-model.md)."""
 
+    parameters: int | None = None
+    """The model's parameters as the strategy synchronised them (the run's
+    ``summary.json``: the built-in model's, or the script's own)."""
+    tokens_per_step: float | None = None
+    """Tokens all sites together trained on per inner step, as the run counted them."""
+    model: str | None = None
+    """What trained: the built-in model's size, or what the script's sites said
+    (``site.describe(model=...)``, else its class)."""
+    command: list[str] | None = None
+    """The script the calibration ran (None: the built-in loop)."""
+
+    def described(self) -> str:
+        """What was calibrated, as ``tune`` and ``sim`` print it."""
+        what = (
+            f"the script `{' '.join(self.command)}`" if self.command else "the built-in loop"
+        )
+        model = f", model {self.model}" if self.model else ""
+        count = f", {self.parameters:,} parameters" if self.parameters else ""
+        return f"{what}{model}{count}"
+
     @property
     def in_site_s(self) -> float:
         """The largest of :attr:`outside_s_by_site`: what the worst site leaves unseen."""
@@ -138,10 +158,14 @@ def calibration_steps(train: dict[str, Any]) -> tuple[int, int]:
     return max(MIN_STEPS, warm_up + 3 * every), warm_up
 
 
-def calibrate(job_path: Path, *, keep: Path | None = None) -> Calibration:
+def calibrate(
+    job_path: Path, *, keep: Path | None = None, command: list[str] | None = None
+) -> Calibration:
     """Each site's compute seconds per inner step, and their variation, in a short run
     of the job that synchronises as it does (see the module's docstring); ``keep``:
-    a folder for the run (else a temporary one)."""
+    a folder for the run (else a temporary one). ``command``: the user's script, run
+    as ``isthmus run JOB -- CMD`` runs it (else the built-in loop). Raises
+    RuntimeError with the run's own one-line error when it fails."""
     raw = load_yaml(job_path.read_text())
     train = calibration_train(raw.get("train") or {})
     steps, warm_up = calibration_steps(train)
@@ -153,23 +177,47 @@ def calibrate(job_path: Path, *, keep: Path | None = None) -> Calibration:
         job = folder / "job.yaml"
         job.write_text(yaml.safe_dump(raw))
         out = folder / "run"
+        run = [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)]
         done = subprocess.run(
-            [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)],
+            [*run, "--no-report", *(["--", *command] if command else [])],
             capture_output=True,
             text=True,
             timeout=900,
-            cwd=str(folder),
+            # The script's relative paths are the caller's, as under `isthmus run`.
+            cwd=None if command else str(folder),
         )
         if done.returncode:
-            raise RuntimeError(f"calibration run failed: {done.stderr[-1500:]}")
-        if json.loads((out / "summary.json").read_text())["status"] != "finished":
-            raise RuntimeError(f"calibration run did not finish: {done.stdout[-1500:]}")
-        return steady_calibration(
+            raise RuntimeError(f"the calibration run failed: {_error_line(done.stderr)}")
+        summary = json.loads((out / "summary.json").read_text())
+        if summary["status"] != "finished":
+            raise RuntimeError(f"the calibration run did not finish: {done.stdout[-1500:]}")
+        measured = steady_calibration(
             out / "metrics.jsonl",
             every=steps_between_syncs(raw["train"]),
             warm_up=warm_up,
             model_share=model_share(raw["train"]),
         )
+        return dataclasses.replace(measured, command=command, **_what_trained(summary))
+
+
+def _error_line(stderr: str) -> str:
+    """The run's own error (its last ``error:`` line), else its last line."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line]
+    return (errors or lines or ["no output"])[-1]
+
+
+def _what_trained(summary: dict[str, Any]) -> dict[str, Any]:
+    """The model's name and parameters, and the tokens per inner step of all sites, from
+    a calibration run's summary."""
+    sites = [s for s in summary["sites"].values() if s.get("inner_steps")]
+    ran = next((s["ran"] for s in sites if s.get("ran")), {})
+    tokens = sum((s.get("tokens") or 0) / s["inner_steps"] for s in sites)
+    return {
+        "parameters": ran.get("parameters"),
+        "tokens_per_step": tokens or None,
+        "model": summary.get("model"),
+    }
 
 
 def model_share(train: dict[str, Any]) -> float:

@@ -23,6 +23,12 @@ SETTLE_S = 1.0
 """How long to listen for retained messages (statuses, the current config)."""
 
 
+BROKER_HELP = (
+    "the broker, mqtt[s]://host:port (default: the job file's control.broker, else the "
+    "broker of the `isthmus run` of this job running here, from ./JOB.control.json)"
+)
+
+
 def broker_for(job: Job, url: str | None) -> Broker:
     """``--broker``, else the job file's ``control.broker``, else the embedded broker
     of a running ``isthmus run`` (its state file in this directory)."""
@@ -64,7 +70,7 @@ def register(commands: Any) -> None:
         metavar="KEY=VALUE",
         help="live settings, e.g. sync_every=25 codec=int8",
     )
-    config_set.add_argument("--broker", metavar="URL", help="mqtt://host:port (default: see docs)")
+    config_set.add_argument("--broker", metavar="URL", help=BROKER_HELP)
     config_set.add_argument(
         "--from-round",
         type=int,
@@ -75,7 +81,7 @@ def register(commands: Any) -> None:
         commands, "watch", _watch, help="a live table of a job's sites and metrics, from its broker"
     )
     watch.add_argument("job", metavar="JOB.yaml", help="the running job's file")
-    watch.add_argument("--broker", metavar="URL", help="mqtt://host:port (default: see docs)")
+    watch.add_argument("--broker", metavar="URL", help=BROKER_HELP)
     watch.add_argument(
         "--once", type=float, metavar="SECONDS", help="listen this long, print once, exit"
     )

@@ -345,6 +345,15 @@ def _eval(args: argparse.Namespace) -> int:
     weights = run_dir / "model.safetensors"
     if not (run_dir / "job.yaml").is_file():
         raise UsageError(f"{run_dir}: no job.yaml here; give a directory 'isthmus run' wrote")
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    if summary.get("command"):
+        where = f"{weights} holds its final model" if weights.is_file() else "it saved no model"
+        raise UsageError(
+            f"{run_dir} ran a script ({' '.join(summary['command'])}): isthmus eval knows only "
+            f"the built-in loop's model and data; {where}: evaluate it with the script's own "
+            "code (safetensors.torch.load_file)"
+        )
     if not weights.is_file():
         raise UsageError(
             f"{run_dir}: no model.safetensors; the run did not finish (see its summary.json)"
@@ -366,11 +375,8 @@ def _eval(args: argparse.Namespace) -> int:
         "eval_loss": evaluate(model, batches, loss_fn),
         "param_sha256": parameter_digest(model),
     }
-    summary_path = run_dir / "summary.json"
-    if summary_path.is_file():
-        digests = {
-            s["param_sha256"] for s in json.loads(summary_path.read_text())["sites"].values()
-        }
+    if summary:
+        digests = {s["param_sha256"] for s in summary["sites"].values()}
         result["matches_summary"] = result["param_sha256"] in digests
     print(to_json(result, indent=2))
     return 0

@@ -15,7 +15,7 @@ from isthmus.deploy.cli.sim_scenario import (
     job_scenario,
     scenario_from,
 )
-from isthmus.deploy.usage import UsageError, add_command
+from isthmus.deploy.usage import UsageError, accept_command, add_command
 from isthmus.job.basics import to_json
 from isthmus.job.file import load_job
 from isthmus.sim.cost import predict
@@ -41,6 +41,8 @@ def register(commands: Any) -> None:
     )
     sim.add_argument("job", metavar="JOB.yaml", nargs="?", help="the job (or give flags only)")
     sim.add_argument("--json", action="store_true", help="print JSON")
+    # isthmus sim JOB --calibrate -- python train.py: the calibration runs the script.
+    accept_command(sim)
     what = sim.add_argument_group("scenario (overrides the job file)")
     what.add_argument("--params", type=float, help="model parameters, e.g. 340e9")
     what.add_argument("--sites", type=int, help="number of sites")
@@ -108,7 +110,8 @@ def register(commands: Any) -> None:
         "--calibrate",
         action="store_true",
         help="measure the step time on this machine at the job's concurrency (and, for an "
-        "emulated job, the machine's data-plane rate with the job's sites)",
+        "emulated job, the machine's data-plane rate with the job's sites): a short run of "
+        "the built-in loop, or of your script given after -- (its step time and parameters)",
     )
     what.add_argument(
         "--machine-mbyte-s",
@@ -155,6 +158,7 @@ def _sim(args: argparse.Namespace) -> int:
     groups = regions.groups(list(scenario.sites)) if regions is not None else None
     out = {
         "scenario": {
+            "model": scenario.model,
             "params": scenario.params,
             "sites": list(scenario.sites),
             "step_s": scenario.step_s,
@@ -193,7 +197,7 @@ def _sim(args: argparse.Namespace) -> int:
         return 0
     sc = out["scenario"]
     print(
-        f"{sc['params']:.3g} parameters, {len(sc['sites'])} sites, compute "
+        f"{sc['model']}: {sc['params']:.3g} parameters, {len(sc['sites'])} sites, compute "
         f"{sc['step_s'] * 1e3:.1f} ms per inner step"
         + (
             f" (the slowest site {sc['slowest_step_s'] * 1e3:.1f} ms, the next"

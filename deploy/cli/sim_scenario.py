@@ -80,9 +80,16 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
     ):
         raise ScenarioError("regions", "--between-rtt-ms, --between-mbit and --egress-mbit "
                             "describe regions: give --regions K too")  # fmt: skip
-    params = args.params or (_job_params(job) if job else None)
+    measured = _calibration(args, job)
+    params = args.params or (measured.parameters if measured else None)
+    if params is None and job is not None and getattr(args, "command", None) is None:
+        params = _job_params(job)
     if params is None:
-        raise ScenarioError("params", "give --params (no job file)")
+        raise ScenarioError(
+            "params",
+            "give --params (no job file)" if job is None else "give --params: the script's "
+            "calibration run reported no parameter count",
+        )
     gpus = args.gpus_per_site if args.gpus_per_site is not None else 1
     if gpus < 1:
         raise ScenarioError("gpus_per_site", f"must be >= 1, got {gpus}")
@@ -95,13 +102,18 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
                 f"{' and '.join(map(str, ranks))} ranks (one GPU each); change the sites' "
                 "ranks in the job file, or describe the scenario with --sites",
             )
-    if args.job and job is not None and args.gpu is None and args.params is None:
+    given_tokens = getattr(args, "tokens_per_step", None)
+    if given_tokens is not None:
+        tokens = given_tokens  # what a script's calibration run counted
+    elif measured is not None and measured.tokens_per_step:
+        tokens = measured.tokens_per_step
+    elif args.job and job is not None and args.gpu is None and args.params is None:
         seq_len, batch = _job_tokens(job)
         tokens = sum(s.layout.dp for s in job.sites) * batch * seq_len
     else:
         tokens = len(sites) * gpus * args.tokens_per_gpu
     step_s, slowest_s, runner_up_s, jitter_s = _step_seconds(
-        args, job, params, tokens / len(sites) / gpus
+        args, params, tokens / len(sites) / gpus, measured
     )
     given_jitter = getattr(args, "step_jitter_ms", None)
     if given_jitter is not None:
@@ -120,6 +132,7 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
             f"one ({', '.join(CODEC_BYTES_PER_VALUE)}) to predict the job as if it used it",
         )
     return Scenario(
+        model=_model_named(args, job, measured),
         params=params,
         step_s=step_s,
         slowest_step_s=slowest_s,
@@ -306,8 +319,40 @@ def _job_tokens(job: Job) -> tuple[int, int]:
     return seq_len, job.train.batch_size
 
 
+def _model_named(args: argparse.Namespace, job: Job | None, measured: Any) -> str:
+    """What the prediction is of: the calibration's model (the built-in loop's or the
+    script's), the job's built-in model, or the flags."""
+    if measured is not None:
+        return f"calibrated on {measured.described()}"
+    if getattr(args, "params", None) or job is None:
+        return "the parameters given (--params)"
+    return f"the built-in model {job.model}"
+
+
+def _calibration(args: argparse.Namespace, job: Job | None) -> Any:
+    """``--calibrate`` (with a job file, no ``--step-ms``): a short run of the job, of
+    the built-in loop or of the script after ``--``; None when not asked."""
+    command = getattr(args, "command", None)
+    if command and not (job is not None and getattr(args, "calibrate", False)):
+        raise ScenarioError(
+            "calibrate", "a command after -- is what --calibrate measures: add --calibrate "
+            "and a job file",
+        )  # fmt: skip
+    if job is None or not getattr(args, "calibrate", False) or args.step_ms is not None:
+        return None
+    from isthmus.deploy.bench.calibrate import calibrate
+
+    # On stderr: stdout is the prediction (JSON with --json).
+    what = f"the script {' '.join(command)}" if command else "the job"
+    print(f"calibrating: a short run of {what}, synchronising as it does ...", file=sys.stderr)
+    try:
+        return calibrate(Path(args.job), command=command)
+    except RuntimeError as exc:
+        raise ScenarioError("calibrate", f"{exc}; or give --step-ms") from None
+
+
 def _step_seconds(
-    args: argparse.Namespace, job: Job | None, params: float, tokens: float
+    args: argparse.Namespace, params: float, tokens: float, measured: Any
 ) -> tuple[float, float | None, float | None, float]:
     """Compute seconds per inner step of a typical site, of the slowest one and the
     second slowest where a calibration measured the sites apart (None: all alike),
@@ -316,12 +361,7 @@ def _step_seconds(
         if args.step_ms <= 0:
             raise ScenarioError("step_ms", f"must be > 0, got {args.step_ms}")
         return args.step_ms / 1e3, None, None, 0.0
-    if job is not None and args.calibrate:
-        from isthmus.deploy.bench.calibrate import calibrate
-
-        # On stderr: stdout is the prediction (JSON with --json).
-        print("calibrating: a short run of the job, synchronising as it does ...", file=sys.stderr)
-        measured = calibrate(Path(args.job))
+    if measured is not None:
         return (
             measured.step_s,
             measured.slowest_step_s,
@@ -335,12 +375,22 @@ def _step_seconds(
     )
 
 
-def job_scenario(job_path: Path, step_s: float, jitter_s: float = 0.0) -> Scenario:
+def job_scenario(
+    job_path: Path,
+    step_s: float,
+    jitter_s: float = 0.0,
+    *,
+    params: float | None = None,
+    tokens_per_step: float | None = None,
+) -> Scenario:
     """The job file's scenario with a known compute time per inner step and its
-    variation (what ``isthmus sim JOB --step-ms --step-jitter-ms`` predicts from)."""
+    variation (what ``isthmus sim JOB --step-ms --step-jitter-ms`` predicts from);
+    ``params`` and ``tokens_per_step``: a script's, as its calibration run counted
+    them (else the built-in model's)."""
     args = argparse.Namespace(
         job=str(job_path),
-        params=None,
+        params=params,
+        tokens_per_step=tokens_per_step,
         sites=None,
         gpus_per_site=None,
         gpu=None,

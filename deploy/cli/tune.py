@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy.usage import UsageError, add_command
+from isthmus.deploy.usage import UsageError, accept_command, add_command
 from isthmus.job.basics import to_json
 from isthmus.job.file import Job, load_job
 from isthmus.sim.perf_model import ScenarioError
@@ -52,6 +52,8 @@ def register(commands: Any) -> None:
         "model's pick, confirmed by short emulated trials",
     )
     tune.add_argument("job", metavar="JOB.yaml", help="the job file (its wan: links and train:)")
+    # isthmus tune JOB -- python train.py: calibration and trials run the script.
+    accept_command(tune)
     tune.add_argument(
         "--budget-minutes",
         type=float,
@@ -89,11 +91,23 @@ def _tune(args: argparse.Namespace) -> int:
         raise UsageError(f"--trial-steps: must be >= 1, got {args.trial_steps}")
     started = time.monotonic()
     log = sys.stderr if args.json else sys.stdout
-    step_s, jitter_s, source = _step_seconds(args, job_path, log)
+    command = getattr(args, "command", None)
+    step_s, jitter_s, source, measured = _step_seconds(args, job_path, log)
+    if command and measured is None:
+        raise UsageError(
+            "--step-ms: a script's parameter count comes from its calibration run; "
+            "leave --step-ms out to calibrate on it"
+        )
     from isthmus.deploy.cli.sim import job_scenario, range_note
 
     try:
-        scenario = job_scenario(job_path, step_s, jitter_s)
+        scenario = job_scenario(
+            job_path,
+            step_s,
+            jitter_s,
+            params=measured.parameters if command and measured else None,
+            tokens_per_step=measured.tokens_per_step if command and measured else None,
+        )
         candidates = sweep(scenario, settings)
         pick, reaches = model_pick(candidates, settings.target_utilization)
     except ScenarioError as exc:
@@ -116,7 +130,7 @@ def _tune(args: argparse.Namespace) -> int:
                 f"the budget fits {len(planned)} trial(s) of {steps} steps; "
                 "a larger --budget-minutes tries the neighbours too"
             )
-        trials = _run_trials(job_path, planned, steps, out / "trials", log)
+        trials = _run_trials(job_path, planned, steps, out / "trials", log, command)
     finished = [t for t in trials if t.status == "finished"]
     if trials and not finished:
         raise UsageError(f"no trial finished; see {out / 'trials'} (each run's logs/)")
@@ -132,6 +146,8 @@ def _tune(args: argparse.Namespace) -> int:
         choice = pick
         notes.append("no trials (--budget-minutes 0): the model's pick, not measured")
     result = _result(job, scenario, settings, step_s, source, candidates, pick, choice, trials)
+    result["calibrated"] = scenario.model
+    result["command"] = command
     result["notes"] = notes
     _write(out, result)
     if args.apply:
@@ -159,21 +175,28 @@ def _settings(job: Job, args: argparse.Namespace) -> TuneSettings:
         raise UsageError(f"--{exc.field.replace('_', '-')}: {exc.reason}") from None
 
 
-def _step_seconds(args: argparse.Namespace, job_path: Path, log: Any) -> tuple[float, float, str]:
-    """Compute seconds per inner step, their variation from step to step, and where
-    they came from."""
+def _step_seconds(
+    args: argparse.Namespace, job_path: Path, log: Any
+) -> tuple[float, float, str, Any]:
+    """Compute seconds per inner step, their variation from step to step, where they
+    came from, and the calibration (None with ``--step-ms``): of the built-in loop,
+    or of the script after ``--``."""
     if args.step_ms is not None:
         if not (args.step_ms > 0 and math.isfinite(args.step_ms)):
             raise UsageError(f"--step-ms: must be > 0, got {args.step_ms}")
-        return args.step_ms / 1e3, 0.0, "--step-ms"
+        return args.step_ms / 1e3, 0.0, "--step-ms", None
     from isthmus.deploy.bench.calibrate import calibrate
 
-    print("calibrating: a short run of the job, synchronising as it does ...", file=log, flush=True)
+    command = getattr(args, "command", None)
+    what = f"the script {' '.join(command)}" if command else "the job"
+    print(f"calibrating: a short run of {what}, synchronising as it does ...", file=log, flush=True)
     try:
-        measured = calibrate(job_path)
-        return measured.step_s, measured.jitter_s, "calibrated here"
+        measured = calibrate(job_path, command=command)
     except RuntimeError as exc:
-        raise UsageError(f"calibration failed ({exc}); or give --step-ms") from None
+        raise UsageError(f"calibration failed: {exc}; or give --step-ms") from None
+    return measured.step_s, measured.jitter_s, f"calibrated here on {measured.described()}", (
+        measured
+    )
 
 
 def _unreachable(pick: Candidate, settings: TuneSettings) -> str:
@@ -217,7 +240,12 @@ def _plan(
 
 
 def _run_trials(
-    job_path: Path, planned: list[Candidate], steps: int, folder: Path, log: Any
+    job_path: Path,
+    planned: list[Candidate],
+    steps: int,
+    folder: Path,
+    log: Any,
+    command: list[str] | None = None,
 ) -> list[Any]:
     from isthmus.deploy.launch.run_dir import RunError
     from isthmus.deploy.launch.warm_start import template_for_runs
@@ -234,7 +262,9 @@ def _run_trials(
             progress.trial_started(index, len(planned), candidate, steps)
             run_dir = folder / candidate.label.replace(" ", "-").replace("=", "")
             try:
-                result = run_trial(job_path, candidate, steps, run_dir, progress.update, template)
+                result = run_trial(
+                    job_path, candidate, steps, run_dir, progress.update, template, command
+                )
             except RunError as exc:
                 raise UsageError(str(exc)) from None
             progress.trial_ended(result)

@@ -6,6 +6,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from isthmus.deploy.launch.summary import optimizer_text
 from isthmus.training.records import read_records, write_json_atomic
 
 
@@ -151,12 +152,22 @@ def _shared_settings(
     """The settings every run had, and each run's own where they differ: a job file
     that leaves ``codec`` unset gives the DiLoCo family ``int2+zstd`` and sync none,
     and one line of the first run's settings would state sync's for all."""
-    runs = {strategy: summary["settings"] for strategy, summary in summaries.items()}
+    runs = {strategy: _what_ran(summary) for strategy, summary in summaries.items()}
     first = next(iter(runs.values()))
-    keys = [k for k in first if k != "strategy"]
-    shared = {k: first[k] for k in keys if all(r.get(k) == first[k] for r in runs.values())}
-    own = {s: {k: r.get(k) for k in keys if k not in shared} for s, r in runs.items()}
+    keys = list(dict.fromkeys(k for r in runs.values() for k in r if k != "strategy"))
+    shared = {
+        k: first[k] for k in keys if all(k in r and r[k] == first.get(k) for r in runs.values())
+    }
+    own = {s: {k: r[k] for k in keys if k not in shared and k in r} for s, r in runs.items()}
     return shared, own
+
+
+def _what_ran(summary: dict[str, Any]) -> dict[str, Any]:
+    """One run's settings that applied, then its model and inner optimizer as its sites
+    described them (a script's own: never the job file's optimizer settings)."""
+    ran = next((s["ran"] for s in summary["sites"].values() if s.get("ran")), {})
+    trained = {"model": summary.get("model"), "inner optimizer": optimizer_text(ran)}
+    return {**summary["settings"], **{k: v for k, v in trained.items() if v is not None}}
 
 
 def _plot(

@@ -12,6 +12,7 @@ from typing import Any
 from isthmus.deploy.launch.launcher import JOIN_TIMEOUT_S, Launcher
 from isthmus.deploy.launch.summary import build_summary
 from isthmus.deploy.launch.tensorboard import TensorBoardWriter
+from isthmus.job.settings import applied_settings
 from isthmus.training.records import write_json_atomic
 
 
@@ -42,7 +43,11 @@ def execute_run(
         join_timeout_s=join_timeout_s,
         template=template,
     )
-    launcher.tensorboard = TensorBoardWriter(run_dir / "tensorboard", [s.name for s in job.sites])
+    launcher.tensorboard = TensorBoardWriter(
+        run_dir / "tensorboard",
+        [s.name for s in job.sites],
+        applied_settings(job.train, builtin_loop=command is None),
+    )
     try:
         launcher.start()
         launcher.follow()

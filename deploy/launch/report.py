@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from isthmus.deploy.launch.progress import busiest
-from isthmus.deploy.launch.summary import compute_utilization
+from isthmus.deploy.launch.summary import compute_utilization, optimizer_text
 from isthmus.training.records import read_records
 
 COLOURS = {"computing": "#4caf50", "waiting": "#ffb300", "syncing": "#1e88e5"}
@@ -263,8 +263,51 @@ def _markdown(summary: dict[str, Any], images: list[tuple[str, str]]) -> str:
         lines.append(f"| {key} | {count / 1e6:.2f} MB | {emulated} |")
     for title, image in images:
         lines += ["", f"## {title}", "", f"![{title}]({image})"]
-    lines += ["", "## Settings", "", "| setting | value |", "| --- | --- |"]
+    lines += _what_trained(summary)
+    lines += ["", "## Settings that applied", "", "| setting | value |", "| --- | --- |"]
     lines += [f"| {k} | {v} |" for k, v in summary["settings"].items()]
-    lines += [f"| model | {summary['model']} |", f"| data | {summary['data']} |"]
+    changes = summary.get("live_changes") or []
+    if changes:
+        lines += ["", "Changed live (`isthmus config set`, or the online tuner):", ""]
+        lines += [
+            f"- from round {c['round']} (step {c['step']}): "
+            + ", ".join(f"{k}={v}" for k, v in c["settings"].items())
+            + f" ({', '.join(c['sites'])})"
+            for c in changes
+        ]
     lines += ["", "The resolved job file is `job.yaml`; per-rank logs are in `logs/`."]
     return "\n".join(lines) + "\n"
+
+
+def _what_trained(summary: dict[str, Any]) -> list[str]:
+    """The model, data and inner optimizer: the built-in loop's, or the script's as its
+    sites described them (their optimizer and settings, parameters, tokens)."""
+    command = summary.get("command")
+    lines = ["", "## What trained", ""]
+    if command:
+        lines.append(f"The script `{' '.join(command)}`, its own model, data and optimizer:")
+    else:
+        lines.append("The built-in loop:")
+    lines += ["", f"- model: {summary['model']}", f"- data: {summary['data']}"]
+    described = {n: s["ran"] for n, s in summary["sites"].items() if s.get("ran")}
+    texts = {n: optimizer_text(r) for n, r in described.items()}
+    if len(set(texts.values())) == 1:
+        lines.append(f"- inner optimizer: {next(iter(texts.values()))}")
+    else:
+        lines += [f"- inner optimizer at {n}: {t}" for n, t in texts.items()]
+    counts = {r.get("parameters") for r in described.values()} - {None}
+    if len(counts) == 1:
+        lines.append(f"- parameters: {counts.pop():,}")
+    for name, ran in described.items():
+        if ran.get("tokens_counted_from") == "train.batch_size":
+            lines.append(
+                f"- tokens at {name}: counted as train.batch_size a step (the script "
+                "passes no tokens_per_step and logs no tokens)"
+            )
+    own = {k for r in described.values() for k in r} - {
+        "model", "data", "optimizer", "parameters", "tokens_per_step", "tokens_per_step_from",
+        "tokens_counted_from", "loss_logged",
+    }  # fmt: skip
+    first = next(iter(described.values()), {})
+    lines += [f"- {k}: {first[k]}" for k in sorted(own) if k in first]
+    return lines

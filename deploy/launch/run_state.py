@@ -46,6 +46,11 @@ class SiteState:
     """Its rank 0 has called ``isthmus.join()`` since the site was last started."""
     launched_at: float = 0.0
     """``time.monotonic()`` at which its processes were last started."""
+    ran: dict[str, Any] = field(default_factory=dict)
+    """What it trains, as its ``start`` and ``described`` records say (the model, the
+    inner optimizer and its settings, tokens per step: :mod:`isthmus.training.description`)."""
+    live_changes: list[dict[str, Any]] = field(default_factory=list)
+    """Live settings it applied: ``round``, ``step``, ``settings`` (its ``config`` records)."""
 
 
 @dataclass
@@ -81,7 +86,8 @@ class RunState:
 
 
 def apply_record(site: SiteState, record: dict[str, Any]) -> None:
-    """What one of the site's records says of it: progress, state, rounds, evaluations."""
+    """What one of the site's records says of it: progress, state, rounds, evaluations,
+    what it trains and the live settings it applied."""
     kind = record["kind"]
     # Only a joined site writes records: "joined" says so first, but any record does
     # (the built-in loop wrote none of that kind before it joined through the session).
@@ -108,3 +114,11 @@ def apply_record(site: SiteState, record: dict[str, Any]) -> None:
     elif kind == "eval":
         site.eval_loss = record["eval_loss"]
         site.eval_s += record.get("seconds") or 0.0
+    elif kind == "start":
+        site.ran.update(record.get("ran") or {})
+    elif kind == "described":
+        site.ran.update(record.get("fields") or {})
+    elif kind == "config":
+        change = {k: record.get(k) for k in ("round", "step", "settings")}
+        if change not in site.live_changes:  # a restarted site replays none, but be sure
+            site.live_changes.append(change)

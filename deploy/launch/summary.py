@@ -11,6 +11,7 @@ from typing import Any
 
 from isthmus.deploy.launch.run_state import RunState
 from isthmus.job.exposure import insecure_warning
+from isthmus.job.settings import applied_settings
 
 SITE_FIELDS = (
     "status",
@@ -55,6 +56,9 @@ def build_summary(state: RunState, *, ended: float | None = None) -> dict[str, A
             sent_to[name] = site.wan_bytes_sent_to
         if site.reason:
             entry["reason"] = site.reason
+        if site.ran:
+            parameters = (result or {}).get("parameters")
+            entry["ran"] = {**site.ran, **({"parameters": parameters} if parameters else {})}
         sites[name] = entry
     by_link = {
         f"{a}<->{b}": sent_to[a].get(b, 0) + sent_to[b].get(a, 0)
@@ -77,15 +81,48 @@ def build_summary(state: RunState, *, ended: float | None = None) -> dict[str, A
         summary["emulator_wire_bytes_by_link"] = {
             k: int(v["bytes"]) for k, v in state.links.items()
         }
-    summary["settings"] = state.job.train.to_dict()
+    # Only what applied: the strategy's settings and its loop's; the built-in loop's
+    # optimizer, schedule and batches only where it ran (a script trains with its own).
+    builtin = state.command is None
+    summary["settings"] = applied_settings(state.job.train, builtin_loop=builtin)
+    changes = live_changes(state)
+    summary["live_changes"] = changes
+    summary["final_settings"] = {
+        **summary["settings"],
+        **{k: v for c in changes for k, v in c["settings"].items() if k in summary["settings"]},
+    }
     # Said at every start, kept with the results: this run crossed networks in plaintext.
     summary["insecure"] = insecure_warning(state.job) is not None
     if state.job.tune.online:
         summary["sync_every_changes"] = state.sync_every_changes
-    summary["model"] = state.job.model
-    summary["data"] = state.job.data
+    ran = next((s.ran for s in state.sites.values() if s.ran), {})
+    summary["model"] = ran.get("model", state.job.model if builtin else None)
+    summary["data"] = ran.get("data", state.job.data if builtin else "the script's own")
     summary["sites"] = sites
     return summary
+
+
+def live_changes(state: RunState) -> list[dict[str, Any]]:
+    """The live settings the run applied, in order of round: every site applies a change
+    at the same round, so each is listed once, with the sites that applied it."""
+    merged: dict[tuple[int, str], dict[str, Any]] = {}
+    for name, site in state.sites.items():
+        for change in site.live_changes:
+            key = (change["round"], json.dumps(change["settings"], sort_keys=True))
+            entry = merged.setdefault(key, {**change, "sites": []})
+            entry["sites"].append(name)
+    return [merged[k] for k in sorted(merged, key=lambda k: k[0])]
+
+
+def optimizer_text(ran: dict[str, Any]) -> str | None:
+    """A site's inner optimizer as a report names it: ``SGD (lr=0.05, momentum=0.9)``."""
+    optimizer = ran.get("optimizer")
+    if not optimizer:
+        return None
+    shown = ("lr", "momentum", "betas", "weight_decay", "eps", "nesterov")
+    settings = optimizer.get("settings", {})
+    figures = ", ".join(f"{k}={settings[k]}" for k in shown if k in settings)
+    return f"{optimizer['name']} ({figures})" if figures else optimizer["name"]
 
 
 def _read_result(path: Path) -> dict[str, Any] | None:

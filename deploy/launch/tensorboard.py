@@ -34,9 +34,12 @@ def _summary_writer_class() -> Any:
 
 
 class TensorBoardWriter:
-    def __init__(self, folder: Path, sites: list[str]) -> None:
+    def __init__(self, folder: Path, sites: list[str], settings: dict[str, Any]) -> None:
+        """``settings``: those that applied (what ``summary.json`` states), shown as
+        text beside what each site says it trains."""
         SummaryWriter = _summary_writer_class()
         self._writers = {site: SummaryWriter(str(folder / site)) for site in sites}
+        self._settings = settings
 
     def add(self, record: dict[str, Any]) -> None:
         writer = self._writers.get(record.get("site") or "")
@@ -58,6 +61,19 @@ class TensorBoardWriter:
             writer.add_scalar("outer_steps", record["outer_steps"], record["step"], walltime=t)
         elif kind == "blocked":
             writer.add_scalar(f"blocked_s/{record['what']}", record["seconds"], walltime=t)
+        elif kind == "start":
+            ran = record.get("ran") or {}
+            rows = [*self._settings.items(), *((f"trained: {k}", v) for k, v in ran.items())]
+            table = "| setting | value |\n| --- | --- |\n" + "\n".join(
+                f"| {k} | {v} |" for k, v in rows
+            )
+            writer.add_text("run/what_ran", table, 0, walltime=t)
+        elif kind == "config":
+            changed = ", ".join(f"{k}={v}" for k, v in record["settings"].items())
+            writer.add_text(
+                "run/live_changes", f"from round {record['round']}: {changed}", record["step"],
+                walltime=t,
+            )  # fmt: skip
 
     def close(self) -> None:
         for writer in self._writers.values():

@@ -211,7 +211,12 @@ HEAD_ADDR=${{HEAD_ADDR:-$HEAD}}
 #SBATCH --nodes={site.nodes}
 #SBATCH --ntasks-per-node=1
 #SBATCH --cpus-per-task={per_node * cpus_per_rank}
-{gpu_line}set -euo pipefail
+{gpu_line}# What your cluster may require: remove one '#' and fill in (the job runs until
+# train.steps are done; give it room for a restart or two).
+##SBATCH --time=HH:MM:SS
+##SBATCH --partition=PARTITION
+##SBATCH --account=ACCOUNT
+set -euo pipefail
 
 JOB_FILE={shlex.quote(job_path)}
 RUN_DIR={shlex.quote(run_dir.replace("{site}", site.name))}

@@ -249,7 +249,13 @@ def _indexed_job(
             {"name": f"metrics-{r}", "containerPort": metrics.prometheus_port + r}
             for r in range(site.ranks_per_node)
         ]
-        template_metadata["annotations"] = {"prometheus.io/scrape": "true"}
+        # The annotations most scrape configs key on (one port: rank 0's); the declared
+        # metrics-R ports are every rank's (docs/prometheus.md has a scrape config).
+        template_metadata["annotations"] = {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": str(metrics.prometheus_port),
+            "prometheus.io/path": "/metrics",
+        }
     mounts: list[dict[str, Any]] = [
         {"name": "job-file", "mountPath": POD_JOB_FILE, "subPath": "job.yaml"},
         {"name": "out", "mountPath": POD_OUT},
@@ -396,14 +402,20 @@ def secrets_script(job: Job, secrets: list[_Secret]) -> str:
             sources = " \\\n      ".join(
                 shlex.quote(f"--from-file={key}={path}") for key, path in secret.files.items()
             )
-            command = f"kubectl create secret generic {secret.name} \\\n      {sources}"
+            # create --dry-run | apply: made the first time, replaced by a second run
+            # (new certificates), never "already exists".
+            command = (
+                f"kubectl create secret generic {secret.name} \\\n      {sources} \\\n"
+                "      --dry-run=client -o yaml | kubectl apply -f -"
+            )
         branches.append(f"  {secret.owner})\n    {command}\n    ;;")
     choices = "|".join([*(s.name for s in job.sites), "broker"])
     return (
         "#!/bin/bash\n"
         f'# The TLS Secrets of the Isthmus job "{job.name}", made from the certificate\n'
         "# files on this machine (nothing secret is in the rendered manifests).\n"
-        "# Run once per site, and once for the broker, with kubectl pointed at that cluster:\n"
+        "# Run once per site, and once for the broker, with kubectl pointed at that cluster\n"
+        "# (again after new certificates: it replaces the Secret):\n"
         f"#   bash secrets.sh {choices}\n"
         "set -euo pipefail\n\n"
         'case "${1:-}" in\n' + "\n".join(branches) + "\n"

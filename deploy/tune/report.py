@@ -63,10 +63,14 @@ def markdown(result: dict[str, Any]) -> str:
 def _summary_line(result: dict[str, Any]) -> str:
     choice = result["choice"]
     keys = ", ".join(f"{k}: {v}" for k, v in choice["settings"].items())
+    source = result["step_source"]
+    named = result.get("calibrated", "")
+    if named and not named.startswith("calibrated"):  # --step-ms: say whose parameters
+        source += f"; {named}"
     return (
         f"Choice: **{choice['label']}** (`train: {{{keys}}}`), {result['strategy']}, target "
         f"utilisation {result['target_utilization']:.0%}; compute "
-        f"{result['step_s'] * 1e3:.1f} ms per inner step ({result['step_source']})."
+        f"{result['step_s'] * 1e3:.1f} ms per inner step ({source})."
     )
 
 

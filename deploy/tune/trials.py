@@ -67,10 +67,12 @@ def run_trial(
     run_dir: Path,
     on_update: Callable[[RunState], None] | None = None,
     template: Any = None,
+    command: list[str] | None = None,
 ) -> TrialResult:
     """One short run of the job with the candidate's settings; never the online
     controller (the trial measures the setting itself). ``template``: the warm rank
-    template the trials share."""
+    template the trials share (the built-in loop's); ``command``: the user's script,
+    run instead of the built-in loop."""
     from isthmus.deploy.launch.execute import execute_run
 
     job, raw = resolve_job(
@@ -80,7 +82,14 @@ def run_trial(
         tune={"online": False},
     )
     prepare_run_dir(run_dir)
-    summary = execute_run(job, raw, run_dir, on_update=on_update, template=template)
+    summary = execute_run(
+        job,
+        raw,
+        run_dir,
+        on_update=on_update,
+        template=template if command is None else None,
+        command=command,
+    )
     return result_from_summary(candidate, run_dir, summary)
 
 

@@ -36,6 +36,7 @@ from isthmus.inter.strategies import AsyncDiLoCo, Blocked, Strategy
 from isthmus.intra import collectives
 from isthmus.intra.checkpoint import checkpoint_path, load_checkpoint, load_extra, save_checkpoint
 from isthmus.intra.random_state import random_states, restore_random_states
+from isthmus.training.description import describe_training, parameter_count
 from isthmus.training.host_values import LaterFloat
 from isthmus.training.round_records import write_blocked, write_round, write_views
 from isthmus.training.site_control import apply_settings
@@ -132,6 +133,9 @@ class TrainingRun:
         self._resume_round = site.launch.resume_round if site.launch else None
         self._rejoin = bool(site.launch and site.launch.rejoin)
         self._resumed: dict[str, Any] = {}
+        self._logged_ever: set[str] = set()
+        """Which of ``loss`` and ``tokens`` the script has logged at all."""
+        self._warned: set[str] = set()
 
     # -- entering ----------------------------------------------------------------------
     def __enter__(self) -> TrainingRun:
@@ -168,6 +172,13 @@ class TrainingRun:
             ranks=site.runtime.site.ranks,
             strategy=self.settings.strategy,
             steps=self.settings.steps,
+            ran=describe_training(
+                self.model,
+                self.optimizer,
+                tokens_per_step=strategy.tokens_per_step,
+                tokens_given=self._tokens_per_step is not None,
+                described=site.described,
+            ),
         )
         if self._resumed:
             records.write("resume", round=self._resume_round, step=self.start_step)
@@ -261,6 +272,7 @@ class TrainingRun:
     def _after_step(self, step: int, started: float) -> int | None:
         site, records, strategy = self.site, self.site.records, self._active()
         logged = self._logged
+        self._logged_ever.update(k for k in ("loss", "tokens") if k in logged)
         # Compute: the step's time less what the strategy blocked it and a held-out
         # evaluation the script timed (eval_seconds): neither is training.
         blocked = sum(b.seconds for b in strategy.blocked) + logged.get("eval_seconds", 0.0)
@@ -353,9 +365,60 @@ class TrainingRun:
             **self.last_round,
         )
         self._clock = RoundClock(time.perf_counter(), self.tokens, self.compute_s, steps)
+        self._warn_of_logging()
         if changes:
-            self.settings = apply_settings(changes, self.settings, strategy, site.name)
-            site.records.write("config", round=self._outer_seen, step=steps, settings=changes)
+            self.settings, applied = apply_settings(
+                changes, self.settings, strategy, site.name, builtin_loop=site.builtin_loop
+            )
+            if applied:
+                site.records.write("config", round=self._outer_seen, step=steps, settings=applied)
+
+    def _warn_of_logging(self) -> None:
+        """Once per site, at a round's end: a script that logs no loss (its records and
+        summary then say null), a loss that is not finite, tokens never counted."""
+        if not self._warned:
+            # What the counts below rest on, for the run's description (once).
+            tokens_from = (
+                "site.log" if "tokens" in self._logged_ever
+                else "tokens_per_step" if self._tokens_per_step is not None
+                else "train.batch_size"
+            )  # fmt: skip
+            self._warned.add("described")
+            self.site.records.write(
+                "described",
+                fields={"tokens_counted_from": tokens_from,
+                        "loss_logged": "loss" in self._logged_ever},
+            )  # fmt: skip
+        if self.site.builtin_loop:
+            return  # it logs both (a pipeline's first stage has no loss of its own)
+        name = self.site.name
+        if "loss" not in self._logged_ever:
+            self._warn_once(
+                "no-loss",
+                "site %s: the script logs no loss (site.log(loss=...)); its records and "
+                "summary.json say null",
+                name,
+            )
+        elif not math.isfinite(self.loss):
+            self._warn_once(
+                "non-finite",
+                "site %s: the script logged a loss that is not finite (%s); recorded as null",
+                name,
+                self.loss,
+            )
+        if "tokens" not in self._logged_ever and self._tokens_per_step is None:
+            self._warn_once(
+                "no-tokens",
+                "site %s: tokens are counted as train.batch_size (%d) a step: the script "
+                "passes neither site.strategy(..., tokens_per_step=N) nor site.log(tokens=N)",
+                name,
+                self.settings.batch_size,
+            )
+
+    def _warn_once(self, what: str, message: str, *args: Any) -> None:
+        if what not in self._warned and self.site.rank == 0:
+            self._warned.add(what)
+            log.warning(message, *args)
 
     def _checkpoint(self, steps: int) -> None:
         """Every rank's checkpoint after this round (the same round in every site), and
@@ -429,6 +492,7 @@ class TrainingRun:
             "wan_bytes_sent_to": totals["wan_bytes_sent_to"],
             "all_reduce_rounds": totals["all_reduce_rounds"],
             "param_sha256": state_digest(self.final_state, self._parameter_names),
+            "parameters": parameter_count(self.final_state, self._parameter_names),
         }
         if isinstance(strategy, AsyncDiLoCo):
             result["late_contributions_applied"] = strategy.late_contributions_applied

@@ -136,12 +136,22 @@ class SiteCollector:
         settings = run.settings if run is not None else site.job.train
         info = GaugeMetricFamily(
             "isthmus_settings",
-            "The settings in force (value 1): strategy and codec",
-            labels=[*labels, "strategy", "codec"],
+            "The settings in force (value 1): strategy, codec, and what trains (the model "
+            "and inner optimizer: the built-in loop's or the script's own)",
+            labels=[*labels, "strategy", "codec", "model", "inner_optimizer"],
         )
         codec = getattr(strategy, "codec", None)
+        model = site.described.get("model") or (type(run.model).__name__ if run else "")
+        optimizer = type(run.optimizer).__name__ if run is not None else ""
         info.add_metric(
-            [*me, settings.strategy, getattr(codec, "name", None) or str(settings.codec)], 1
+            [
+                *me,
+                settings.strategy,
+                getattr(codec, "name", None) or str(settings.codec),
+                str(model),
+                optimizer,
+            ],
+            1,
         )
         yield info
         yield gauge("isthmus_sync_every", "Inner steps per round (H)", settings.sync_every)

@@ -180,12 +180,3 @@ def evaluate(
     ).tolist()
     return summed / count
 
-
-def save_model(model: nn.Module, path: Path, job: Job) -> None:
-    """The whole model as safetensors, written beside and renamed into place."""
-    from safetensors.torch import save_file
-
-    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"job": job.name, "model": job.model})
-    tmp.replace(path)

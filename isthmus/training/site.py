@@ -76,6 +76,11 @@ class Site:
         self.stopped = False
         """SIGTERM came (the launcher stops the run): closing waits for no peer."""
         self.run: TrainingRun | None = None
+        self.described: dict[str, Any] = {}
+        """What :meth:`describe` said of the training (the run's records carry it)."""
+        self.builtin_loop = False
+        """Set by the built-in loop (``isthmus run JOB``): it applies the job's optimizer,
+        schedule and batch settings (and ``inner_lr`` changed live); a script its own."""
         self.metrics: MetricsEndpoint | None = None
         """This rank's ``/metrics`` (a job with ``metrics:``, launched)."""
         self._done = False
@@ -148,6 +153,21 @@ class Site:
             raise RuntimeError("site.steps() runs inside `with site.strategy(model, optimizer):`")
         return self.run.steps()
 
+    def describe(self, **fields: Any) -> None:
+        """Say what this site trains, for the run's records (``summary.json``,
+        ``report.md``, ``compare.md``, TensorBoard): ``model`` (a name; default: the
+        model's class), ``data``, and any other field (a string, a number, a bool).
+        Isthmus records the strategy's settings itself, and of the script's own
+        only the optimizer's class and settings, the parameter count and the
+        tokens: the rest is what the script says here. Call it before or inside
+        the ``with site.strategy(...)`` block; later calls add to earlier ones."""
+        from isthmus.training.description import plain_value
+
+        checked = {name: plain_value(name, value) for name, value in fields.items()}
+        self.described.update(checked)
+        if self.run is not None and self.run.strategy is not None:
+            self.records.write("described", fields=checked)
+
     def log(self, **metrics: Any) -> None:
         """Report the step under way (``loss``, ``tokens``, ``eval_loss``, any other
         number); after the block, ``eval_loss`` reports the final model's."""
@@ -165,7 +185,24 @@ class Site:
         if self.rank != 0:
             return
         run.result = run.result_fields(totals)
+        if self.run_dir is not None and self.site_index == 0 and not run.left:
+            self._save_model(run)
         self._write_result(run.result)
+
+    def _save_model(self, run: TrainingRun) -> None:
+        """``RUN_DIR/model.safetensors``: the final model every site holds (sharded
+        tensors gathered, pipeline stages merged), written by the job's first site."""
+        from isthmus.training.description import save_model_file
+
+        assert run.final_state is not None and self.run_dir is not None
+        model = self.described.get("model") or type(run.model).__name__
+        metadata = {
+            "job": self.job.name,
+            "model": str(model),
+            "loop": "built-in" if self.builtin_loop else "script",
+            "param_sha256": run.result["param_sha256"] if run.result else "",
+        }
+        save_model_file(run.final_state, self.run_dir / "model.safetensors", metadata)
 
     def _final_eval(self, eval_loss: float) -> None:
         run = self.run

@@ -158,24 +158,36 @@ class SiteControl:
 
 
 def apply_settings(
-    changes: dict[str, Any], settings: TrainSettings, strategy: Strategy, site: str
-) -> TrainSettings:
-    """Apply live settings to the strategy (what it has of them) and return the run's
-    settings with them; a setting the strategy cannot take is logged and skipped,
-    the same way on every site."""
+    changes: dict[str, Any],
+    settings: TrainSettings,
+    strategy: Strategy,
+    site: str,
+    *,
+    builtin_loop: bool,
+) -> tuple[TrainSettings, dict[str, Any]]:
+    """Apply live settings to the strategy (what it has of them); return the run's
+    settings with them and the changes that applied. A setting that cannot take
+    effect here is logged and skipped, the same way on every site: ``sync_every``
+    under a strategy that fixes it at the start, an outer setting under ``sync``,
+    ``inner_lr`` under a script (its optimizer is its own)."""
     applicable = dict(changes)
-    if "sync_every" in applicable and isinstance(strategy, Sync | StreamingDiLoCo):
-        log.warning(
-            "site %s: sync_every not changed: %s fixes it at the start",
-            site,
-            type(strategy).__name__,
-        )
-        applicable.pop("sync_every")
+
+    def skip(name: str, why: str) -> None:
+        if applicable.pop(name, None) is not None:
+            log.warning("site %s: %s not changed: %s", site, name, why)
+
+    if isinstance(strategy, Sync | StreamingDiLoCo):
+        skip("sync_every", f"{type(strategy).__name__} fixes it at the start")
+    outer = getattr(strategy, "outer", None)
+    if outer is None:
+        for name in ("outer_lr", "outer_momentum"):
+            skip(name, f"{type(strategy).__name__} has no outer step")
+    if not builtin_loop:
+        skip("inner_lr", "the script's optimizer sets its own learning rate")
     if "sync_every" in applicable:
         strategy.sync_every = applicable["sync_every"]  # type: ignore[attr-defined]
     if "codec" in applicable:
         strategy.codec = applicable["codec"]
-    outer = getattr(strategy, "outer", None)
     if outer is not None:
         if "outer_lr" in applicable:
             outer.lr = applicable["outer_lr"]
@@ -185,4 +197,4 @@ def apply_settings(
                 group["nesterov"] = applicable["outer_momentum"] > 0
     if applicable:
         log.warning("site %s: live settings applied: %s", site, applicable)
-    return dataclasses.replace(settings, **applicable)
+    return dataclasses.replace(settings, **applicable), applicable

@@ -12,8 +12,7 @@ settings, checkpoints, records, the final synchronisation and
 ``result.json``). What is the built-in loop's own: the model's parallel plan
 (tensor, pipeline, FSDP through :class:`~isthmus.intra.parallelize.SiteModel`),
 the learning-rate schedule and gradient clipping, the replicas' gradient
-average where no DDP/FSDP does it, held-out evaluation, and the final model
-file (``RUN_DIR/model.safetensors``, written by the job's first site).
+average where no DDP/FSDP does it, and held-out evaluation.
 """
 
 from __future__ import annotations
@@ -45,7 +44,6 @@ from isthmus.training.rank_setup import (
     held_out_batches,
     inner_optimizer,
     learning_rate,
-    save_model,
     to_device,
     train_batches,
 )
@@ -61,6 +59,8 @@ def train() -> int:
     # On the meta device: each rank allocates only its part, on its own device.
     model, plan, loss_fn = build_model(job, on_meta=True)
     site = isthmus.join()
+    site.builtin_loop = True
+    site.describe(model=job.model, data=job.data)
     settings = job.train
     part = SiteModel(
         model,
@@ -113,8 +113,6 @@ def train() -> int:
     if run.final_state is not None:  # rank 0, after the final synchronisation
         final, _, _ = build_model(job)
         final.load_state_dict(run.final_state)
-        if site.site_index == 0:
-            save_model(final, site.run_dir / "model.safetensors", job)
         site.log(eval_loss=evaluate(final, held_out, loss_fn))
     return 0
 

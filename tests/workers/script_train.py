@@ -6,7 +6,10 @@ Knobs for the tests (environment):
   (Isthmus must still start every site from one model);
 - ``SCRIPT_WIDE_SITE=NAME``: that site builds a wider hidden layer (a model whose
   shapes differ: refused at the start);
-- ``SCRIPT_STEP_SLEEP_S``: seconds to sleep each step (a slower site).
+- ``SCRIPT_STEP_SLEEP_S``: seconds to sleep each step (a slower site);
+- ``SCRIPT_SGD=1``: SGD (lr 0.05, momentum 0.9) instead of AdamW, and the script
+  describes itself (``site.describe(model="mlp-8-32-1", data="sin of sums")``);
+- ``SCRIPT_LOG=nan``: log a loss that is not a number and no tokens.
 """
 
 import os
@@ -31,7 +34,12 @@ def main() -> None:
     model = nn.Sequential(
         nn.Linear(8, 48 if wide else 32), nn.Tanh(), nn.Linear(48 if wide else 32, 1)
     )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if os.environ.get("SCRIPT_SGD"):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        site.describe(model="mlp-8-32-1", data="sin of sums")
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    nan = os.environ.get("SCRIPT_LOG") == "nan"
     pause = float(os.environ.get("SCRIPT_STEP_SLEEP_S", "0"))
     with site.strategy(model, optimizer):
         for step in site.steps():
@@ -40,7 +48,7 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-            site.log(loss=loss.item(), tokens=len(x))
+            site.log(loss=float("nan")) if nan else site.log(loss=loss.item(), tokens=len(x))
             if pause:
                 time.sleep(pause)
 
