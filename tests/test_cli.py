@@ -412,6 +412,8 @@ def test_control_commands_without_a_running_emulator(tmp_path, capsys, monkeypat
     code, _, err = in_process(capsys, "wan", "stats", str(job))
     assert code == 2
     assert "no running emulator for job 'idle'" in err
+    assert "looked for idle.wan.json ('isthmus wan up') and idle.control.json" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_wan_up_needs_a_wan_section(tmp_path, capsys):

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from test_cli import in_process
 
+from isthmus.job.settings import applied_keys
 from isthmus.training.records import RecordTail, parameter_digest, read_records
 
 SMALL_JOB = """\
@@ -211,6 +212,10 @@ def test_every_strategy_runs_and_ends_identical(tmp_path, strategy, eval_every, 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["strategy"] == strategy
     assert summary["settings"]["strategy"] == strategy
+    # The built-in loop's settings all applied, and no other strategy's.
+    assert list(summary["settings"]) == list(applied_keys(strategy)), summary["settings"]
+    assert {s["ran"]["optimizer"]["name"] for s in summary["sites"].values()} == {"AdamW"}
+    assert summary["model"] == "tiny" and summary["live_changes"] == []
     digests = {s["param_sha256"] for s in summary["sites"].values()}
     assert len(digests) == 1 and None not in digests
     assert all(s["inner_steps"] == 8 for s in summary["sites"].values())

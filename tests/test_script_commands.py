@@ -5,6 +5,7 @@ count as the strategy synchronised it) and name what they calibrated."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -79,5 +80,7 @@ def test_tune_calibrates_on_the_script_and_a_script_that_fails_is_one_line(tmp_p
     assert done.returncode == 2
     (line,) = done.stderr.strip().splitlines()[-1:]
     assert line.startswith("isthmus tune: error: calibration failed: the calibration run failed")
-    assert "exited with status 3" in line, done.stderr
+    assert "exit status 3" in line, done.stderr
+    log = re.search(r"\(log: (\S+)\)", line)
+    assert log and Path(log.group(1)).is_file(), line  # the failed calibration's run stays
     assert "Traceback" not in done.stderr

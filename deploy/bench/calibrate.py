@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 import statistics
 import subprocess
 import sys
@@ -171,33 +172,44 @@ def calibrate(
     steps, warm_up = calibration_steps(train)
     raw["train"] = {**train, "steps": steps}
     raw.pop("tune", None)  # never the online controller
-    with tempfile.TemporaryDirectory(prefix="isthmus-calibrate-") as scratch:
-        folder = keep or Path(scratch)
-        folder.mkdir(parents=True, exist_ok=True)
-        job = folder / "job.yaml"
-        job.write_text(yaml.safe_dump(raw))
-        out = folder / "run"
-        run = [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)]
-        done = subprocess.run(
-            [*run, "--no-report", *(["--", *command] if command else [])],
-            capture_output=True,
-            text=True,
-            timeout=900,
-            # The script's relative paths are the caller's, as under `isthmus run`.
-            cwd=None if command else str(folder),
-        )
-        if done.returncode:
-            raise RuntimeError(f"the calibration run failed: {_error_line(done.stderr)}")
-        summary = json.loads((out / "summary.json").read_text())
-        if summary["status"] != "finished":
-            raise RuntimeError(f"the calibration run did not finish: {done.stdout[-1500:]}")
-        measured = steady_calibration(
-            out / "metrics.jsonl",
-            every=steps_between_syncs(raw["train"]),
-            warm_up=warm_up,
-            model_share=model_share(raw["train"]),
-        )
-        return dataclasses.replace(measured, command=command, **_what_trained(summary))
+    # A failed run's folder stays: its error names a log in it.
+    folder = keep or Path(tempfile.mkdtemp(prefix="isthmus-calibrate-"))
+    measured = _calibration_run(folder, raw, warm_up, command)
+    if keep is None:
+        shutil.rmtree(folder, ignore_errors=True)
+    return measured
+
+
+def _calibration_run(
+    folder: Path, raw: dict[str, Any], warm_up: int, command: list[str] | None
+) -> Calibration:
+    """The calibration run in ``folder``: the job as ``raw`` says, of the built-in loop
+    or of ``command``; its steady figures and what trained."""
+    folder.mkdir(parents=True, exist_ok=True)
+    job = folder / "job.yaml"
+    job.write_text(yaml.safe_dump(raw))
+    out = folder / "run"
+    run = [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out)]
+    done = subprocess.run(
+        [*run, "--no-report", *(["--", *command] if command else [])],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        # The script's relative paths are the caller's, as under `isthmus run`.
+        cwd=None if command else str(folder),
+    )
+    if done.returncode:
+        raise RuntimeError(f"the calibration run failed: {_error_line(done.stderr)}")
+    summary = json.loads((out / "summary.json").read_text())
+    if summary["status"] != "finished":
+        raise RuntimeError(f"the calibration run did not finish: {done.stdout[-1500:]}")
+    measured = steady_calibration(
+        out / "metrics.jsonl",
+        every=steps_between_syncs(raw["train"]),
+        warm_up=warm_up,
+        model_share=model_share(raw["train"]),
+    )
+    return dataclasses.replace(measured, command=command, **_what_trained(summary))
 
 
 def _error_line(stderr: str) -> str:

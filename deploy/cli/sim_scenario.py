@@ -10,6 +10,7 @@ bounds the all-reduce phases (``--machine-mbyte-s``, or measured).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -382,11 +383,13 @@ def job_scenario(
     *,
     params: float | None = None,
     tokens_per_step: float | None = None,
+    calibration: Any = None,
 ) -> Scenario:
     """The job file's scenario with a known compute time per inner step and its
     variation (what ``isthmus sim JOB --step-ms --step-jitter-ms`` predicts from);
     ``params`` and ``tokens_per_step``: a script's, as its calibration run counted
-    them (else the built-in model's)."""
+    them (else the built-in model's); ``calibration``: the run that measured the
+    step time, which the scenario names."""
     args = argparse.Namespace(
         job=str(job_path),
         params=params,
@@ -409,4 +412,7 @@ def job_scenario(
         efficiency=None,
         calibrate=False,
     )
-    return scenario_from(args)
+    scenario = scenario_from(args)
+    if calibration is not None:
+        scenario = dataclasses.replace(scenario, model=f"calibrated on {calibration.described()}")
+    return scenario

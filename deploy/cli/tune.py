@@ -107,6 +107,7 @@ def _tune(args: argparse.Namespace) -> int:
             jitter_s,
             params=measured.parameters if command and measured else None,
             tokens_per_step=measured.tokens_per_step if command and measured else None,
+            calibration=measured,
         )
         candidates = sweep(scenario, settings)
         pick, reaches = model_pick(candidates, settings.target_utilization)

@@ -269,9 +269,18 @@ def _client(args: argparse.Namespace) -> ControlClient:
     job = load_job(args.job)
     path = Path(args.state) if args.state else _find_state(job)
     if not path.exists():
+        if args.state:
+            looked = f"{path} (--state) does not exist"
+        else:
+            from isthmus.deploy.launch.broker import control_state_path
+
+            looked = (
+                f"looked for {path} ('isthmus wan up') and {control_state_path(job)} "
+                "(a running 'isthmus run' of the job, started in this directory)"
+            )
         raise UsageError(
-            f"no running emulator for job {job.name!r}: {path} does not exist "
-            "(start 'isthmus wan up' or 'isthmus run' first, or pass --state)"
+            f"no running emulator for job {job.name!r}: {looked}; start one first, or "
+            "pass --state RUN_DIR/wan.json"
         )
     state = load_state(path)
     return ControlClient(_address(str(state.get("control")), "--state"))
