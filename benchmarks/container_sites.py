@@ -53,7 +53,9 @@ class Outcome:
     logs: dict[str, str]
 
 
-def write_job(folder: Path, net: Network, sites: dict[str, int], train: str) -> Path:
+def write_job(
+    folder: Path, net: Network, sites: dict[str, int], train: str, wait_s: float = 30
+) -> Path:
     lines = [
         f"  - {{name: {s}, ranks: {ranks}, address: 0.0.0.0:{PORT}, "
         f"advertise: {net.host(s)}:{PORT}}}"
@@ -67,7 +69,7 @@ def write_job(folder: Path, net: Network, sites: dict[str, int], train: str) -> 
         control:
           broker: mqtts://{net.host("broker")}:{BROKER_PORT}
           tls: {{ca: certs/ca.crt, cert: "certs/{{site}}.crt", key: "certs/{{site}}.key"}}
-          wait_s: 30  # three containers importing torch at once on two cores (CI)
+          wait_s: {wait_s}
         """)
     )
     return job
@@ -79,10 +81,14 @@ def _isthmus(*args: str, cwd: Path) -> None:
         raise RuntimeError(f"isthmus {' '.join(args)}: {done.stderr[-2000:]}")
 
 
-def prepare(folder: Path, net: Network, sites: dict[str, int], train: str) -> None:
+def prepare(
+    folder: Path, net: Network, sites: dict[str, int], train: str, *, wait_s: float = 30
+) -> None:
     """The operator's steps 2-4: job file, certificates, the broker's folder, and
-    each site's files (the job file and its own certificate only)."""
-    job = write_job(folder, net, sites, train)
+    each site's files (the job file and its own certificate only). ``wait_s``: how
+    long a site waits for the broker (30: three containers importing torch at once
+    on two cores, as in CI)."""
+    job = write_job(folder, net, sites, train, wait_s)
     _isthmus("certs", job.name, "--out", "certs", "--broker", net.host("broker"), cwd=folder)
     _isthmus("deploy", "render", job.name, "--target", "slurm", "--out", "deploy", cwd=folder)
     # deploy/broker/README.md: a copy of the folder with certs/ beside the config.

@@ -2,15 +2,16 @@
 
     python benchmarks/script_calibration.py [--repeats 3]
 
-The script (written here) trains an MLP with SGD in its own loop and times each of
-its own steps (forward, backward, ``optimizer.step()``) with ``perf_counter``,
-logging it as ``site.log(step_s=...)``. Each repeat runs
+The script (written here) trains an MLP with SGD in its own loop and times each
+whole iteration of it with ``perf_counter`` (its batch, forward, backward,
+``optimizer.step()``, and what Isthmus does between its steps), logging it as
+``site.log(previous_step_s=...)``. Each repeat runs
 
 1. ``isthmus tune JOB --budget-minutes 0 --json -- python train_mlp.py``: its
    calibration run of the script gives the step time the tuner plans with;
 2. ``isthmus run JOB -- python train_mlp.py``, the job as it is: the script's
-   own median step time (its logged ``step_s``, every site, the steps that end
-   a round left out: those include the exchange).
+   own median step time (its logged iterations, every site, those that end a
+   round left out: they include the exchange).
 
 Prints each repeat's pair and their ratio, and the median ratio. Target: within
 20% (0.8-1.2). Also checks that the tuner named the script and counted its
@@ -38,16 +39,20 @@ model = torch.nn.Sequential(
     torch.nn.Linear({HIDDEN}, {HIDDEN}), torch.nn.ReLU(), torch.nn.Linear({HIDDEN}, 10),
 )
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+last = None
 with site.strategy(model, optimizer):
     for step in site.steps():
+        now = time.perf_counter()
+        # The loop's own clock: one whole iteration, from its start to the next one's.
+        timing = {{"previous_step_s": now - last}} if last is not None else {{}}
+        last = now
         g = torch.Generator().manual_seed(step * 7 + site.site_index)
         x, y = torch.randn(64, 256, generator=g), torch.randint(0, 10, (64,), generator=g)
-        started = time.perf_counter()
         loss = torch.nn.functional.cross_entropy(model(x), y)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        site.log(loss=loss.item(), tokens=len(x), step_s=time.perf_counter() - started)
+        site.log(loss=loss.item(), tokens=len(x), **timing)
 """
 PARAMETERS = 256 * HIDDEN + HIDDEN + HIDDEN * HIDDEN + HIDDEN + HIDDEN * 10 + 10
 JOB = """\
@@ -76,12 +81,15 @@ def _isthmus(folder: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def script_step_s(run_dir: Path) -> float:
-    """The median of the script's own step times, every site, round-ending steps out."""
+    """The median of the script's own step times (whole loop iterations), every site,
+    the iterations that ended a round left out (they hold the exchange). Step N's
+    record (1-based) carries iteration N-1's time."""
     times = []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
-        if record.get("kind") == "step" and record["step"] % SYNC_EVERY:
-            times.append(record["step_s"])
+        ended_a_round = (record.get("step", 1) - 1) % SYNC_EVERY == 0
+        if record.get("kind") == "step" and "previous_step_s" in record and not ended_a_round:
+            times.append(record["previous_step_s"])
     return statistics.median(times)
 
 

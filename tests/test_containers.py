@@ -137,7 +137,7 @@ def test_a_site_that_cannot_reach_the_broker_says_where_and_exits_non_zero(podma
     sites = _load("container_sites")
     with podman.Network() as net:
         # Two ranks: torchrun's ranks say it, and torchrun adds no traceback.
-        sites.prepare(tmp_path, net, {"a": 2, "b": 1}, "{strategy: diloco, steps: 20}")
+        sites.prepare(tmp_path, net, {"a": 2, "b": 1}, "{strategy: diloco, steps: 20}", wait_s=5)
         # No broker container: its name does not resolve.
         sites.start_site(net, tmp_path, "a", images.site)
         code = net.wait("a", timeout=180)

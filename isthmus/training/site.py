@@ -201,6 +201,7 @@ class Site:
             "model": str(model),
             "loop": "built-in" if self.builtin_loop else "script",
             "param_sha256": run.result["param_sha256"] if run.result else "",
+            "consolidated": "sharded tensors gathered, pipeline stages merged",
         }
         save_model_file(run.final_state, self.run_dir / "model.safetensors", metadata)
 
