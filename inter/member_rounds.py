@@ -42,7 +42,7 @@ from isthmus.inter import newcomers
 from isthmus.inter.allreduce import RoundError
 from isthmus.inter.hierarchical import PendingAverage, RoundAborted, StepReport
 from isthmus.inter.join import SiteRuntime
-from isthmus.inter.membership import Membership, MembershipError, View
+from isthmus.inter.membership import Membership, MembershipError, RunOver, View
 from isthmus.inter.peer import PeerError
 from isthmus.inter.state_transfer import (
     Fetched,
@@ -492,7 +492,7 @@ class MemberRounds:
         try:
             while not (await asyncio.wait({fetch}, timeout=DONE_CHECK_S))[0]:
                 if membership.others_done():
-                    raise MembershipError(
+                    raise RunOver(
                         f"site {self.site.name}: every other site finished training before "
                         f"this site could pull the state after {view.start_round} rounds "
                         f"from {view.donor} (view {view.epoch} let it back in too late); "

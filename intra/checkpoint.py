@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
@@ -83,22 +84,64 @@ def save_checkpoint(
     other state (tensors and plain values), returned by :func:`load_extra`."""
     path = checkpoint_path(folder, step, kind)
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(path))
-    if extra is not None:
-        target = path / f"rank-{_rank()}.pt"
-        tmp = target.with_name(f".{target.name}.tmp")
-        torch.save(extra, tmp)
-        os.replace(tmp, target)
-    _barrier(model)  # every rank's part is on disk: only now may the checkpoint count
+    problem = None
+    try:
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(path))
+        if extra is not None:
+            target = path / f"rank-{_rank()}.pt"
+            tmp = target.with_name(f".{target.name}.tmp")
+            torch.save(extra, tmp)
+            os.replace(tmp, target)
+    except (OSError, RuntimeError, CheckpointException) as exc:  # a full disk, a quota
+        problem = _why(exc)
+    # Every rank's part is on disk (all agree) before the checkpoint may count.
+    _agree_written(model, path, problem)
     if _rank() == 0:
         record = {kind: step, **(meta or {})}
         tmp = path / f".{META}.tmp"
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, path / META)
+        try:
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, path / META)
+        except OSError as exc:
+            problem = _why(exc)
+    _agree_written(model, path, problem)
+    if _rank() == 0:
         for old in complete_checkpoints(Path(folder), kind)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
-    _barrier(model)
     return path
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, a quota): nothing of it is left,
+    and the newest complete one before it stays valid."""
+
+
+def _why(exc: BaseException) -> str:
+    """An exception's one line (DCP wraps each rank's in its CheckpointException)."""
+    while isinstance(exc, CheckpointException) and exc.failures:
+        exc = exc.failures[min(exc.failures)][0]  # the lowest rank's
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return f"{type(exc).__name__}: {exc}".splitlines()[0]
+
+
+def _agree_written(model: nn.Module, path: Path, problem: str | None) -> None:
+    """Whether every rank wrote its part (a collective, in place of a barrier); raise
+    :class:`CheckpointWriteError` on every rank where one did not, after rank 0
+    removed what was written."""
+    failed = problem is not None
+    if dist.is_initialized():
+        flags = collectives.all_reduce_values(
+            [float(failed)], device=_device(model), where="checkpoint.save"
+        )
+        failed = bool(flags[0])
+    if not failed:
+        return
+    if _rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    _barrier(model)
+    why = problem or "another rank of the site could not write its part"
+    raise CheckpointWriteError(f"checkpoint {path.name} could not be written: {why}")
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:

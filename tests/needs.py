@@ -46,6 +46,13 @@ needs_mosquitto = pytest.mark.skipif(
 )
 
 
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0,
+    reason="needs root: mounts a small tmpfs to fill a disk; run the suite as root "
+    "(as CI does): sudo bash scripts/test.sh",
+)
+
+
 def _has_transformers() -> bool:
     try:
         import transformers  # noqa: F401

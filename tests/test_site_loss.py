@@ -331,3 +331,68 @@ def _rounds_missed_after_training(records: list[dict], site: str) -> set[int]:
                 missed.add(r["round"])
             trained = False
     return missed
+
+
+def _kill_at_the_end(tmp_path, steps: int):
+    """``isthmus run --restart-lost`` of 3 sites, H=5; c SIGKILLed as it records its
+    fourth round (step 20). Returns the run's summary and directory."""
+    job = tmp_path / "job.yaml"
+    job.write_text(job_text(sites=3, quorum=1, steps=steps))
+    out = tmp_path / "run"
+    run = subprocess.Popen(
+        [sys.executable, "-m", "isthmus", "run", str(job), "--out", str(out), "--no-report",
+         "--restart-lost"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        kill_after_rounds(out, "c", 4, timeout_s=300)
+        _, err = run.communicate(timeout=600)
+    finally:
+        run.kill()
+    assert run.returncode == 0, err + explain(out)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "finished", summary
+    finished = [s for s in summary["sites"].values() if s["status"] == "finished"]
+    assert len(finished) >= 2 and len({s["param_sha256"] for s in finished}) == 1
+    assert all(s["ended_s"] is not None for s in summary["sites"].values())
+    return summary, out
+
+
+@pytest.mark.slow
+def test_a_site_killed_after_its_last_round_is_not_restarted_and_the_run_finishes(tmp_path):
+    """Issue 60's end of a run: c is SIGKILLed as it records its last round (step 20
+    of 20), before or after it writes its result. --restart-lost must not start it
+    again into a run that has ended (a restarted c could only find the others done),
+    and the run is ``finished``: every surviving site holds the final model."""
+    summary, out = _kill_at_the_end(tmp_path, steps=20)  # rounds at 5, 10, 15, 20
+    c = summary["sites"]["c"]
+    assert c["restarts"] == 0, c
+    if c["status"] == "lost":
+        assert "not restarted: it had trained all 20 steps" in c["reason"]
+    else:  # killed after its result: it holds the final model too
+        assert c["status"] == "finished" and "after it had written its result" in c["reason"]
+    assert "rejoining" not in (out / "metrics.jsonl").read_text()
+
+
+@pytest.mark.slow
+def test_a_site_restarted_after_the_others_finished_ends_the_run_as_lost_not_failed(tmp_path):
+    """c dies at step 20 of 22: the others finish their two steps and the final
+    synchronisation without it. Started again, it finds them done and ends once, as
+    lost (before, it was restarted three times, each failing, and the run
+    ``failed``); where the others had ended before the launcher saw the loss, it is
+    not started at all; on a machine slow enough to let it back in, it finishes."""
+    summary, _ = _kill_at_the_end(tmp_path, steps=22)
+    c = summary["sites"]["c"]
+    if c["restarts"] == 0:  # the others had ended before the launcher saw c's loss
+        assert c["status"] == "lost" and "not restarted: every other site had ended" in (
+            c["reason"]
+        ), c
+    elif c["status"] == "lost":
+        assert c["restarts"] == 1, c
+        # It saw the others done and ended, or the launcher stopped it as they ended.
+        assert (
+            "not restarted: it came back after every other site had finished" in c["reason"]
+            or "still coming back when every other site had ended" in c["reason"]
+        ), c
+    else:
+        assert c["restarts"] == 1 and c["status"] == "finished", c

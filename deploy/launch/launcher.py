@@ -24,6 +24,7 @@ one-site run ends with its site. Either way every child process is stopped
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -52,7 +53,7 @@ from isthmus.job.addressing import load_state
 from isthmus.job.basics import to_json
 from isthmus.job.file import Job
 from isthmus.job.ports import free_ports
-from isthmus.training.environment import METRICS_PORTS
+from isthmus.training.environment import METRICS_PORTS, RUN_OVER_STATUS
 from isthmus.training.orphan import parent_environment
 from isthmus.training.records import RecordTail, write_json_atomic
 
@@ -347,6 +348,10 @@ class Launcher:
                 running = True
                 if time.monotonic() >= site.restart_at:
                     site.restart_at = None
+                    over = self._run_over_for(site, 0)
+                    if over:  # the others ended while it waited to be started again
+                        site.reason += f"; not restarted: {over}"
+                        continue
                     site.restarts += 1
                     site.restarts_in_a_row += 1
                     site.status, site.reason = "rejoining", ""
@@ -361,15 +366,26 @@ class Launcher:
                 # A rank killed by a signal is the cause where others failed beside it
                 # (they lost their peer): it names the site's end, else the first rank.
                 rank, code = min(bad, key=lambda rank_code: (rank_code[1] > 0, rank_code[0]))
-                site.status = "lost" if code < 0 else "failed"
+                site.status = "lost" if code < 0 or code == RUN_OVER_STATUS else "failed"
                 site.reason = exit_reason(rank, code, site.logs[rank])
+                site.ended = time.time()
+                if code < 0 and self._has_finished(site):
+                    # Killed once its result was written: it holds the final model.
+                    site.status = "finished"
+                    site.reason += " after it had written its result"
+                    terminate(site.procs)
+                    continue
                 if not self.survives_loss:
                     return "failed"
                 # The other sites train on without it (the membership protocol).
                 terminate(site.procs)
                 if self.restart_lost and site.restarts_in_a_row < MAX_RESTARTS:
-                    site.restart_at = time.monotonic() + RESTART_AFTER_S
-                    running = True
+                    over = self._run_over_for(site, code)
+                    if over:
+                        site.reason += f"; not restarted: {over}"
+                    else:
+                        site.restart_at = time.monotonic() + RESTART_AFTER_S
+                        running = True
                 continue
             if not self._check_joined(site, exited=all(c == 0 for c in codes)):
                 if not self.survives_loss:
@@ -379,6 +395,18 @@ class Launcher:
                 continue
             if all(c == 0 for c in codes):
                 site.status = "left" if site.status in ("left", "leaving") else "finished"
+                site.ended = time.time()
+            elif site.restarts_in_a_row and self.state.others_ended(site):
+                # Started again, it has not trained since, and every other site has
+                # ended: no one is left to let it in or give it the state. (A broker
+                # may keep a finished site's Last Will as its retained status, so the
+                # site itself may take them for lost ones that could come back.)
+                terminate(site.procs)
+                site.status, site.ended = "lost", time.time()
+                site.reason = (
+                    "started again, it was still coming back when every other site had "
+                    "ended; stopped (the run is over)"
+                )
             else:
                 running = True
         if running:
@@ -389,6 +417,20 @@ class Launcher:
         statuses = [s.status for s in self.state.sites.values()]
         finished = "finished" in statuses and "failed" not in statuses
         return "finished" if finished else "failed"
+
+    def _has_finished(self, site: SiteState) -> bool:
+        """Whether the site's result says it finished (written after its final
+        synchronisation, with its model's digest)."""
+        path = self.run_dir / "sites" / site.name / "result.json"
+        try:
+            return json.loads(path.read_text()).get("status") == "finished"
+        except (OSError, ValueError):
+            return False
+
+    def _run_over_for(self, site: SiteState, code: int) -> str:
+        """Why a lost site is not started again (empty: it is); its last records first."""
+        self._read_records()
+        return self.state.run_over_for(site, run_over=code == RUN_OVER_STATUS)
 
     def _check_joined(self, site: SiteState, *, exited: bool) -> bool:
         """Whether the site has joined or may still; else it has failed, with why."""

@@ -46,6 +46,10 @@ class SiteState:
     """Its rank 0 has called ``isthmus.join()`` since the site was last started."""
     launched_at: float = 0.0
     """``time.monotonic()`` at which its processes were last started."""
+    last_round_step: int = 0
+    """The step of its last ``round`` record (the final synchronisation's at the end)."""
+    ended: float | None = None
+    """``time.time()`` when it ended (finished, left, failed or lost), as the launcher saw."""
     ran: dict[str, Any] = field(default_factory=dict)
     """What it trains, as its ``start`` and ``described`` records say (the model, the
     inner optimizer and its settings, tokens per step: :mod:`isthmus.training.description`)."""
@@ -72,6 +76,29 @@ class RunState:
     @property
     def steps(self) -> int:
         return self.job.train.steps
+
+    def run_over_for(self, site: SiteState, *, run_over: bool = False) -> str:
+        """Why a lost site is not started again (empty: it is): the run is over for
+        it. It came back after the others had finished (``run_over``: its ranks said
+        so), or it had trained every step and recorded its last round (the others
+        end the run without it: a restarted site would find them done), or no other
+        site trains on."""
+        if run_over:
+            return "it came back after every other site had finished"
+        if site.last_round_step >= self.steps:
+            return (
+                f"it had trained all {self.steps} steps and recorded its last round; "
+                "the other sites end the run without it"
+            )
+        return "every other site had ended" if self.others_ended(site) else ""
+
+    def others_ended(self, site: SiteState) -> bool:
+        """Whether every site but ``site`` has ended, none to be started again."""
+        others = [s for s in self.sites.values() if s is not site]
+        return all(
+            s.status in ("finished", "left", "failed", "lost") and s.restart_at is None
+            for s in others
+        )
 
     def isthmus_link_bytes(self) -> dict[str, int]:
         """Payload bytes over each pair of sites, both ways, as the sites counted them
@@ -111,6 +138,7 @@ def apply_record(site: SiteState, record: dict[str, Any]) -> None:
         site.outer_steps = record["outer_steps"]
         site.wan_bytes_sent = record["wan_bytes_sent"]
         site.wan_bytes_sent_to = record["wan_bytes_sent_to"]
+        site.last_round_step = record.get("step", site.last_round_step)
     elif kind == "eval":
         site.eval_loss = record["eval_loss"]
         site.eval_s += record.get("seconds") or 0.0

@@ -56,6 +56,10 @@ def build_summary(state: RunState, *, ended: float | None = None) -> dict[str, A
             sent_to[name] = site.wan_bytes_sent_to
         if site.reason:
             entry["reason"] = site.reason
+        # When it ended, from the run's start (the launcher's view), and how often it
+        # was started again (--restart-lost).
+        entry["ended_s"] = site.ended - state.started if site.ended is not None else None
+        entry["restarts"] = site.restarts
         if site.ran:
             parameters = (result or {}).get("parameters")
             entry["ran"] = {**site.ran, **({"parameters": parameters} if parameters else {})}

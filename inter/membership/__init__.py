@@ -19,6 +19,7 @@ from isthmus.inter.membership.runtime import (
     LeftTheRun,
     Membership,
     MembershipError,
+    RunOver,
 )
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "Membership",
     "MembershipError",
     "Report",
+    "RunOver",
     "View",
     "consider",
     "decide",

@@ -37,6 +37,11 @@ class MembershipError(RuntimeError):
     """This site cannot go on as a member (no usable view came, or the others stopped)."""
 
 
+class RunOver(MembershipError):
+    """Every other site finished training while this one was coming back (restarted,
+    or let back in too late): the run is over for it, with the model it had."""
+
+
 class LeftTheRun(Exception):
     """This site asked to leave and the view that lets it go has come: stop training."""
 
@@ -370,7 +375,7 @@ class Membership:
                     next_probe = time.monotonic() + PROBE_EVERY_S
                     self._probe_members(latest)
                 if self._members_gone(latest):
-                    raise MembershipError(
+                    raise RunOver(
                         f"site {self.me}: every other site is done training (view "
                         f"{latest.epoch}) while this site was {why}"
                     )

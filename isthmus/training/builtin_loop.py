@@ -31,12 +31,20 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from isthmus.inter.agreement import agree_on_model
-from isthmus.inter.membership import LeftTheRun
+from isthmus.inter.membership import LeftTheRun, RunOver
 from isthmus.inter.strategies import AsyncDiLoCo, Blocked, Strategy
 from isthmus.intra import collectives
-from isthmus.intra.checkpoint import checkpoint_path, load_checkpoint, load_extra, save_checkpoint
+from isthmus.intra.checkpoint import (
+    CheckpointWriteError,
+    checkpoint_path,
+    latest_checkpoint,
+    load_checkpoint,
+    load_extra,
+    save_checkpoint,
+)
 from isthmus.intra.random_state import random_states, restore_random_states
 from isthmus.training.description import describe_training, parameter_count
+from isthmus.training.environment import RUN_OVER_STATUS
 from isthmus.training.host_values import LaterFloat
 from isthmus.training.round_records import write_blocked, write_round, write_views
 from isthmus.training.site_control import apply_settings
@@ -183,7 +191,11 @@ class TrainingRun:
         if self._resumed:
             records.write("resume", round=self._resume_round, step=self.start_step)
         if self._rejoin:
-            self.start_step = self._rejoin_run(strategy)
+            try:
+                self.start_step = self._rejoin_run(strategy)
+            except RunOver as exc:
+                strategy.close()
+                self._run_over(exc)
         self._views_seen = (0, len(strategy.member.caught_up))
         self.tokens = int(self._resumed.get("tokens", 0))
         self.compute_s = float(self._resumed.get("compute_s", 0.0))
@@ -438,9 +450,28 @@ class TrainingRun:
             "wall_s": time.time() - self._train_started,
         }
         rounds = strategy.outer_steps
-        path = save_checkpoint(
-            site.checkpoints, rounds, self.model, self.optimizer, extra=extra, kind="round"
-        )
+        try:
+            path = save_checkpoint(
+                site.checkpoints, rounds, self.model, self.optimizer, extra=extra, kind="round"
+            )
+        except CheckpointWriteError as exc:
+            # That checkpoint fails, loudly; the run and its model go on, and the newest
+            # complete checkpoint stays what --resume goes on from.
+            previous = latest_checkpoint(site.checkpoints, "round")
+            kept = (
+                f"{previous.relative_to(site.run_dir) if site.run_dir else previous} stays "
+                "the one to resume from" if previous is not None else "there is no earlier one"
+            )  # fmt: skip
+            log.error("site %s: %s; training goes on, %s", site.name, exc, kept)
+            site.records.write(
+                "checkpoint_failed",
+                round=rounds,
+                step=steps,
+                error=str(exc),
+                previous=str(previous.relative_to(site.run_dir)) if previous and site.run_dir
+                else None,
+            )  # fmt: skip
+            return
         where = path.relative_to(site.run_dir) if site.run_dir is not None else path
         site.records.write(
             "checkpoint",
@@ -457,6 +488,9 @@ class TrainingRun:
         if isinstance(exc, LeftTheRun):
             records.write("state", state="left", reason=str(exc))
             self.left = True
+        elif isinstance(exc, RunOver):
+            strategy.close()
+            self._run_over(exc)
         elif exc_type is not None:
             strategy.close()  # a failure: no final round, no result
             return False
@@ -472,6 +506,15 @@ class TrainingRun:
             self.final_state, self._parameter_names = whole
         self.site.run_ended(self, totals)
         return True
+
+    def _run_over(self, exc: RunOver) -> None:
+        """The others finished while this site came back: say so once and end the
+        process with :data:`RUN_OVER_STATUS` (the launcher then neither fails the run
+        nor starts the site again); ``finally`` blocks still run."""
+        log.warning("%s; the run is over for this site", exc)
+        # Not "lost": the launcher decides that from the exit status, with the reason.
+        self.site.records.write("state", state="run_over", reason=str(exc))
+        raise SystemExit(RUN_OVER_STATUS) from None
 
     def result_fields(self, totals: dict[str, Any]) -> dict[str, Any]:
         """The site's ``result.json`` (rank 0, after the final synchronisation)."""

@@ -25,6 +25,10 @@ REJOIN = "ISTHMUS_REJOIN"
 """``1``: the other sites are training; wait to be admitted and pull their state."""
 RESUME_ROUND = "ISTHMUS_RESUME_ROUND"
 """Go on from the site's checkpoint after this round (``isthmus run --resume``)."""
+RUN_OVER_STATUS = 3
+"""The exit status of a rank whose site came back (restarted, or let back in) after
+every other site had finished training: the run is over for it, not failed, and
+the launcher does not start it again."""
 METRICS_PORTS = "ISTHMUS_METRICS_PORTS"
 """The port of each rank's ``/metrics``, comma-separated (``isthmus run`` of a job
 with ``metrics:``; see :mod:`isthmus.training.prometheus`)."""
