@@ -83,6 +83,10 @@ class ControlPlane:
         self._lock = threading.Lock()
         self.peers: dict[str, dict[str, Any]] = {}
         """Every site's last status, by name (this one's too)."""
+        self.heard_at: dict[str, float] = {}
+        """When (``time.monotonic()``, this host's) each site's last status arrived: how
+        long a site has been quiet, measured without its clock (sites' clocks differ;
+        the ``t`` a status carries is the sender's)."""
         self.metrics: dict[str, dict[str, Any]] = {}
         """Every site's last metrics message, by name."""
         self.config: ConfigChange | None = None
@@ -420,6 +424,8 @@ class ControlPlane:
         if isinstance(checked, str):
             return self._ignore(topic, checked)
         (self.peers if kind[0] == "status" else self.metrics)[kind[1]] = checked
+        if kind[0] == "status":
+            self.heard_at[kind[1]] = time.monotonic()
         if kind[0] == "status" and self.membership is not None:
             problem = self.membership.on_status(kind[1], checked)
             if problem:

@@ -6,7 +6,8 @@
 #
 # As root with apt (CI, a fresh VM), it first installs what the tests need beyond
 # Python: Mosquitto and its clients (the control plane's real broker), Slurm and
-# munge (the rendered batch scripts run on real daemons), podman and a locally
+# munge (the rendered batch scripts run on real daemons), libfaketime (a site
+# whose clock is a minute off), podman and a locally
 # made base image (scripts/containers.sh: the images are built and the sites run
 # as containers). Elsewhere it runs what it can, and ends with one line per
 # group of skipped tests: how many, why, and the command that enables them.
@@ -41,6 +42,7 @@ if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     || packages+=(mosquitto mosquitto-clients)
   { command -v slurmctld || [ -x /usr/sbin/slurmctld ]; } >/dev/null 2>&1 \
     || packages+=(slurm-wlm munge)
+  command -v faketime >/dev/null || packages+=(faketime)  # a site's clock set off
   if [ ${#packages[@]} -gt 0 ]; then
     echo "test: installing ${packages[*]} (apt)"
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \

@@ -46,6 +46,21 @@ needs_mosquitto = pytest.mark.skipif(
 )
 
 
+LIBFAKETIME = next(
+    (
+        str(path)
+        for path in Path("/usr/lib").glob("*/faketime/libfaketimeMT.so.1")
+        if path.is_file()
+    ),
+    None,
+)
+"""libfaketime (multi-threaded): a process's own wall clock, set off by an offset."""
+
+needs_faketime = pytest.mark.skipif(
+    LIBFAKETIME is None,
+    reason=f"needs libfaketime: not installed; {INSTALLS} (apt-get install faketime)",
+)
+
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0,
     reason="needs root: mounts a small tmpfs to fill a disk; run the suite as root "

@@ -170,8 +170,10 @@ def _rows(plane: ControlPlane, job: Job) -> list[list[str]]:
         loss = metrics.get("loss")
         state = status.get("state", "unknown")
         # A live site refreshes its status every second; a hung host sends no Last
-        # Will until the broker's keepalive check, so say it has gone quiet.
-        quiet = time.time() - status.get("t", time.time())
+        # Will until the broker's keepalive check, so say it has gone quiet. Measured
+        # by this host's clock since the status arrived: the site's own clock may be
+        # off by a minute (another data centre, an NTP step).
+        quiet = time.monotonic() - plane.heard_at.get(site, time.monotonic())
         if state == "online" and quiet > SILENT_S:
             state = f"silent {quiet:.0f}s"
         phase = (status.get("membership") or {}).get("phase")
