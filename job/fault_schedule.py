@@ -67,6 +67,73 @@ class Fault:
         return ""
 
 
+SLOWDOWN_MAX = 100.0
+"""The largest slowdown factor: beyond it a site is as good as stopped (a fault
+the partition and kill faults model better)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Slowdown:
+    """A site that computes ``factor`` times slower for a while (a GPU that throttles,
+    a cluster shared with another job: fail-slow). Applied inside the site's
+    training loop: after each step it waits ``factor - 1`` times the step's compute,
+    so the time is real and counted as its compute, under every strategy.
+
+    When it starts: ``at_s`` seconds after the site started training, or once the
+    site has completed ``at_round`` rounds. How long: ``for_s`` seconds or
+    ``for_rounds`` rounds (neither: to the end)."""
+
+    slow: str
+    factor: float
+    at_s: float | None = None
+    at_round: int | None = None
+    for_s: float | None = None
+    for_rounds: int | None = None
+
+    def active(self, seconds: float, rounds: int, began: tuple[float, int] | None) -> bool:
+        """Whether it holds for a site ``seconds`` into its training with ``rounds``
+        completed; ``began``: (seconds, rounds) when it started holding, if it has."""
+        started = (
+            seconds >= self.at_s if self.at_s is not None else rounds >= (self.at_round or 0)
+        )
+        if not started:
+            return False
+        if began is None:
+            return True
+        if self.for_s is not None:
+            return seconds < began[0] + self.for_s
+        if self.for_rounds is not None:
+            return rounds < began[1] + self.for_rounds
+        return True
+
+
+def validate_slowdown(slowdown: Slowdown, site_names: list[str]) -> None:
+    """Raise :class:`LinkConfigError` naming the field of ``slowdown`` that is wrong."""
+    if slowdown.slow not in site_names:
+        raise LinkConfigError(
+            "slow", f"unknown site {slowdown.slow!r}; sites: {', '.join(site_names)}"
+        )
+    factor = slowdown.factor
+    if not (isinstance(factor, int | float) and not isinstance(factor, bool)):
+        raise LinkConfigError("factor", f"must be a number, got {factor!r}")
+    if not 1 <= factor <= SLOWDOWN_MAX:
+        why = " (a factor below 1 would make the site faster)" if 0 < factor < 1 else ""
+        raise LinkConfigError(
+            "factor",
+            f"must be from 1 to {SLOWDOWN_MAX:g} (times slower), got {factor:g}{why}",
+        )
+    if (slowdown.at_s is None) == (slowdown.at_round is None):
+        raise LinkConfigError(
+            "at_s", "give one of at_s (seconds after the site started training) or at_round"
+        )
+    if slowdown.at_s is not None and slowdown.at_s < 0:
+        raise LinkConfigError("at_s", f"must be >= 0 seconds, got {slowdown.at_s}")
+    if slowdown.for_s is not None and slowdown.for_rounds is not None:
+        raise LinkConfigError("for_rounds", "give one of for_s or for_rounds, not both")
+    if slowdown.for_s is not None and slowdown.for_s <= 0:
+        raise LinkConfigError("for_s", f"must be > 0 seconds, got {slowdown.for_s}")
+
+
 def validate_fault(fault: Fault, site_names: list[str]) -> None:
     """Raise :class:`LinkConfigError` naming the field of ``fault`` that is wrong."""
     a, b = fault.link

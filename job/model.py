@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from isthmus.job.broker import Broker
-from isthmus.job.fault_schedule import Fault
+from isthmus.job.fault_schedule import Fault, Slowdown
 from isthmus.job.layout import Layout
 from isthmus.job.link import LinkParams
 from isthmus.job.ports import free_ports
@@ -88,6 +88,8 @@ class WanSpec:
         default_factory=dict
     )
     faults: tuple[Fault, ...] = ()
+    slowdowns: tuple[Slowdown, ...] = ()
+    """Sites that compute slower for a while (``wan.faults`` entries with ``slow:``)."""
     between_regions: LinkParams | None = None
     """The default for a pair of sites in different regions (``default`` otherwise)."""
 

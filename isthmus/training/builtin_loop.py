@@ -48,6 +48,7 @@ from isthmus.training.environment import RUN_OVER_STATUS
 from isthmus.training.host_values import LaterFloat
 from isthmus.training.round_records import write_blocked, write_round, write_views
 from isthmus.training.site_control import apply_settings
+from isthmus.training.slowdown import SlowSteps
 from isthmus.training.strategy_choice import strategy_from_settings
 
 if TYPE_CHECKING:
@@ -144,6 +145,7 @@ class TrainingRun:
         self._logged_ever: set[str] = set()
         """Which of ``loss`` and ``tokens`` the script has logged at all."""
         self._warned: set[str] = set()
+        self._slow = SlowSteps.for_site(site.job, site.name, site.records.write)
 
     # -- entering ----------------------------------------------------------------------
     def __enter__(self) -> TrainingRun:
@@ -293,6 +295,12 @@ class TrainingRun:
         # showed 8-13 ms per step that was neither compute nor waiting on the
         # strategy, which the performance model could not see.
         loss, tokens = self._site_totals(logged)
+        if self._slow is not None:  # a fail-slow fault of the job's schedule: real time
+            self._slow.slow_down(
+                time.time() - self._train_started,
+                strategy.outer_steps,
+                time.perf_counter() - started - blocked,
+            )
         self.compute_s += time.perf_counter() - started - blocked
         self.eval_s += logged.get("eval_seconds", 0.0)
         self._loss = loss

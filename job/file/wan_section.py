@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from isthmus.job.basics import is_number
-from isthmus.job.fault_schedule import Fault, validate_fault
+from isthmus.job.fault_schedule import Fault, Slowdown, validate_fault, validate_slowdown
 from isthmus.job.file.words import join_path, kind, suggest, unknown
 from isthmus.job.link import (
     DIRECTION_FIELDS,
@@ -37,6 +37,7 @@ FAULT_KEYS = (
     "rate",
     "changes",
 )
+SLOWDOWN_KEYS = ("slow", "factor", "at_s", "at_round", "for_s", "for_rounds")
 
 
 def wan_section(check: Validator, raw: Any, names: list[str]) -> WanSpec | None:
@@ -68,13 +69,14 @@ def wan_section(check: Validator, raw: Any, names: list[str]) -> WanSpec | None:
             check.fail(f"{path}.between", f"link {pair[0]}<->{pair[1]} is listed twice; merge them")
             continue
         overrides[key] = (pair, params)
-    faults = fault_schedule(check, raw.get("faults") or [], names)
+    faults, slowdowns = fault_schedule(check, raw.get("faults") or [], names)
     if default is None:
         return None
     return WanSpec(
         default=default,
         overrides=overrides,
         faults=tuple(faults),
+        slowdowns=tuple(slowdowns),
         between_regions=between_regions,
     )
 
@@ -164,13 +166,22 @@ def link_params(
     return LinkParams(directions["a"], directions["b"])
 
 
-def fault_schedule(check: Validator, raw: Any, names: list[str]) -> list[Fault]:
+def fault_schedule(
+    check: Validator, raw: Any, names: list[str]
+) -> tuple[list[Fault], list[Slowdown]]:
+    """The link faults and the site slowdowns (entries with ``slow:``) of ``wan.faults``."""
     if not isinstance(raw, list):
         check.fail("wan.faults", f"must be a list of faults, got {kind(raw)}")
-        return []
+        return [], []
     out = []
+    slowdowns = []
     for i, entry in enumerate(raw):
         path = f"wan.faults[{i}]"
+        if isinstance(entry, dict) and "slow" in entry:
+            slowdown = _slowdown(check, entry, path, names)
+            if slowdown is not None:
+                slowdowns.append(slowdown)
+            continue
         entry = check.mapping(entry, path, FAULT_KEYS)
         if entry is None:
             continue
@@ -248,4 +259,36 @@ def fault_schedule(check: Validator, raw: Any, names: list[str]) -> list[Fault]:
             check.fail(field_path, exc.reason)
             continue
         out.append(fault)
-    return out
+    return out, slowdowns
+
+
+def _slowdown(check: Validator, raw: dict, path: str, names: list[str]) -> Slowdown | None:
+    """A ``{slow: SITE, factor: F, at_round|at_s: ..., for_rounds|for_s: ...}`` entry."""
+    entry = check.mapping(raw, path, SLOWDOWN_KEYS)
+    if entry is None:
+        return None
+    if "factor" not in entry:
+        check.fail(path, "missing 'factor'; e.g. {slow: b, factor: 4, at_round: 3, for_rounds: 5}")
+        return None
+    numbers = {}
+    for key in ("factor", "at_s", "for_s"):
+        value = entry.get(key)
+        if key in entry and not is_number(value, finite=True):
+            check.fail(f"{path}.{key}", f"must be a number, got {value!r}")
+            return None
+        numbers[key] = value
+    for key in ("at_round", "for_rounds"):
+        value = entry.get(key)
+        if key in entry and not (
+            isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        ):
+            check.fail(f"{path}.{key}", f"must be a whole number of rounds >= 1, got {value!r}")
+            return None
+        numbers[key] = value
+    slowdown = Slowdown(slow=str(entry["slow"]), **numbers)
+    try:
+        validate_slowdown(slowdown, names)
+    except LinkConfigError as exc:
+        check.fail(f"{path}.{exc.field}", exc.reason)
+        return None
+    return slowdown
