@@ -35,8 +35,11 @@ to finish the round under way). Medians over ``--repeats`` runs.
     python benchmarks/faults.py partition [--for-s 30] [--json FILE]
     python benchmarks/faults.py kill [--after-rounds 5] [--repeats 3] [--script PY] [--json FILE]
     python benchmarks/faults.py churn [--sites 4] [--minutes 10] [--kill-every-s 60]
+    python benchmarks/faults.py slow [--factor 4] [--steps 150] [--json FILE]
 
 ``churn``: goodput while a random site is killed every T seconds (see churn.py).
+``slow``: one of 4 sites at 1/F speed for a third of the run, per strategy (see
+slow_site.py).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 import churn as churn_benchmark
+import slow_site
 from site_kill import kill_after_rounds, loss_figures
 
 from isthmus.deploy.bench.allreduce import SitesFailed, run_sites
@@ -350,8 +354,14 @@ def main() -> int:
     churn_benchmark.add_arguments(
         commands.add_parser("churn", help="a random site killed every T s: goodput, agreement")
     )
+    slow_site.add_arguments(
+        commands.add_parser("slow", help="one of 4 sites slowed for a third of the run")
+    )
     args = parser.parse_args()
-    if args.fault == "churn":
+    if args.fault == "slow":
+        figures = slow_site.slow_site(args)
+        ok = slow_site.passed(figures)
+    elif args.fault == "churn":
         figures = churn_benchmark.churn(args)
         ok = churn_benchmark.passed(figures)
     elif args.fault == "corrupt":
