@@ -90,6 +90,17 @@ class Slowdown:
     for_s: float | None = None
     for_rounds: int | None = None
 
+    def describe(self) -> str:
+        """In words: ``d 4x slower from round 5 for 5 rounds``."""
+        start = f"{self.at_s:g} s" if self.at_s is not None else f"round {self.at_round}"
+        if self.for_s is not None:
+            length = f" for {self.for_s:g} s"
+        elif self.for_rounds is not None:
+            length = f" for {self.for_rounds} round{'s' if self.for_rounds != 1 else ''}"
+        else:
+            length = " to the end"
+        return f"{self.slow} {self.factor:g}x slower from {start}{length}"
+
     def active(self, seconds: float, rounds: int, began: tuple[float, int] | None) -> bool:
         """Whether it holds for a site ``seconds`` into its training with ``rounds``
         completed; ``began``: (seconds, rounds) when it started holding, if it has."""

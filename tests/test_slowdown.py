@@ -83,3 +83,14 @@ def test_a_slow_site_computes_four_times_slower_while_it_holds_and_the_other_wai
     during = sum(s for t, s in waits if began <= t < ended) / 2  # per round: 2 rounds slow
     later = sum(s for t, s in waits if t >= ended) / 4  # rounds 5-8
     assert during > 2 * later, (during, later)
+
+
+def test_check_lists_the_slow_site(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB.replace("STRATEGY", "diloco"))
+    done = subprocess.run(
+        [sys.executable, "-m", "isthmus", "check", str(job)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "slow site: b 4x slower from round 2 for 2 rounds" in done.stdout

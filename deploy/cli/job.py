@@ -143,6 +143,7 @@ def describe_job(job: Job) -> str:
             lines.append(
                 f"  fault at {f.describe_start()}: {f.action} {f.link[0]}<->{f.link[1]}{lasting}"
             )
+        lines += [f"  slow site: {s.describe()}" for s in job.wan.slowdowns]
     lines += describe_train(job.train)
     return "\n".join(lines)
 
