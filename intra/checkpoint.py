@@ -93,7 +93,12 @@ def save_checkpoint(
             torch.save(extra, tmp)
             os.replace(tmp, target)
     except (OSError, RuntimeError, CheckpointException) as exc:  # a full disk, a quota
-        problem = _why(exc)
+        cause = _cause(exc)
+        if not isinstance(cause, Exception):
+            # SIGTERM's or Ctrl-C's exit, raised while DCP wrote (it wraps whatever
+            # its writers raise): the process is stopping, not the checkpoint failing.
+            raise cause from None
+        problem = f"{type(cause).__name__}: {cause}".splitlines()[0]
     # Every rank's part is on disk (all agree) before the checkpoint may count.
     _agree_written(model, path, problem)
     if _rank() == 0:
@@ -103,7 +108,7 @@ def save_checkpoint(
             tmp.write_text(json.dumps(record))
             os.replace(tmp, path / META)
         except OSError as exc:
-            problem = _why(exc)
+            problem = f"{type(exc).__name__}: {exc}".splitlines()[0]
     _agree_written(model, path, problem)
     if _rank() == 0:
         for old in complete_checkpoints(Path(folder), kind)[:-keep]:
@@ -116,13 +121,14 @@ class CheckpointWriteError(OSError):
     and the newest complete one before it stays valid."""
 
 
-def _why(exc: BaseException) -> str:
-    """An exception's one line (DCP wraps each rank's in its CheckpointException)."""
+def _cause(exc: BaseException) -> BaseException:
+    """What went wrong at the root (DCP wraps each rank's error in its
+    CheckpointException; the lowest rank's is taken)."""
     while isinstance(exc, CheckpointException) and exc.failures:
-        exc = exc.failures[min(exc.failures)][0]  # the lowest rank's
+        exc = exc.failures[min(exc.failures)][0]
     while exc.__cause__ is not None:
         exc = exc.__cause__
-    return f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return exc
 
 
 def _agree_written(model: nn.Module, path: Path, problem: str | None) -> None:

@@ -348,7 +348,7 @@ class Launcher:
                 running = True
                 if time.monotonic() >= site.restart_at:
                     site.restart_at = None
-                    over = self._run_over_for(site, 0)
+                    over = self._run_over_for(site, False)
                     if over:  # the others ended while it waited to be started again
                         site.reason += f"; not restarted: {over}"
                         continue
@@ -366,7 +366,11 @@ class Launcher:
                 # A rank killed by a signal is the cause where others failed beside it
                 # (they lost their peer): it names the site's end, else the first rank.
                 rank, code = min(bad, key=lambda rank_code: (rank_code[1] > 0, rank_code[0]))
-                site.status = "lost" if code < 0 or code == RUN_OVER_STATUS else "failed"
+                # The run was over for it: its exit status says so, and its last record
+                # (a script may exit with the same status for reasons of its own).
+                self._read_records()
+                run_over = code == RUN_OVER_STATUS and site.status == "run_over"
+                site.status = "lost" if code < 0 or run_over else "failed"
                 site.reason = exit_reason(rank, code, site.logs[rank])
                 site.ended = time.time()
                 if code < 0 and self._has_finished(site):
@@ -380,7 +384,7 @@ class Launcher:
                 # The other sites train on without it (the membership protocol).
                 terminate(site.procs)
                 if self.restart_lost and site.restarts_in_a_row < MAX_RESTARTS:
-                    over = self._run_over_for(site, code)
+                    over = self._run_over_for(site, run_over)
                     if over:
                         site.reason += f"; not restarted: {over}"
                     else:
@@ -427,10 +431,10 @@ class Launcher:
         except (OSError, ValueError):
             return False
 
-    def _run_over_for(self, site: SiteState, code: int) -> str:
+    def _run_over_for(self, site: SiteState, run_over: bool) -> str:
         """Why a lost site is not started again (empty: it is); its last records first."""
         self._read_records()
-        return self.state.run_over_for(site, run_over=code == RUN_OVER_STATUS)
+        return self.state.run_over_for(site, run_over=run_over)
 
     def _check_joined(self, site: SiteState, *, exited: bool) -> bool:
         """Whether the site has joined or may still; else it has failed, with why."""
