@@ -3,27 +3,33 @@
 Every record is one JSON object on one line with ``t`` (wall-clock seconds,
 ``time.time()``), ``site`` and ``kind``:
 
-==========  ===========================================================================
-kind        fields
-==========  ===========================================================================
-joined      written by rank 0 when the script calls ``isthmus.join()``: the launcher
-            fails a site that has not joined within ``--join-timeout``
-start       ``ranks``, ``strategy``, ``steps``
-step        ``step`` (1-based), ``loss`` (mean over the site's ranks), ``tokens``
-            (cumulative, every data-parallel rank), ``compute_s`` (cumulative seconds
-            not blocked on the strategy), ``lr``
-state       ``state``: ``computing``, ``waiting`` (for other sites to reach the round),
-            ``syncing`` (moving and averaging values) or ``finished``
-blocked     ``what`` (``waiting`` or ``syncing``), ``started`` (wall clock), ``seconds``
-round       ``step``, ``outer_steps``, ``wan_bytes_sent``, ``wan_bytes_received``,
-            ``wan_bytes_sent_to`` (site -> bytes); cumulative, all the site's ranks;
-            ``all_reduce_rounds`` (algorithm -> rounds, cumulative, this rank's)
-eval        ``step``, ``tokens``, ``eval_loss`` (held-out split), ``seconds`` it took;
-            ``final`` on the last
-config      ``round``, ``step``, ``settings``: live settings applied from here on
-checkpoint  ``round``, ``step``, ``path`` (relative to the run directory), ``seconds``
-resume      ``round``, ``step``: where ``isthmus run --resume`` went on from
-==========  ===========================================================================
+=================  ===========================================================================
+kind               fields
+=================  ===========================================================================
+joined             written by rank 0 when the script calls ``isthmus.join()``: the launcher
+                   fails a site that has not joined within ``--join-timeout``
+start              ``ranks``, ``strategy``, ``steps``, ``ran`` (what the site trains:
+                   :mod:`isthmus.training.description`)
+described          ``fields``: what ``site.describe(...)`` added later, and how tokens and
+                   the loss were counted
+step               ``step`` (1-based), ``loss`` (mean over the site's ranks), ``tokens``
+                   (cumulative, every data-parallel rank), ``compute_s`` (cumulative seconds
+                   not blocked on the strategy), ``lr``
+state              ``state``: ``computing``, ``waiting`` (for other sites to reach the round),
+                   ``syncing`` (moving and averaging values), ``finished`` or ``run_over``
+                   (back after every other site finished)
+blocked            ``what`` (``waiting`` or ``syncing``), ``started`` (wall clock), ``seconds``
+round              ``step``, ``outer_steps``, ``wan_bytes_sent``, ``wan_bytes_received``,
+                   ``wan_bytes_sent_to`` (site -> bytes); cumulative, all the site's ranks;
+                   ``all_reduce_rounds`` (algorithm -> rounds, cumulative, this rank's)
+eval               ``step``, ``tokens``, ``eval_loss`` (held-out split), ``seconds`` it took;
+                   ``final`` on the last
+config             ``round``, ``step``, ``settings``: live settings applied from here on
+checkpoint         ``round``, ``step``, ``path`` (relative to the run directory), ``seconds``
+checkpoint_failed  ``round``, ``step``, ``error``, ``previous`` (the one to resume from)
+slowdown           ``state`` (``started``, ``ended``), ``factor``, ``round``: a slow-site fault
+resume             ``round``, ``step``: where ``isthmus run --resume`` went on from
+=================  ===========================================================================
 
 A site appends to its own file; the launcher is the only writer of the run's
 merged ``metrics.jsonl``. A line cut short by a killed process is skipped.
