@@ -11,8 +11,10 @@ record for what the script adds later (``site.describe(...)``); the launcher's
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -82,11 +84,13 @@ def parameter_count(state: dict[str, torch.Tensor], parameters: list[str]) -> in
     return sum(state[name].numel() for name in parameters)
 
 
-def save_model_file(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+def save_model_file(
+    state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str], *, mode_of: Path
+) -> None:
     """The whole model as safetensors, written beside and renamed into place, with the
-    run directory's file mode (the umask's, as every other file of the run). Tensors
-    that share storage (tied weights) are written as copies: safetensors refuses
-    shared ones."""
+    file mode of ``mode_of`` (another file of the run: safetensors writes 0600).
+    Tensors that share storage (tied weights) are written as copies: safetensors
+    refuses shared ones."""
     from safetensors.torch import save_file
 
     seen: set[int] = set()
@@ -100,7 +104,7 @@ def save_model_file(state: dict[str, torch.Tensor], path: Path, metadata: dict[s
         tensors[name] = tensor
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     save_file(tensors, str(tmp), metadata=metadata)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
+    # Not os.umask(0) and back: other threads of the rank create files meanwhile.
+    with contextlib.suppress(OSError):
+        os.chmod(tmp, stat.S_IMODE(mode_of.stat().st_mode))
     tmp.replace(path)

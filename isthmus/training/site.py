@@ -203,7 +203,12 @@ class Site:
             "param_sha256": run.result["param_sha256"] if run.result else "",
             "consolidated": "sharded tensors gathered, pipeline stages merged",
         }
-        save_model_file(run.final_state, self.run_dir / "model.safetensors", metadata)
+        save_model_file(
+            run.final_state,
+            self.run_dir / "model.safetensors",
+            metadata,
+            mode_of=self.run_dir / "job.yaml",
+        )
 
     def _final_eval(self, eval_loss: float) -> None:
         run = self.run
